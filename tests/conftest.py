@@ -1,0 +1,35 @@
+"""Shared test configuration: hardware markers skip with a reason where the hardware is absent."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _cuda_available():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _ipu_available():
+    try:
+        import poptorch  # noqa: F401  (the real one, from the Poplar SDK)
+    except ImportError:
+        return False
+    return bool(poptorch.ipuHardwareIsAvailable())
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = None if _cuda_available() else pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_ipu = None if _ipu_available() else pytest.mark.skip(reason="needs IPU hardware and the Poplar SDK")
+    for item in items:
+        if skip_cuda is not None and "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
+        if skip_ipu is not None and "ipu" in item.keywords:
+            item.add_marker(skip_ipu)
