@@ -1,0 +1,461 @@
+"""Configuration: YAML files mapped onto documented dataclasses.
+
+Precedence: ``--set section.key=value`` on the command line > the YAML file > the
+defaults written below. Unknown sections/keys and values of the wrong type are rejected
+with one line (:class:`ConfigError`); a setting that does not apply to the chosen backend
+(e.g. the ``ipu`` section when training on ``cpu``) is reported with a warning.
+
+A config NAME resolves to ``configs/NAME`` or ``configs/NAME.yaml`` (relative to the
+repository), or to a path to a YAML file.
+
+    python -m bert_packed.config phase2            # print the resolved config
+    python -m bert_packed.config phase2 --backend mock --set train.steps=10
+
+Counting conventions used throughout: a *pack* is one fixed-shape row of
+``max_sequence_length`` tokens holding up to ``max_sequences_per_pack`` sequences (an
+unpacked/padded row is a pack with one sequence). ``micro_batch_size`` counts packs per
+replica per forward pass; a *replica* is one data-parallel copy of the model (a torchrun
+process on cpu/cuda, ``replication_factor`` x processes on the IPU).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message is one line naming the fix."""
+
+
+def _choices(*values: str) -> Dict[str, Any]:
+    return {"choices": values}
+
+
+# ---------------------------------------------------------------------------------------
+# Sections. Every field has a default so a YAML file only states what differs.
+
+
+@dataclass
+class ModelConfig:
+    """The BERT architecture (Hugging Face ``BertConfig`` field names)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 1024
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    intermediate_size: int = 4096
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    layer_norm_eps: float = 1e-12
+    initializer_range: float = 0.02
+    # Name in bert_packed.attention's registry; "dense" runs everywhere (IPU included).
+    attention_implementation: str = "dense"
+    # "token": mean over the masked tokens of the step (canonical BERT);
+    # "sequence": mean per sequence, then over sequences (the paper's Listing 1).
+    mlm_loss_normalization: str = field(default="token", metadata=_choices("token", "sequence"))
+
+
+@dataclass
+class DataConfig:
+    """Where packs come from and how they are shaped.
+
+    ``path: null`` means generated data: sequence lengths drawn from ``histogram``,
+    packed with ``packing_algorithm`` at depth ``max_sequences_per_pack``, random tokens
+    from a fixed seeded Markov chain (so the MLM loss has something to learn), 15 % MLM,
+    random NSP labels. With ``path`` set, the HDF5 reader (bert_packed.data.hdf5) is used.
+    """
+
+    path: Optional[str] = None
+    max_sequence_length: int = 512
+    # Packing depth K; 1 = classic padded BERT (one sequence per row).
+    max_sequences_per_pack: int = 3
+    packing_algorithm: str = "lpfhp"
+    # Masked-token budget of ONE full-length sequence (76 at S=512, 20 at S=128);
+    # a pack gets max_masked_tokens + max_sequences_per_pack - 1 slots because rounding
+    # 15 % per sequence can add up to one token per extra sequence.
+    max_masked_tokens: int = 76
+    mask_probability: float = 0.15
+    # Generated data only ------------------------------------------------------------
+    histogram: str = "wikipedia-512"
+    # How histogram lengths map onto max_sequence_length when they differ:
+    # "scale" keeps the shape (about 50 % padding at any S, the Wikipedia-512 case),
+    # "truncate" clips long sequences to S (what create_pretraining_data does at S=128).
+    length_mapping: str = field(default="scale", metadata=_choices("scale", "truncate"))
+    # Sequences per epoch of generated training data (packed once, then cycled).
+    num_sequences: int = 20000
+    num_eval_sequences: int = 2000
+
+    @property
+    def max_masked_tokens_per_pack(self) -> int:
+        return self.max_masked_tokens + self.max_sequences_per_pack - 1
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule (bert_packed.optim)."""
+
+    name: str = field(default="lamb", metadata=_choices("lamb", "adamw"))
+    learning_rate: float = 0.002828
+    # Fraction of train.steps spent warming up linearly from 0.
+    warmup_fraction: float = 0.128
+    schedule: str = field(default="linear", metadata=_choices("linear", "constant"))
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6
+    # Global gradient-norm clip; null = none (LAMB's trust ratio already bounds steps).
+    max_grad_norm: Optional[float] = None
+
+
+@dataclass
+class TrainConfig:
+    """The loop: batch layout, length, logging, evaluation and checkpoints."""
+
+    steps: int = 2137
+    # Packs per replica per forward pass.
+    micro_batch_size: int = 2
+    # Micro-batches per replica per optimizer step (used when global_batch_size is null).
+    gradient_accumulation: int = 1024
+    # Packs per optimizer step over all replicas; when set, gradient_accumulation is
+    # derived from it (so torchrun with N processes keeps the same step) and must divide.
+    global_batch_size: Optional[int] = None
+    # Adapt the unpacked recipe to packing factor p (sequences per pack), see the paper:
+    # "none" (the config is already adjusted), "gradient_accumulation" (divide it by p:
+    # same sequences per update), "lamb_betas" (keep the batch, beta := beta ** p).
+    packing_adjustment: str = field(
+        default="none", metadata=_choices("none", "gradient_accumulation", "lamb_betas")
+    )
+    # p for the adjustment; null = measured on the training data (sequences / packs).
+    packing_factor: Optional[float] = None
+    seed: int = 0
+    log_every: int = 1
+    # Evaluate on held-out generated/HDF5 data every N steps (0 = never; always at the end
+    # when eval_every > 0).
+    eval_every: int = 0
+    eval_batches: int = 4
+    # Atomic checkpoint every N steps (0 = only with --resume-able end state off).
+    checkpoint_every: int = 0
+    # null = runs/<config name>
+    output_dir: Optional[str] = None
+    tensorboard: bool = True
+
+
+@dataclass
+class IPUConfig:
+    """Graphcore IPU settings (backends ``ipu`` and ``mock``); see research notes on
+    Graphcore's PopTorch BERT. Pipeline: one stage per IPU of a replica."""
+
+    # Encoder layers on each IPU of one replica; its length is the IPUs per replica and
+    # it must sum to model.num_hidden_layers. Embeddings and heads sit on IPU 0.
+    layers_per_ipu: List[int] = field(default_factory=lambda: [3, 7, 7, 7])
+    replication_factor: int = 4
+    # Optimizer steps per host call (PopTorch deviceIterations).
+    device_iterations: int = 1
+    # What the host gets back per call (PopTorch OutputMode).
+    output_mode: str = field(default="sum", metadata=_choices("all", "sum", "final", "default"))
+    # Fraction of tile memory for matmul/conv temporaries, one per IPU (or one for all).
+    available_memory_proportion: List[float] = field(default_factory=lambda: [0.1, 0.15, 0.15, 0.15])
+    enable_half_partials: bool = True
+    half_precision: bool = True
+    stochastic_rounding: bool = True
+    loss_scaling: float = 8192.0
+    # null = no executable cache (recompile every run).
+    executable_cache_dir: Optional[str] = None
+    synthetic_data: bool = False
+    log_cycle_count: bool = False
+    optimizer_state_offchip: bool = True
+    replicated_tensor_sharding: bool = True
+    recompute_checkpoint_every_layer: bool = True
+    auto_round_num_ipus: bool = True
+    # Split the tied MLM decoder matmul into this many pieces to fit IPU 0's memory.
+    embedding_serialization_factor: int = 2
+
+    @property
+    def ipus_per_replica(self) -> int:
+        return len(self.layers_per_ipu)
+
+
+@dataclass
+class CUDAConfig:
+    """NVIDIA GPU settings (backend ``cuda``)."""
+
+    precision: str = field(default="bf16", metadata=_choices("bf16", "fp16", "fp32"))
+    # torch.compile the model once (fixed shapes: no recompiles after warm-up).
+    compile: bool = False
+
+
+@dataclass
+class Config:
+    """The whole run. ``name`` is the config file's name (for the default output dir)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ipu: IPUConfig = field(default_factory=IPUConfig)
+    cuda: CUDAConfig = field(default_factory=CUDAConfig)
+    name: str = "default"
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
+        return out
+
+
+SECTIONS = ("model", "data", "optimizer", "train", "ipu", "cuda")
+# Sections that only some backends read; any setting there that differs from the default
+# while another backend is chosen gets a warning.
+BACKEND_SECTIONS = {"ipu": ("ipu", "mock"), "cuda": ("cuda",)}
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+
+def resolve_config_path(name: str) -> str:
+    """NAME -> configs/NAME, configs/NAME.yaml, or NAME itself as a path."""
+    candidates = [
+        os.path.join(CONFIG_DIR, name),
+        os.path.join(CONFIG_DIR, name + ".yaml"),
+        name,
+    ]
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    available = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml")) if os.path.isdir(CONFIG_DIR) else []
+    raise ConfigError(
+        f"unknown config {name!r}: no file configs/{name}, configs/{name}.yaml or {name}; "
+        f"available: {', '.join(available)}"
+    )
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_type_name(args[0])} or null"
+    if origin in (list, List):
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against annotation ``tp``; int is accepted where float is expected."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return _coerce(value, inner, where)
+    if origin in (list, List):
+        (inner,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}; write it as [a, b, ...]")
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    ok = False
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif tp is str:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _section_types(section_cls) -> Dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: (hints[f.name], f.metadata.get("choices")) for f in dataclasses.fields(section_cls)}
+
+
+def _set_value(config: Config, section: str, key: str, value: Any, source: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"{source}: unknown section {section!r}; sections are: {', '.join(SECTIONS)}")
+    obj = getattr(config, section)
+    types = _section_types(type(obj))
+    if key not in types:
+        raise ConfigError(
+            f"{source}: unknown key {section}.{key}; keys of {section}: {', '.join(sorted(types))}"
+        )
+    tp, choices = types[key]
+    value = _coerce(value, tp, f"{source}: {section}.{key}")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{source}: {section}.{key} must be one of {', '.join(choices)}, got {value!r}")
+    setattr(obj, key, value)
+
+
+def _parse_override(text: str) -> tuple:
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set train.steps=100")
+    dotted, raw = text.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return section.strip(), key.strip(), value
+
+
+def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
+    """Defaults, then the YAML file ``name`` (if given), then ``overrides`` ("s.k=v")."""
+    config = Config()
+    explicit: Dict[str, set] = {s: set() for s in SECTIONS}
+    if name is not None:
+        path = resolve_config_path(name)
+        base = os.path.basename(path)
+        config.name = base[:-5] if base.endswith(".yaml") else base
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            first = str(exc).splitlines()[0]
+            raise ConfigError(f"{path}: not valid YAML ({first})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections (model:, data:, train:, ...)")
+        for section, values in data.items():
+            if section not in SECTIONS:
+                raise ConfigError(f"{base}: unknown section {section!r}; sections are: {', '.join(SECTIONS)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"{base}: section {section!r} must be a mapping of key: value")
+            for key, value in values.items():
+                _set_value(config, section, key, value, base)
+                explicit[section].add(key)
+    for text in overrides or []:
+        section, key, value = _parse_override(text)
+        _set_value(config, section, key, value, "--set")
+        explicit.setdefault(section, set()).add(key)
+    config._explicit = explicit  # type: ignore[attr-defined]  (for backend warnings)
+    return config
+
+
+# ---------------------------------------------------------------------------------------
+# Validation and derived values
+
+
+def num_replicas(config: Config, backend: str, world_size: int = 1) -> int:
+    """Data-parallel model copies taking part in one optimizer step."""
+    if backend in ("ipu", "mock"):
+        return world_size * config.ipu.replication_factor
+    return world_size
+
+
+def gradient_accumulation(config: Config, backend: str, world_size: int = 1) -> int:
+    """Micro-batches per replica per step before any packing adjustment."""
+    t = config.train
+    if t.global_batch_size is None:
+        return t.gradient_accumulation
+    per_pass = t.micro_batch_size * num_replicas(config, backend, world_size)
+    return t.global_batch_size // per_pass
+
+
+def validate(config: Config, backend: str, world_size: int = 1) -> List[str]:
+    """Raise ConfigError on an inconsistent config; return warnings (one line each)."""
+    m, d, t, o = config.model, config.data, config.train, config.optimizer
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"
+        )
+    if d.max_sequence_length > m.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_sequence_length={d.max_sequence_length} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}; raise the latter or shorten the sequences"
+        )
+    positives = {
+        "model.num_hidden_layers": m.num_hidden_layers, "data.max_sequences_per_pack": d.max_sequences_per_pack,
+        "data.max_sequence_length": d.max_sequence_length, "data.max_masked_tokens": d.max_masked_tokens,
+        "train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation": t.gradient_accumulation,
+        "train.steps": t.steps, "data.num_sequences": d.num_sequences,
+    }
+    for key, value in positives.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if not 0.0 < d.mask_probability < 1.0:
+        raise ConfigError(f"data.mask_probability must be in (0, 1), got {d.mask_probability}")
+    if not 0.0 <= o.warmup_fraction <= 1.0:
+        raise ConfigError(f"optimizer.warmup_fraction must be in [0, 1], got {o.warmup_fraction}")
+    if t.packing_factor is not None and t.packing_factor < 1.0:
+        raise ConfigError(f"train.packing_factor must be >= 1 (sequences per pack), got {t.packing_factor}")
+    if t.global_batch_size is not None:
+        per_pass = t.micro_batch_size * num_replicas(config, backend, world_size)
+        if t.global_batch_size % per_pass:
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x replicas "
+                f"= {t.micro_batch_size} x {num_replicas(config, backend, world_size)} = {per_pass}; "
+                f"pick a multiple of {per_pass}"
+            )
+    if backend in ("ipu", "mock"):
+        ipu = config.ipu
+        if sum(ipu.layers_per_ipu) != m.num_hidden_layers or any(n < 0 for n in ipu.layers_per_ipu):
+            raise ConfigError(
+                f"ipu.layers_per_ipu={ipu.layers_per_ipu} sums to {sum(ipu.layers_per_ipu)} but "
+                f"model.num_hidden_layers={m.num_hidden_layers}; make them agree"
+            )
+        if len(ipu.available_memory_proportion) not in (1, len(ipu.layers_per_ipu)):
+            raise ConfigError(
+                f"ipu.available_memory_proportion has {len(ipu.available_memory_proportion)} entries; "
+                f"give 1 or one per IPU ({len(ipu.layers_per_ipu)})"
+            )
+        if ipu.replication_factor < 1 or ipu.device_iterations < 1:
+            raise ConfigError("ipu.replication_factor and ipu.device_iterations must be >= 1")
+    warns = []
+    explicit = getattr(config, "_explicit", {})
+    for section, backends in BACKEND_SECTIONS.items():
+        if backend in backends:
+            continue
+        default = type(getattr(config, section))()
+        changed = [
+            k for k in sorted(explicit.get(section, ()))
+            if getattr(getattr(config, section), k) != getattr(default, k)
+        ]
+        if changed:
+            warns.append(
+                f"{section}.{{{', '.join(changed)}}} do not apply to backend {backend!r} "
+                f"(only to {'/'.join(backends)}); ignored"
+            )
+    return warns
+
+
+def dump(config: Config) -> str:
+    """The resolved config as YAML (what `python -m bert_packed.config NAME` prints)."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bert_packed.config", description="Print a resolved config.")
+    parser.add_argument("name", nargs="?", default="demo", help="configs/NAME[.yaml] or a path (default: demo)")
+    parser.add_argument("--backend", default="cpu", help="validate for this backend (default: cpu)")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel processes to validate for")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.name, args.overrides)
+        for line in validate(config, args.backend, args.world_size):
+            print(f"warning: {line}", file=sys.stderr)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"# resolved config {config.name!r} for backend {args.backend!r}")
+    print(dump(config), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
