@@ -1,0 +1,125 @@
+"""Command line of the data pipeline: `python -m bert_packed.data {kjv,vocab,create,pack,stats}`.
+
+User mistakes print one line `error: ...` to stderr and exit 2 (no traceback).
+"""
+import argparse
+import json
+import sys
+
+from .errors import DataError
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="python -m bert_packed.data",
+                                     description="Real pre-training data: text -> HDF5 -> packed HDF5.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("vocab", help="train a WordPiece vocabulary (vocab.txt) on a corpus")
+    p.add_argument("--input", nargs="+", required=True, help="corpus text file(s)")
+    p.add_argument("--size", type=int, required=True, help="vocabulary size (upper bound)")
+    p.add_argument("--output", required=True, help="vocab.txt to write")
+    p.add_argument("--cased", action="store_true", help="keep case and accents")
+    p.add_argument("--min-frequency", type=int, default=2)
+
+    p = commands.add_parser("create", help="raw text -> unpacked HDF5 (Google BERT's algorithm)")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="corpus file(s): one sentence per line, blank line between documents")
+    p.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
+    p.add_argument("--output", required=True, help="HDF5 file to write (NVIDIA/MLPerf layout)")
+    p.add_argument("--max-seq-length", "--max-sequence-length", dest="max_seq_length", type=int,
+                   default=128)
+    p.add_argument("--max-predictions", type=int, default=20, help="masked tokens per sequence, at most")
+    p.add_argument("--dupe-factor", type=int, default=10, help="passes over the corpus (different masks)")
+    p.add_argument("--seed", type=int, default=12345)
+    p.add_argument("--short-seq-prob", type=float, default=0.1)
+    p.add_argument("--masked-lm-prob", type=float, default=0.15)
+    p.add_argument("--whole-word-mask", action="store_true")
+    p.add_argument("--cased", action="store_true", help="keep case and accents")
+
+    p = commands.add_parser("pack", help="unpacked HDF5 -> packed HDF5")
+    p.add_argument("--input", required=True, help="unpacked HDF5 (NVIDIA/MLPerf layout)")
+    p.add_argument("--output", required=True, help="packed HDF5 to write")
+    p.add_argument("--algorithm", default="lpfhp", help="packing algorithm (python -m packing report)")
+    p.add_argument("--max-sequences-per-pack", type=int, default=3)
+    p.add_argument("--max-sequence-length", type=int, default=None,
+                   help="pack length (default: the input's sequence length)")
+    p.add_argument("--max-masked-tokens-per-pack", type=int, default=None,
+                   help="masked-token slots per pack (default: the most any pack needs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-packs", type=int, default=16384, help="packs written per chunk (memory bound)")
+    p.add_argument("--compression", default="gzip", choices=["gzip", "lzf", "none"])
+    p.add_argument("--no-progress", action="store_true")
+
+    p = commands.add_parser("stats", help="length histogram and padding of an HDF5 file")
+    p.add_argument("file")
+    p.add_argument("--plot", default=None, help="PNG to write (default: FILE with .png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+
+    p = commands.add_parser("kjv", help="write the King James Bible (Debian bible-kjv) as a corpus")
+    p.add_argument("--output", required=True)
+    p.add_argument("--first", default="Gen1:1")
+    p.add_argument("--last", default="Rev22:21")
+    return parser
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "vocab":
+            from .vocab import train_vocab
+            num_tokens = train_vocab(args.input, args.size, args.output, lowercase=not args.cased,
+                                     min_frequency=args.min_frequency)
+            print(f"wrote {args.output}: {num_tokens} tokens")
+        elif args.command == "create":
+            from .create import create_pretraining_file
+            summary = create_pretraining_file(
+                args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
+                max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
+                seed=args.seed, short_seq_prob=args.short_seq_prob,
+                masked_lm_prob=args.masked_lm_prob, lowercase=not args.cased,
+                whole_word_mask=args.whole_word_mask, show_progress=sys.stderr.isatty())
+            print(f"wrote {args.output}: {summary['num_sequences']} sequences from "
+                  f"{summary['num_documents']} documents, {summary['num_tokens']} tokens, "
+                  f"{summary['num_masked_tokens']} masked, random next "
+                  f"{100 * summary['random_next_fraction']:.1f} %, padding "
+                  f"{100 * summary['padding_fraction']:.1f} %")
+        elif args.command == "pack":
+            from .pack import pack_file
+            stats = pack_file(args.input, args.output, algorithm=args.algorithm,
+                              max_sequences_per_pack=args.max_sequences_per_pack,
+                              max_sequence_length=args.max_sequence_length,
+                              max_masked_tokens_per_pack=args.max_masked_tokens_per_pack,
+                              seed=args.seed, chunk_packs=args.chunk_packs,
+                              compression=args.compression, show_progress=not args.no_progress)
+            print(f"wrote {args.output}: {stats['num_sequences']} sequences in {stats['num_packs']} "
+                  f"packs ({stats['algorithm']}, depth <= {stats['max_sequences_per_pack']}), "
+                  f"packing factor {stats['packing_factor']:.3f}, efficiency "
+                  f"{100 * stats['efficiency']:.2f} % (unpacked {100 * stats['unpacked_efficiency']:.2f} %), "
+                  f"speed-up {stats['speedup']:.3f}x")
+        elif args.command == "stats":
+            from .stats import dataset_stats, format_stats, plot_stats
+            stats = dataset_stats(args.file)
+            print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
+            if not args.no_plot:
+                path = args.plot or _with_suffix(args.file, ".png")
+                plot_stats(stats, path)
+                print(f"plot: {path}", file=sys.stderr)
+        elif args.command == "kjv":
+            from .kjv import write_kjv_corpus
+            num_documents, num_verses = write_kjv_corpus(args.output, args.first, args.last)
+            print(f"wrote {args.output}: {num_documents} chapters (documents), {num_verses} verses")
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _with_suffix(path, suffix):
+    import os
+    root, _ = os.path.splitext(path)
+    return root + suffix
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""`create`: raw text -> unpacked pre-training HDF5 (Google BERT's create_pretraining_data).
+
+Input text: one sentence per line, documents separated by blank lines. The algorithm is
+the one of Google's reference implementation, re-implemented here on token ids:
+
+1. Tokenise every line with WordPiece (`tokenizers`, BertWordPieceTokenizer normalisation);
+   drop empty documents; shuffle the documents.
+2. `dupe_factor` times over all documents, cut each document into instances: the target
+   length is max_seq_length - 3, except with probability `short_seq_prob` (10 %) a random
+   length in [2, max_seq_length - 3] (so the model also sees short inputs at fine-tuning).
+   Sentences are gathered until the target is reached; a random prefix of them is
+   segment A. With probability 1/2 (always, if only one sentence was gathered) segment B
+   comes from a random other document ("random next", label 1) and the unused sentences
+   are put back; otherwise B is the rest of the gathered sentences (label 0).
+3. The pair is truncated to max_seq_length - 3 tokens by removing tokens from the longer
+   segment, at its front or back at random, then laid out as [CLS] A [SEP] B [SEP].
+4. Masked LM: num_to_predict = min(max_predictions, max(1, round(15 % of the tokens)))
+   positions (never [CLS]/[SEP]; optionally whole words) chosen at random; each becomes
+   [MASK] with probability 80 %, stays itself 10 %, a random token 10 %.
+5. All instances are shuffled and written in the NVIDIA/MLPerf HDF5 layout (`h5io`).
+
+One deliberate difference: the random replacement token is drawn from the vocabulary
+without its special tokens ([PAD] is id 0 and would read as padding in the packed layout).
+Everything is driven by one `random.Random(seed)`, so a seed gives identical files.
+"""
+import collections
+import os
+import random
+
+import numpy as np
+from tqdm import tqdm
+
+from . import h5io
+from .errors import DataError
+from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
+
+Instance = collections.namedtuple(
+    "Instance", "tokens segment_ids masked_positions masked_labels is_random_next")
+
+
+def read_documents(input_paths, vocab_path, *, lowercase=True, batch_lines=4096,
+                   show_progress=False):
+    """Tokenise corpus files into documents: a list of documents, each a list of sentences,
+    each a non-empty list of token ids. Blank lines end documents; empty ones are dropped."""
+    from tokenizers import BertWordPieceTokenizer
+
+    load_vocab(vocab_path)  # checks the special tokens with a clear message
+    tokenizer = BertWordPieceTokenizer(vocab_path, clean_text=True, handle_chinese_chars=True,
+                                       strip_accents=None, lowercase=lowercase)
+    documents = [[]]
+
+    def flush(lines):
+        encodings = iter(tokenizer.encode_batch([x for x in lines if x is not None],
+                                                add_special_tokens=False))
+        for line in lines:
+            if line is None:
+                documents.append([])
+                continue
+            ids = next(encodings).ids
+            if ids:
+                documents[-1].append(list(ids))
+
+    for path in input_paths:
+        check_corpus_file(path)
+        pending = []
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            for line in tqdm(handle, desc=f"tokenise {os.path.basename(path)}", unit=" lines",
+                             disable=not show_progress):
+                line = line.strip()
+                # A blank line is a document boundary; keep its place in the batch order.
+                pending.append(line if line else None)
+                if len(pending) >= batch_lines:
+                    flush(pending)
+                    pending = []
+        if pending:
+            flush(pending)
+        documents.append([])  # files never share a document
+    documents = [doc for doc in documents if doc]
+    if not documents:
+        raise DataError(f"{', '.join(map(str, input_paths))}: no text found; the corpus needs "
+                        "one sentence per line, documents separated by blank lines")
+    return documents
+
+
+def create_instances(documents, vocab_size, special_ids, *, max_seq_length, max_predictions,
+                     dupe_factor, short_seq_prob=0.1, masked_lm_prob=0.15,
+                     whole_word_mask=False, continuation_ids=frozenset(), seed=12345,
+                     show_progress=False):
+    """Run the algorithm on tokenised documents; return the shuffled list of `Instance`.
+
+    `special_ids`: dict with the ids of [CLS] [SEP] [MASK] (and the other specials, which
+    are never drawn as random replacements). `continuation_ids`: ids of `##` pieces, used
+    only with `whole_word_mask`.
+    """
+    rng = random.Random(seed)
+    documents = list(documents)
+    rng.shuffle(documents)
+    excluded = set(special_ids.values())
+    replacement_ids = [i for i in range(vocab_size) if i not in excluded]
+    instances = []
+    total = dupe_factor * len(documents)
+    with tqdm(total=total, desc="create", unit=" docs", disable=not show_progress) as bar:
+        for _ in range(dupe_factor):
+            for index in range(len(documents)):
+                instances.extend(_instances_from_document(
+                    documents, index, rng, max_seq_length, max_predictions, short_seq_prob,
+                    masked_lm_prob, special_ids, replacement_ids, whole_word_mask,
+                    continuation_ids))
+                bar.update()
+    rng.shuffle(instances)
+    return instances
+
+
+def _instances_from_document(documents, index, rng, max_seq_length, max_predictions,
+                             short_seq_prob, masked_lm_prob, special_ids, replacement_ids,
+                             whole_word_mask, continuation_ids):
+    document = documents[index]
+    max_num_tokens = max_seq_length - 3  # room for [CLS], [SEP], [SEP]
+    target_length = max_num_tokens
+    if rng.random() < short_seq_prob:
+        target_length = rng.randint(2, max_num_tokens)
+    instances = []
+    chunk, chunk_length = [], 0
+    i = 0
+    while i < len(document):
+        chunk.append(document[i])
+        chunk_length += len(document[i])
+        if i == len(document) - 1 or chunk_length >= target_length:
+            a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+            tokens_a = [t for sentence in chunk[:a_end] for t in sentence]
+            tokens_b = []
+            if len(chunk) == 1 or rng.random() < 0.5:
+                is_random_next = True
+                target_b_length = target_length - len(tokens_a)
+                # Ten tries to find another document (one-document corpora reuse this one).
+                for _ in range(10):
+                    other = rng.randint(0, len(documents) - 1)
+                    if other != index:
+                        break
+                other_document = documents[other]
+                start = rng.randint(0, len(other_document) - 1)
+                for sentence in other_document[start:]:
+                    tokens_b.extend(sentence)
+                    if len(tokens_b) >= target_b_length:
+                        break
+                # The gathered sentences not used as A go back to the document.
+                i -= len(chunk) - a_end
+            else:
+                is_random_next = False
+                tokens_b = [t for sentence in chunk[a_end:] for t in sentence]
+            _truncate_pair(tokens_a, tokens_b, max_num_tokens, rng)
+            tokens = [special_ids["[CLS]"]] + tokens_a + [special_ids["[SEP]"]] + tokens_b \
+                + [special_ids["[SEP]"]]
+            segment_ids = [0] * (len(tokens_a) + 2) + [1] * (len(tokens_b) + 1)
+            tokens, positions, labels = _mask_tokens(
+                tokens, masked_lm_prob, max_predictions, special_ids, replacement_ids, rng,
+                whole_word_mask, continuation_ids)
+            instances.append(Instance(tokens, segment_ids, positions, labels, is_random_next))
+            chunk, chunk_length = [], 0
+        i += 1
+    return instances
+
+
+def _truncate_pair(tokens_a, tokens_b, max_num_tokens, rng):
+    """Trim the longer segment (front or back at random) until the pair fits."""
+    while len(tokens_a) + len(tokens_b) > max_num_tokens:
+        longer = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+        # Both ends, so the model does not learn that text always ends at a sentence end.
+        if rng.random() < 0.5:
+            del longer[0]
+        else:
+            longer.pop()
+
+
+def _mask_tokens(tokens, masked_lm_prob, max_predictions, special_ids, replacement_ids, rng,
+                 whole_word_mask, continuation_ids):
+    cls_id, sep_id, mask_id = special_ids["[CLS]"], special_ids["[SEP]"], special_ids["[MASK]"]
+    candidates = []
+    for position, token in enumerate(tokens):
+        if token == cls_id or token == sep_id:
+            continue
+        if whole_word_mask and candidates and token in continuation_ids:
+            candidates[-1].append(position)
+        else:
+            candidates.append([position])
+    rng.shuffle(candidates)
+    num_to_predict = min(max_predictions, max(1, int(round(len(tokens) * masked_lm_prob))))
+    output = list(tokens)
+    masked = []
+    for group in candidates:
+        if len(masked) >= num_to_predict:
+            break
+        if len(masked) + len(group) > num_to_predict:
+            continue
+        for position in group:
+            if rng.random() < 0.8:
+                replacement = mask_id
+            elif rng.random() < 0.5:
+                replacement = tokens[position]
+            else:
+                replacement = replacement_ids[rng.randint(0, len(replacement_ids) - 1)]
+            output[position] = replacement
+            masked.append((position, tokens[position]))
+    masked.sort()
+    return output, [p for p, _ in masked], [label for _, label in masked]
+
+
+def instances_to_arrays(instances, max_seq_length, max_predictions):
+    """Instances -> dict of NVIDIA-layout numpy arrays (padded with zeros)."""
+    num = len(instances)
+    arrays = {
+        "input_ids": np.zeros((num, max_seq_length), np.int32),
+        "input_mask": np.zeros((num, max_seq_length), np.int8),
+        "segment_ids": np.zeros((num, max_seq_length), np.int8),
+        "masked_lm_positions": np.zeros((num, max_predictions), np.int32),
+        "masked_lm_ids": np.zeros((num, max_predictions), np.int32),
+        "next_sentence_labels": np.zeros((num,), np.int8),
+    }
+    for row, instance in enumerate(instances):
+        length, num_masked = len(instance.tokens), len(instance.masked_positions)
+        arrays["input_ids"][row, :length] = instance.tokens
+        arrays["input_mask"][row, :length] = 1
+        arrays["segment_ids"][row, :length] = instance.segment_ids
+        arrays["masked_lm_positions"][row, :num_masked] = instance.masked_positions
+        arrays["masked_lm_ids"][row, :num_masked] = instance.masked_labels
+        arrays["next_sentence_labels"][row] = int(instance.is_random_next)
+    return arrays
+
+
+def create_pretraining_file(input_paths, vocab_path, output_path, *, max_seq_length=128,
+                            max_predictions=20, dupe_factor=10, seed=12345, short_seq_prob=0.1,
+                            masked_lm_prob=0.15, lowercase=True, whole_word_mask=False,
+                            show_progress=False):
+    """The whole `create` step; writes `output_path` atomically and returns summary statistics."""
+    if isinstance(input_paths, (str, os.PathLike)):
+        input_paths = [input_paths]
+    input_paths = [os.fspath(p) for p in input_paths]
+    if max_seq_length < 5:
+        raise DataError(f"--max-sequence-length {max_seq_length} is too short: [CLS] A [SEP] B [SEP] "
+                        "needs at least 5")
+    if max_predictions < 1:
+        raise DataError(f"--max-predictions must be at least 1, got {max_predictions}")
+    if dupe_factor < 1:
+        raise DataError(f"--dupe-factor must be at least 1, got {dupe_factor}")
+    if not 0 < masked_lm_prob < 1 or not 0 <= short_seq_prob <= 1:
+        raise DataError("--masked-lm-prob must be in (0, 1) and --short-seq-prob in [0, 1]")
+    vocab = load_vocab(vocab_path)
+    documents = read_documents(input_paths, vocab_path, lowercase=lowercase,
+                               show_progress=show_progress)
+    special_ids = {token: vocab[token] for token in SPECIAL_TOKENS}
+    continuation_ids = frozenset(i for token, i in vocab.items() if token.startswith("##"))
+    vocab_size = max(vocab.values()) + 1
+    instances = create_instances(
+        documents, vocab_size, special_ids, max_seq_length=max_seq_length,
+        max_predictions=max_predictions, dupe_factor=dupe_factor, short_seq_prob=short_seq_prob,
+        masked_lm_prob=masked_lm_prob, whole_word_mask=whole_word_mask,
+        continuation_ids=continuation_ids, seed=seed, show_progress=show_progress)
+    arrays = instances_to_arrays(instances, max_seq_length, max_predictions)
+    with h5io.atomic_h5(output_path) as handle:
+        for name in h5io.UNPACKED_FIELDS:
+            h5io.create_dataset(handle, name, arrays[name])
+        handle.attrs.update({
+            "max_seq_length": max_seq_length, "max_predictions_per_seq": max_predictions,
+            "dupe_factor": dupe_factor, "seed": seed, "short_seq_prob": short_seq_prob,
+            "masked_lm_prob": masked_lm_prob, "do_lower_case": bool(lowercase),
+            "whole_word_mask": bool(whole_word_mask), "vocab_size": vocab_size,
+            "num_documents": len(documents)})
+    lengths = arrays["input_mask"].sum(axis=1, dtype=np.int64)
+    num_masked = (arrays["masked_lm_ids"] != 0).sum()
+    return {"num_documents": len(documents), "num_sequences": len(instances),
+            "num_tokens": int(lengths.sum()), "num_masked_tokens": int(num_masked),
+            "random_next_fraction": float(arrays["next_sentence_labels"].mean()) if instances else 0.0,
+            "padding_fraction": 1.0 - float(lengths.sum()) / max(1, len(instances) * max_seq_length)}

@@ -1,0 +1,155 @@
+"""HDF5 layouts of the pipeline: field names, checks with one-line errors, atomic writes.
+
+Unpacked files use the NVIDIA/MLPerf BERT layout (N sequences, S = max sequence length,
+P = max predictions per sequence), so files made by NVIDIA's or MLPerf's tools read as
+they are:
+
+| field | shape | meaning |
+|---|---|---|
+| input_ids | [N,S] | tokens, [CLS] A [SEP] B [SEP], 0 = padding |
+| input_mask | [N,S] | 1 for real tokens, 0 for padding |
+| segment_ids | [N,S] | 0 for [CLS] A [SEP], 1 for B [SEP] |
+| masked_lm_positions | [N,P] | positions of the masked tokens, 0 in unused slots |
+| masked_lm_ids | [N,P] | original tokens there, 0 in unused slots |
+| next_sentence_labels | [N] (or [N,1]) | 1 = B is a random sentence, 0 = B follows A |
+
+Packed files (written by `pack`) hold the packed-batch fields of DESIGN.md section 2 with
+B = number of packs (see `PACKED_FIELDS`), and the packing statistics as attributes.
+"""
+import contextlib
+import os
+import tempfile
+
+import numpy as np
+
+from .errors import DataError
+
+UNPACKED_FIELDS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions",
+                   "masked_lm_ids", "next_sentence_labels")
+# field -> which second dimension it has: S (sequence), M (masked slots), K (sequences/pack).
+PACKED_FIELDS = {"input_ids": "S", "segment_ids": "S", "position_ids": "S", "sequence_ids": "S",
+                 "mlm_positions": "M", "mlm_labels": "M", "mlm_sequence_ids": "M",
+                 "cls_positions": "K", "nsp_labels": "K", "nsp_weights": "K"}
+PACKED_FORMAT = "packed-bert/packed-v1"
+
+
+def open_h5(path):
+    """Open an HDF5 file for reading; a missing or unreadable file raises DataError."""
+    import h5py
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DataError(f"{path}: file not found")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        reason = str(exc).split("(")[0].strip() or "unreadable"
+        raise DataError(f"{path}: not a readable HDF5 file ({reason}); re-create it with "
+                        "`python -m bert_packed.data create`") from None
+
+
+def is_packed(handle):
+    """True for files written by `pack` (they have `sequence_ids`)."""
+    return "sequence_ids" in handle
+
+
+def check_unpacked(handle, path, max_sequence_length=None):
+    """Validate the NVIDIA layout; return (num_sequences, S, P). Raises DataError."""
+    missing = [name for name in UNPACKED_FIELDS if name not in handle]
+    if missing:
+        raise DataError(f"{path}: missing field(s) {', '.join(missing)}; an unpacked file needs "
+                        f"{', '.join(UNPACKED_FIELDS)} (NVIDIA/MLPerf layout)")
+    num_sequences, seq_len = _shape2(handle, "input_ids", path)
+    for name in ("input_mask", "segment_ids"):
+        if _shape2(handle, name, path) != (num_sequences, seq_len):
+            raise DataError(f"{path}: {name} has shape {handle[name].shape}, expected "
+                            f"{(num_sequences, seq_len)} like input_ids")
+    num_rows, num_predictions = _shape2(handle, "masked_lm_positions", path)
+    if num_rows != num_sequences or handle["masked_lm_ids"].shape != (num_rows, num_predictions):
+        raise DataError(f"{path}: masked_lm_positions {handle['masked_lm_positions'].shape} and "
+                        f"masked_lm_ids {handle['masked_lm_ids'].shape} must both be "
+                        f"({num_sequences}, P)")
+    labels = handle["next_sentence_labels"].shape
+    if labels not in ((num_sequences,), (num_sequences, 1)):
+        raise DataError(f"{path}: next_sentence_labels has shape {labels}, expected ({num_sequences},)")
+    if max_sequence_length is not None and seq_len > max_sequence_length:
+        raise DataError(f"{path}: sequences are {seq_len} tokens long but the configured maximum "
+                        f"sequence length is {max_sequence_length}; raise it or re-create the data")
+    return num_sequences, seq_len, num_predictions
+
+
+def check_packed(handle, path):
+    """Validate a packed file; return (num_packs, S, K, M). Raises DataError."""
+    missing = [name for name in PACKED_FIELDS if name not in handle]
+    if missing:
+        raise DataError(f"{path}: missing packed field(s) {', '.join(missing)}; re-create it "
+                        "with `python -m bert_packed.data pack`")
+    num_packs, seq_len = _shape2(handle, "input_ids", path)
+    dims = {"S": seq_len, "K": handle["cls_positions"].shape[-1],
+            "M": handle["mlm_positions"].shape[-1]}
+    for name, dim in PACKED_FIELDS.items():
+        if handle[name].shape != (num_packs, dims[dim]):
+            raise DataError(f"{path}: {name} has shape {handle[name].shape}, expected "
+                            f"{(num_packs, dims[dim])}")
+    return num_packs, seq_len, dims["K"], dims["M"]
+
+
+def _shape2(handle, name, path):
+    shape = handle[name].shape
+    if len(shape) != 2:
+        raise DataError(f"{path}: {name} must be 2-D, it has shape {shape}")
+    return shape
+
+
+def sequence_lengths(handle, chunk_rows=1 << 16):
+    """Lengths of an unpacked file's sequences (input_mask row sums), read in chunks."""
+    dataset = handle["input_mask"]
+    num_rows = dataset.shape[0]
+    lengths = np.empty(num_rows, dtype=np.int64)
+    for start in range(0, num_rows, chunk_rows):
+        block = dataset[start:start + chunk_rows]
+        lengths[start:start + len(block)] = (block != 0).sum(axis=1)
+    return lengths
+
+
+@contextlib.contextmanager
+def atomic_h5(path):
+    """Yield an h5py.File open for writing at a temporary name; os.replace onto `path` on success.
+
+    A crash or error leaves any existing `path` untouched and removes the partial file.
+    """
+    import h5py
+
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".h5")
+    os.close(fd)
+    try:
+        # track_order off and no timestamps: the same inputs give byte-identical files.
+        with h5py.File(tmp, "w", libver=("earliest", "v110")) as handle:
+            yield handle
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def create_dataset(handle, name, data=None, *, shape=None, dtype=None, compression="gzip",
+                   chunk_rows=1024):
+    """Create a row-chunked dataset (no timestamps, so files are reproducible)."""
+    if data is not None:
+        shape, dtype = data.shape, dtype or data.dtype
+    chunks = (min(chunk_rows, max(1, shape[0])),) + tuple(shape[1:]) if shape[0] else None
+    kwargs = {}
+    if compression == "gzip":
+        kwargs = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
+    elif compression not in (None, "none"):
+        kwargs = {"compression": compression}
+    if chunks is None:
+        kwargs = {}
+    dataset = handle.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks,
+                                    track_times=False, **kwargs)
+    if data is not None and shape[0]:
+        dataset[...] = data
+    return dataset

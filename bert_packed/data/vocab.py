@@ -1,0 +1,96 @@
+"""WordPiece vocabularies: train one from raw text, load and check one for `create`.
+
+The vocabulary file is the plain BERT `vocab.txt` (one token per line, the line number is
+the id), so Google's and Hugging Face's vocabularies work as they are.
+"""
+import os
+import tempfile
+
+from .errors import DataError
+
+# The order matters only for ids: [PAD] = 0 because the packed layout reads token 0 as
+# padding; the rest follow the Hugging Face convention.
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+REQUIRED_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def train_vocab(input_paths, vocab_size, output_path, *, lowercase=True, min_frequency=2,
+                limit_alphabet=1000):
+    """Train a WordPiece vocabulary with `tokenizers` and write it atomically as vocab.txt.
+
+    Normalisation is BertWordPieceTokenizer's (clean text, split Chinese characters, strip
+    accents and lower-case when `lowercase`). Returns the number of tokens written (at most
+    `vocab_size`; a small corpus may yield fewer).
+    """
+    from tokenizers import BertWordPieceTokenizer
+
+    if isinstance(input_paths, (str, os.PathLike)):
+        input_paths = [input_paths]
+    input_paths = [os.fspath(p) for p in input_paths]
+    if vocab_size < len(SPECIAL_TOKENS) + 1:
+        raise DataError(f"--size {vocab_size} is too small: use at least {len(SPECIAL_TOKENS) + 1}")
+    for path in input_paths:
+        check_corpus_file(path)
+    tokenizer = BertWordPieceTokenizer(clean_text=True, handle_chinese_chars=True,
+                                       strip_accents=None, lowercase=lowercase)
+    tokenizer.train(input_paths, vocab_size=vocab_size, min_frequency=min_frequency,
+                    limit_alphabet=limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
+                    show_progress=False, wordpieces_prefix="##")
+    tokens = [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])]
+    if len(tokens) <= len(SPECIAL_TOKENS):
+        raise DataError(f"{input_paths[0]}: no words found to build a vocabulary from; "
+                        "give a corpus with text in it")
+    write_text_atomic(output_path, "".join(token + "\n" for token in tokens))
+    return len(tokens)
+
+
+def check_corpus_file(path):
+    """Raise DataError unless `path` is a readable, non-empty UTF-8 text file."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: corpus file not found")
+    with open(path, "rb") as handle:
+        head = handle.read(1 << 16)
+    if not head.strip():
+        raise DataError(f"{path}: the corpus is empty; give one sentence per line, "
+                        "documents separated by blank lines")
+
+
+def load_vocab(path):
+    """Read vocab.txt -> dict token -> id; raise DataError if a required special token is missing."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: vocabulary file not found (make one with "
+                        "`python -m bert_packed.data vocab`)")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            tokens = [line.rstrip("\n").rstrip("\r") for line in handle]
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: the vocabulary is not UTF-8 text (one token per line)") from None
+    while tokens and tokens[-1] == "":
+        tokens.pop()
+    vocab = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    missing = [token for token in REQUIRED_TOKENS if token not in vocab]
+    if missing:
+        raise DataError(f"{path}: the vocabulary lacks {' '.join(missing)}; "
+                        "BERT pre-training needs [PAD] [UNK] [CLS] [SEP] [MASK]")
+    if vocab["[PAD]"] != 0:
+        # The packed layout and the NVIDIA files both read token id 0 as padding.
+        raise DataError(f"{path}: [PAD] must be the first line (id 0), it is line "
+                        f"{vocab['[PAD]'] + 1}")
+    return vocab
+
+
+def write_text_atomic(path, text):
+    """Write `text` to `path` through a temporary file in the same folder and os.replace."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
