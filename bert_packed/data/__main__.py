@@ -46,7 +46,7 @@ def _parser():
     p.add_argument("--max-masked-tokens-per-pack", type=int, default=None,
                    help="masked-token slots per pack (default: the most any pack needs)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk-packs", type=int, default=16384, help="packs written per chunk (memory bound)")
+    p.add_argument("--chunk-packs", type=int, default=8192, help="packs written per chunk (memory bound)")
     p.add_argument("--compression", default="gzip", choices=["gzip", "lzf", "none"])
     p.add_argument("--no-progress", action="store_true")
 

@@ -94,3 +94,24 @@ def write_text_atomic(path, text):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+class atomic_path:
+    """Context manager: yields a temporary path next to `path`, os.replace'd onto it on success."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+
+    def __enter__(self):
+        folder = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(folder, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(self.path))
+        os.close(fd)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        elif os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+        return False
