@@ -1,0 +1,29 @@
+"""Packed BERT: the model (packed and unpacked through the same code), losses, collation,
+optimisation, data and the training loop.
+
+The model classes are importable from here (``from bert_packed import BertConfig,
+BertForPreTraining``); they are loaded on first use so that light modules such as
+``bert_packed.config`` do not pay for importing torch.
+"""
+
+_LAZY = {
+    "BertConfig": "bert_packed.modeling",
+    "BertModel": "bert_packed.modeling",
+    "BertForPreTraining": "bert_packed.modeling",
+    "BertForSequenceClassification": "bert_packed.modeling",
+    "ModelConfigError": "bert_packed.modeling",
+    "register_attention": "bert_packed.attention",
+    "AttentionImplementation": "bert_packed.attention",
+    "AttentionError": "bert_packed.attention",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bert_packed' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

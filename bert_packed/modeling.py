@@ -1,0 +1,626 @@
+"""Packed BERT: one model for packed and unpacked batches, read top to bottom.
+
+    config -> embeddings -> attention -> layer -> encoder -> pooler -> heads -> task models
+
+A *pack* is one fixed-length row of ``S`` tokens holding up to ``K`` sequences side by
+side (natural order, each with its own [CLS]). Three things make a pack compute exactly
+what the same sequences compute alone:
+
+1. positions restart at 0 for every sequence (``position_ids``; looked up, not added as
+   a fixed range), so each sequence sees the position embeddings it would see alone;
+2. attention is block-diagonal: a token attends only to tokens of its own sequence
+   (``sequence_ids``; see ``bert_packed/attention.py``);
+3. losses and metrics are per sequence (``bert_packed/losses.py``): the pooler and NSP
+   head read each sequence's own [CLS], and the MLM loss is normalised per masked token or
+   per sequence, by the step's global count.
+
+An unpacked batch is a pack with one sequence (K = 1); there is no second code path.
+
+Shape legend: B packs per batch, S tokens per pack, K = max_sequences_per_pack,
+M = max_masked_tokens_per_pack, H hidden size, N heads, D = H / N, V vocabulary.
+
+Parameter names and shapes are those of ``transformers.BertForPreTraining`` /
+``BertForSequenceClassification`` (the MLM decoder is tied to the word embeddings), so a
+Hugging Face state dict loads (``load_hf_state_dict``) and exports (``hf_state_dict``).
+Only torch 2.0 operations are used (the IPU path compiles this file with PopTorch) and
+every shape is static: gathers take index tensors, masks replace boolean indexing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import record_function
+
+from bert_packed import attention as attention_registry
+from bert_packed.losses import MLM_LOSS_NORMALIZATIONS, mlm_loss_terms, normalize, nsp_loss_terms
+
+__all__ = [
+    "ModelConfigError",
+    "BertConfig",
+    "BertEmbeddings",
+    "BertSelfAttention",
+    "BertLayer",
+    "BertEncoder",
+    "BertPooler",
+    "BertModel",
+    "BertForPreTraining",
+    "BertForSequenceClassification",
+    "PRETRAINING_FIELDS",
+    "CLASSIFICATION_FIELDS",
+    "hf_state_dict",
+    "load_hf_state_dict",
+]
+
+# The packed batch (DESIGN.md §2). All int64 except nsp_weights (float); the two optional
+# normaliser fields are float [B] (see bert_packed.losses.add_step_normalizers).
+PRETRAINING_FIELDS = (
+    "input_ids",  # [B,S] tokens, 0 = padding
+    "segment_ids",  # [B,S] token type ids
+    "position_ids",  # [B,S] restart at 0 for every sequence
+    "sequence_ids",  # [B,S] 1..K = sequence of the pack, 0 = padding
+    "mlm_positions",  # [B,M] positions of masked tokens, 0 in unused slots
+    "mlm_labels",  # [B,M] original tokens at those positions
+    "mlm_sequence_ids",  # [B,M] owning sequence 1..K, 0 = unused slot
+    "cls_positions",  # [B,K] index of each sequence's [CLS]
+    "nsp_labels",  # [B,K] next-sentence label per sequence
+    "nsp_weights",  # [B,K] 1.0 where sequence k exists
+)
+OPTIONAL_FIELDS = ("mlm_normalizer", "nsp_normalizer")  # [B] float, the step's global counts
+# Packed sequence classification: one label per packed sequence.
+CLASSIFICATION_FIELDS = ("input_ids", "segment_ids", "position_ids", "sequence_ids", "cls_positions", "labels", "label_weights")
+
+
+class ModelConfigError(ValueError):
+    """A model configuration value is invalid (one-line message naming the field and the fix)."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class BertConfig:
+    """BERT architecture with Hugging Face ``BertConfig`` field names, plus the packing fields.
+
+    The defaults are BERT-Base. ``max_sequences_per_pack`` (K) and
+    ``max_masked_tokens_per_pack`` (M) fix the static shapes of the per-sequence and
+    masked-token inputs; the seeds' rule is M = masked tokens of one full-length sequence
+    + K - 1 (each packed sequence may round its 15 % up by one token), e.g. 76 + 3 - 1 = 78
+    at S = 512, K = 3.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"  # "gelu" (erf), "gelu_new" / "gelu_pytorch_tanh" (tanh approximation), "relu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    # Sequence classification head (BertForSequenceClassification).
+    num_labels: int = 2
+    classifier_dropout: Optional[float] = None  # None: use hidden_dropout_prob, as Hugging Face does
+    # Packing.
+    max_sequences_per_pack: int = 3
+    max_masked_tokens_per_pack: int = 78
+    mlm_loss_normalization: str = "token"  # "token" (canonical BERT) | "sequence" (paper Listing 1)
+    attention_implementation: str = "dense"  # name in bert_packed.attention's registry
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+            "num_labels",
+            "max_sequences_per_pack",
+            "max_masked_tokens_per_pack",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelConfigError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ModelConfigError(
+                f"model config: hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}; pick a head count that divides it"
+            )
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ModelConfigError(f"model config: hidden_act must be one of {sorted(_ACTIVATIONS)}, got {self.hidden_act!r}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= float(value) < 1.0:
+                raise ModelConfigError(f"model config: {name} must be in [0, 1), got {value!r}")
+        if self.classifier_dropout is not None and not 0.0 <= float(self.classifier_dropout) < 1.0:
+            raise ModelConfigError(f"model config: classifier_dropout must be in [0, 1) or null, got {self.classifier_dropout!r}")
+        if self.mlm_loss_normalization not in MLM_LOSS_NORMALIZATIONS:
+            raise ModelConfigError(
+                f"model config: mlm_loss_normalization must be one of {MLM_LOSS_NORMALIZATIONS}, "
+                f"got {self.mlm_loss_normalization!r}"
+            )
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ModelConfigError(f"model config: pad_token_id={self.pad_token_id} is outside the vocabulary")
+        try:
+            attention_registry.get_attention(self.attention_implementation)
+        except attention_registry.AttentionError as error:
+            raise ModelConfigError(f"model config: {error}") from None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], **overrides: Any) -> "BertConfig":
+        """Build from a mapping with our field names; unknown keys are an error."""
+        values = {**values, **overrides}
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ModelConfigError(f"model config: unknown field(s) {', '.join(unknown)}")
+        return cls(**values)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, **overrides: Any) -> "BertConfig":
+        """Build from a ``transformers.BertConfig`` (or its ``to_dict()``); other HF keys are ignored."""
+        values = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+        names = {f.name for f in dataclasses.fields(cls)}
+        picked = {k: v for k, v in values.items() if k in names}
+        if picked.get("classifier_dropout") is None:
+            picked.pop("classifier_dropout", None)
+        if "id2label" in values and "num_labels" not in values:
+            picked["num_labels"] = len(values["id2label"])
+        return cls(**{**picked, **overrides})
+
+    def to_hf_dict(self) -> Dict[str, Any]:
+        """The Hugging Face ``BertConfig`` keyword arguments (``transformers.BertConfig(**cfg.to_hf_dict())``)."""
+        keys = (
+            "vocab_size hidden_size num_hidden_layers num_attention_heads intermediate_size hidden_act "
+            "hidden_dropout_prob attention_probs_dropout_prob max_position_embeddings type_vocab_size "
+            "initializer_range layer_norm_eps pad_token_id num_labels classifier_dropout"
+        ).split()
+        return {k: getattr(self, k) for k in keys}
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu}
+
+
+def gather_rows(hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``hidden_states[b, positions[b, i]]`` for every b, i: ``[B,S,H]`` x ``[B,P]`` -> ``[B,P,H]``.
+
+    An index gather (fixed output shape P), not boolean indexing, so it compiles for the IPU.
+    """
+    index = positions[:, :, None].expand(-1, -1, hidden_states.shape[-1])
+    return torch.gather(hidden_states, 1, index)
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+
+class BertEmbeddings(nn.Module):
+    """Word + position + token-type embeddings, LayerNorm, dropout.
+
+    Positions come from ``position_ids`` (restarting at 0 in each packed sequence), so a
+    sequence in a pack gets exactly the position embeddings it would get alone.
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        # Not snake-cased: the checkpoint name (Hugging Face, and Google's TF before it).
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, segment_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        embeddings = self.word_embeddings(input_ids) + self.token_type_embeddings(segment_ids)
+        embeddings = embeddings + self.position_embeddings(position_ids)
+        return self.dropout(self.LayerNorm(embeddings))
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class BertSelfAttention(nn.Module):
+    """Q/K/V projections; the attention itself is a registered function (``attention.py``)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.num_attention_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:  # [B,S,H] -> [B,N,S,D]
+        return x.view(x.shape[0], x.shape[1], self.num_attention_heads, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self, hidden_states: torch.Tensor, attend: attention_registry.AttentionImplementation, prepared: Any
+    ) -> torch.Tensor:
+        query = self._split_heads(self.query(hidden_states))
+        key = self._split_heads(self.key(hidden_states))
+        value = self._split_heads(self.value(hidden_states))
+        context = attend.attend(query, key, value, prepared, dropout_p=self.dropout_p, training=self.training)
+        return context.transpose(1, 2).reshape(hidden_states.shape)  # [B,N,S,D] -> [B,S,H]
+
+
+class BertSelfOutput(nn.Module):
+    """Output projection, dropout, residual, post-LayerNorm."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dropout(self.dense(hidden_states))
+        return self.LayerNorm(hidden_states + input_tensor)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, hidden_states: torch.Tensor, attend: attention_registry.AttentionImplementation, prepared: Any) -> torch.Tensor:
+        return self.output(self.self(hidden_states, attend, prepared), hidden_states)
+
+
+# ----------------------------------------------------------------------------- layer, encoder
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.activation = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(hidden_states))
+
+
+class BertOutput(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dropout(self.dense(hidden_states))
+        return self.LayerNorm(hidden_states + input_tensor)
+
+
+class BertLayer(nn.Module):
+    """One post-LN transformer layer: attention block, then feed-forward block (per token)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+    def forward(self, hidden_states: torch.Tensor, attend: attention_registry.AttentionImplementation, prepared: Any) -> torch.Tensor:
+        attention_output = self.attention(hidden_states, attend, prepared)
+        return self.output(self.intermediate(attention_output), attention_output)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+
+    def forward(self, hidden_states: torch.Tensor, attend: attention_registry.AttentionImplementation, prepared: Any) -> torch.Tensor:
+        for layer in self.layer:
+            hidden_states = layer(hidden_states, attend, prepared)
+        return hidden_states
+
+
+class BertPooler(nn.Module):
+    """dense + tanh on each sequence's [CLS] vector: ``[B,K,H] -> [B,K,H]``."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, cls_hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(cls_hidden_states))
+
+
+# ----------------------------------------------------------------------------- base model
+
+
+class BertPreTrainedModel(nn.Module):
+    """Weight initialisation shared by the models (Hugging Face's ``_init_weights`` rule)."""
+
+    config: BertConfig
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
+        """Load a Hugging Face state dict (see the module-level ``load_hf_state_dict``)."""
+        return load_hf_state_dict(self, state_dict, strict=strict)
+
+    def hf_state_dict(self) -> Dict[str, torch.Tensor]:
+        """This model's weights under Hugging Face names (see the module-level ``hf_state_dict``)."""
+        return hf_state_dict(self)
+
+
+class BertModel(BertPreTrainedModel):
+    """The encoder: ``forward(input_ids, segment_ids, position_ids, sequence_ids) -> [B,S,H]``.
+
+    ``pooler`` is kept here (as in Hugging Face, for the parameter names) but applied by the
+    heads, on the [CLS] vectors gathered per sequence (``pool``).
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config)
+        self.apply(self._init_weights)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        sequence_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """All ``[B,S]`` int64; returns the last layer's hidden states ``[B,S,H]``.
+
+        Padding tokens (``sequence_ids == 0``) get finite but meaningless outputs.
+        """
+        hidden_states = self.embeddings(input_ids, segment_ids, position_ids)
+        attend = attention_registry.get_attention(self.config.attention_implementation)
+        if attend.check is not None:
+            attend.check(
+                device=hidden_states.device,
+                dtype=hidden_states.dtype,
+                dropout_p=self.config.attention_probs_dropout_prob if self.training else 0.0,
+                needs_grad=torch.is_grad_enabled(),
+            )
+        # Built once per forward and shared by every layer.
+        prepared = attend.prepare(sequence_ids, dtype=hidden_states.dtype)
+        return self.encoder(hidden_states, attend, prepared)
+
+    def pool(self, sequence_output: torch.Tensor, cls_positions: torch.Tensor) -> torch.Tensor:
+        """Pooled [CLS] vector of every sequence slot: ``[B,S,H]``, ``[B,K]`` -> ``[B,K,H]``."""
+        return self.pooler(gather_rows(sequence_output, cls_positions))
+
+
+# ----------------------------------------------------------------------------- heads
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = _ACTIVATIONS[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.activation(self.dense(hidden_states)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """MLM head; ``decoder.weight`` is tied to the word embeddings, ``decoder.bias`` is ``bias``."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder.bias = self.bias  # same Parameter under both names, as in Hugging Face
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(hidden_states))
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, masked_hidden_states: torch.Tensor, pooled_output: torch.Tensor):
+        return self.predictions(masked_hidden_states), self.seq_relationship(pooled_output)
+
+
+# ----------------------------------------------------------------------------- task models
+
+
+class BertForPreTraining(BertPreTrainedModel):
+    """MLM + NSP pre-training on a packed batch (an unpacked batch is K = 1).
+
+    ``model(**batch)`` with the fields of ``PRETRAINING_FIELDS`` (plus optional
+    ``mlm_normalizer`` / ``nsp_normalizer``) returns a dict:
+
+    * ``loss`` = ``mlm_loss + nsp_loss``: the one scalar to differentiate;
+    * ``mlm_loss``, ``nsp_loss``, ``mlm_accuracy``, ``nsp_accuracy``: scalars. Without
+      normaliser fields they are this batch's means; with them they are this batch's share
+      of the step's means (sum over the step's micro-batches and replicas to get the step's);
+    * ``mlm_logits`` ``[B,M,V]`` (masked slots only), ``nsp_logits`` ``[B,K,2]``;
+    * ``num_sequences``, ``num_mlm_tokens``, ``num_mlm_correct``, ``num_nsp_correct``: this
+      batch's counts (float scalar tensors), for exact aggregation across micro-batches/ranks.
+
+    The MLM head runs only on the M gathered masked positions, not on all S tokens.
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.cls.apply(self._init_weights)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the MLM decoder weight with the word embeddings (call again after replacing either)."""
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        sequence_ids: torch.Tensor,
+        mlm_positions: torch.Tensor,
+        mlm_labels: torch.Tensor,
+        mlm_sequence_ids: torch.Tensor,
+        cls_positions: torch.Tensor,
+        nsp_labels: torch.Tensor,
+        nsp_weights: torch.Tensor,
+        mlm_normalizer: Optional[torch.Tensor] = None,
+        nsp_normalizer: Optional[torch.Tensor] = None,
+    ) -> Dict[str, torch.Tensor]:
+        sequence_output = self.bert(input_ids, segment_ids, position_ids, sequence_ids)
+        masked_hidden_states = gather_rows(sequence_output, mlm_positions)  # [B,M,H]
+        with record_function("packing/loss_unpacking"):
+            pooled_output = self.bert.pool(sequence_output, cls_positions)  # [B,K,H]
+        mlm_logits, nsp_logits = self.cls(masked_hidden_states, pooled_output)
+
+        with record_function("packing/loss_unpacking"):
+            mlm = mlm_loss_terms(
+                mlm_logits,
+                mlm_labels,
+                mlm_sequence_ids,
+                max_sequences_per_pack=nsp_weights.shape[1],
+                normalization=self.config.mlm_loss_normalization,
+            )
+            nsp = nsp_loss_terms(nsp_logits, nsp_labels, nsp_weights)
+            mlm_loss = normalize(mlm["loss_sum"], mlm["count"], mlm_normalizer)
+            nsp_loss = normalize(nsp["loss_sum"], nsp["count"], nsp_normalizer)
+            mlm_accuracy = normalize(mlm["correct_sum"], mlm["count"], mlm_normalizer)
+            nsp_accuracy = normalize(nsp["correct_sum"], nsp["count"], nsp_normalizer)
+        return {
+            "loss": mlm_loss + nsp_loss,
+            "mlm_loss": mlm_loss,
+            "nsp_loss": nsp_loss,
+            "mlm_accuracy": mlm_accuracy,
+            "nsp_accuracy": nsp_accuracy,
+            "mlm_logits": mlm_logits,
+            "nsp_logits": nsp_logits,
+            "num_sequences": nsp["count"].sum(),
+            "num_mlm_tokens": mlm["num_tokens"].sum(),
+            "num_mlm_correct": mlm["num_correct"].sum(),
+            "num_nsp_correct": nsp["correct_sum"].sum(),
+        }
+
+
+class BertForSequenceClassification(BertPreTrainedModel):
+    """Packed sequence classification: one label per packed sequence, from its own [CLS].
+
+    Hugging Face's flattening collator gives one loss per *row*; here every sequence of
+    the pack is classified and weighted on its own. ``model(**batch)`` with the fields of
+    ``CLASSIFICATION_FIELDS``: ``cls_positions``, ``labels`` ``[B,K]`` (int64) and
+    ``label_weights`` ``[B,K]`` (1.0 where sequence k exists), plus optional
+    ``normalizer`` ``[B]`` (the step's sequence count, as for NSP). Returns ``loss``
+    (mean cross-entropy per sequence), ``accuracy``, ``logits`` ``[B,K,num_labels]`` and
+    ``num_sequences``.
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier.apply(self._init_weights)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        sequence_ids: torch.Tensor,
+        cls_positions: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        label_weights: Optional[torch.Tensor] = None,
+        normalizer: Optional[torch.Tensor] = None,
+    ) -> Dict[str, torch.Tensor]:
+        sequence_output = self.bert(input_ids, segment_ids, position_ids, sequence_ids)
+        with record_function("packing/loss_unpacking"):
+            pooled_output = self.bert.pool(sequence_output, cls_positions)
+        logits = self.classifier(self.dropout(pooled_output))  # [B,K,num_labels]
+        outputs: Dict[str, torch.Tensor] = {"logits": logits}
+        if labels is None:
+            return outputs
+        if label_weights is None:
+            label_weights = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
+        with record_function("packing/loss_unpacking"):
+            terms = nsp_loss_terms(logits, labels, label_weights)
+            outputs["loss"] = normalize(terms["loss_sum"], terms["count"], normalizer)
+            outputs["accuracy"] = normalize(terms["correct_sum"], terms["count"], normalizer)
+            outputs["num_sequences"] = terms["count"].sum()
+        return outputs
+
+
+# ----------------------------------------------------------------------------- HF weights
+
+# Hugging Face buffers that are not weights (recomputed from shapes; we take positions as input).
+_HF_BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids", "embeddings.position_ids", "embeddings.token_type_ids")
+
+
+def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
+    """Load a ``transformers`` state dict into ``model`` (same names and shapes).
+
+    Hugging Face's non-weight buffers (``position_ids``, ``token_type_ids``) are dropped. A
+    checkpoint without ``cls.predictions.decoder.weight`` (it is tied) loads too: the tie
+    to the word embeddings provides it. Returns ``load_state_dict``'s result.
+    """
+    state = {k: v for k, v in state_dict.items() if k not in _HF_BUFFERS}
+    # Tied weights: whichever is missing is the other one.
+    if "cls.predictions.decoder.weight" not in state and "bert.embeddings.word_embeddings.weight" in state:
+        if hasattr(model, "cls"):
+            state["cls.predictions.decoder.weight"] = state["bert.embeddings.word_embeddings.weight"]
+    if "cls.predictions.decoder.bias" not in state and "cls.predictions.bias" in state and hasattr(model, "cls"):
+        state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"]
+    result = model.load_state_dict(state, strict=strict)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return result
+
+
+def hf_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """``model``'s weights under Hugging Face names (loadable by ``transformers`` with strict=False buffers aside)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
