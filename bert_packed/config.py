@@ -197,6 +197,18 @@ class CUDAConfig:
     precision: str = field(default="bf16", metadata=_choices("bf16", "fp16", "fp32"))
     # torch.compile the model once (fixed shapes: no recompiles after warm-up).
     compile: bool = False
+    # torch.compile mode: "default", "reduce-overhead" (CUDA graphs) or "max-autotune".
+    compile_mode: str = field(default="default", metadata=_choices("default", "reduce-overhead", "max-autotune"))
+    # Optimizer steps that may compile (the first forward/backward compiles; eval compiles
+    # its own graph on first use). After them, graphs compiled are counted as recompiles.
+    num_warmup_steps: int = 2
+    # Recompiles tolerated after warm-up; more is an error (a shape or guard changed: with
+    # fixed [B, S] packs that is a bug, and it silently costs seconds per step).
+    max_recompiles_after_warmup: int = 0
+    # fp16 only: GradScaler's initial loss scale (dynamic afterwards).
+    loss_scale_init: float = 65536.0
+    # Let fp32 matmuls use TF32 tensor cores (Ampere and newer).
+    allow_tf32: bool = True
 
 
 @dataclass
