@@ -81,6 +81,8 @@ class DataConfig:
     """
 
     path: Optional[str] = None
+    # Held-out HDF5 data for evaluation (with path set); generated data makes its own.
+    eval_path: Optional[str] = None
     max_sequence_length: int = 512
     # Packing depth K; 1 = classic padded BERT (one sequence per row).
     max_sequences_per_pack: int = 3
@@ -136,9 +138,9 @@ class TrainConfig:
     global_batch_size: Optional[int] = None
     # Adapt the unpacked recipe to packing factor p (sequences per pack), see the paper:
     # "none" (the config is already adjusted), "gradient_accumulation" (divide it by p:
-    # same sequences per update), "lamb_betas" (keep the batch, beta := beta ** p).
+    # same sequences per update), "betas" (keep the batch, LAMB beta := beta ** p).
     packing_adjustment: str = field(
-        default="none", metadata=_choices("none", "gradient_accumulation", "lamb_betas")
+        default="none", metadata=_choices("none", "gradient_accumulation", "betas")
     )
     # p for the adjustment; null = measured on the training data (sequences / packs).
     packing_factor: Optional[float] = None
@@ -153,6 +155,9 @@ class TrainConfig:
     # null = runs/<config name>
     output_dir: Optional[str] = None
     tensorboard: bool = True
+    # torch intra-op threads (null = torch's default, one per core). Small models gain
+    # nothing from more threads, and on a shared machine spinning threads stall badly.
+    num_threads: Optional[int] = None
 
 
 @dataclass
@@ -445,9 +450,16 @@ def validate(config: Config, backend: str, world_size: int = 1) -> List[str]:
     return warns
 
 
+class _Dumper(yaml.SafeDumper):
+    """Block style for sections, flow style for lists ([3, 7, 7, 7]) so it reads like our YAML."""
+
+
+_Dumper.add_representer(list, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True))
+
+
 def dump(config: Config) -> str:
     """The resolved config as YAML (what `python -m bert_packed.config NAME` prints)."""
-    return yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None)
+    return yaml.dump(config.to_dict(), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -1,0 +1,152 @@
+"""The ``cpu`` backend: eager fp32, the reference every other backend is tested against.
+
+Data parallel with ``torchrun --nproc_per_node N run.py --backend cpu`` (gloo). Each rank
+runs its own micro-batches; the losses are normalised by the step's GLOBAL counts
+(masked tokens / sequences over all micro-batches of all ranks, see
+bert_packed.losses), so every rank's gradient is its share of the global-mean gradient
+and the ranks' gradients are SUMMED (not averaged) with one all-reduce. The result is
+the same optimizer step a single process takes over the same global batch.
+
+The class is written to be subclassed (the cuda backend does): override the hooks
+``device``, ``dist_backend``, ``autocast``, ``backward``, ``optimizer_step``,
+``wrap_model`` / ``forward_module``.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bert_packed.losses import add_step_normalizers, step_counts
+
+# Summed over micro-batches and ranks (each is already normalised by the global count).
+_NORMALISED = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
+_COUNTS = ("num_sequences", "num_mlm_tokens")
+
+
+class CPUBackend:
+    name = "cpu"
+    device = torch.device("cpu")
+    dist_backend = "gloo"  # process-group backend run.py initialises under torchrun
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    def __init__(self) -> None:
+        self.model = self.optimizer = self.scheduler = self.config = None
+        self.forward_module = None
+
+    # -- hooks (override in subclasses) ----------------------------------------------------
+
+    def autocast(self):
+        """Context manager around the forward pass (fp32 here: nothing)."""
+        return contextlib.nullcontext()
+
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module used for forward calls (e.g. a compiled one); state stays in ``model``."""
+        return model
+
+    def to_device(self, batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
+        return {k: torch.as_tensor(np.ascontiguousarray(v)).to(self.device) for k, v in batch.items()}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> None:
+        """Clip (if configured), update, advance the schedule, clear gradients."""
+        max_norm = self.config.optimizer.max_grad_norm if self.config is not None else None
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- collectives -------------------------------------------------------------------------
+
+    @staticmethod
+    def distributed() -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over ranks in place (no-op in one process)."""
+        if self.distributed():
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def reduce_gradients(self) -> None:
+        """Sum gradients over ranks: one flat all-reduce instead of one per parameter."""
+        if not self.distributed():
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    def prepare(self, model: torch.nn.Module, optimizer: Any, config: Any, scheduler: Optional[Any] = None) -> None:
+        self.model = model.to(self.device)
+        self.optimizer, self.scheduler, self.config = optimizer, scheduler, config
+        if self.distributed():  # every rank starts from rank 0's weights, whatever its seed did
+            for tensor in self.model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        self.forward_module = self.wrap_model(self.model)
+
+    def _normalise(self, micro_batches: List[Dict[str, np.ndarray]]) -> List[Dict[str, np.ndarray]]:
+        """Copy the batches and give every pack the step's global counts (all ranks)."""
+        micro_batches = [dict(b) for b in micro_batches]
+        counts = torch.tensor(step_counts(micro_batches, self.model.config.mlm_loss_normalization), dtype=torch.float64)
+        self.all_reduce_(counts)
+        return add_step_normalizers(micro_batches, totals=(float(counts[0]), float(counts[1])))
+
+    def _run(self, micro_batches: List[Dict[str, np.ndarray]], train: bool) -> Dict[str, float]:
+        sums = torch.zeros(len(_NORMALISED) + len(_COUNTS), dtype=torch.float64)
+        for batch in self._normalise(micro_batches):
+            with self.autocast():
+                out = self.forward_module(**self.to_device(batch))
+            if train:
+                self.backward(out["loss"])
+            sums += torch.stack([out[k].detach().double().cpu() for k in _NORMALISED + _COUNTS])
+        self.all_reduce_(sums)
+        return dict(zip(_NORMALISED + _COUNTS, sums.tolist()))
+
+    def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> Dict[str, float]:
+        self.model.train()
+        metrics = self._run(micro_batches, train=True)
+        self.reduce_gradients()
+        self.optimizer_step()
+        if self.scheduler is not None:
+            metrics["learning_rate"] = float(self.scheduler.get_last_lr()[0])
+        return metrics
+
+    @torch.no_grad()
+    def eval_step(self, batch: Dict[str, np.ndarray]) -> Dict[str, float]:
+        self.model.eval()
+        return self._run([batch], train=False)
+
+    def profile(self, model: torch.nn.Module, batch: Dict[str, np.ndarray], *, num_repeats: int = 5) -> Dict[str, Any]:
+        """Median wall-clock ms of one forward+backward of ``model`` on ``batch`` (after a warm-up)."""
+        model = model.to(self.device).train()
+        tensors = self.to_device(batch)
+        times = []
+        for i in range(num_repeats + 1):
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            with self.autocast():
+                loss = model(**tensors)["loss"]
+            loss.backward()
+            elapsed = (time.perf_counter() - start) * 1e3
+            if i:  # the first call warms up allocators and caches
+                times.append(elapsed)
+        model.zero_grad(set_to_none=True)
+        return {"cost": statistics.median(times), "unit": "ms", "breakdown": None}

@@ -1,0 +1,376 @@
+"""The training loop: data -> backend.train_step -> metrics, evaluation, checkpoints.
+
+One *step* is one optimizer update over the global batch: ``gradient_accumulation``
+micro-batches of ``micro_batch_size`` packs on every data-parallel replica. The backend
+owns the step (see backends/base.py); this module owns everything around it:
+
+- builds the data source (generated or HDF5), measures the packing factor p and applies
+  the configured packing hyperparameter adjustment (divide gradient accumulation by p,
+  or LAMB betas ** p), builds the model, optimizer and learning-rate schedule;
+- logs one JSON line per logged step to ``metrics.jsonl`` (DESIGN §5 fields) and writes
+  ``summary.json`` at the end; throughput counts REAL sequences and tokens (not packs,
+  not padding), timed around ``train_step`` (data generation excluded, reported apart);
+- evaluates every ``eval_every`` steps on held-out data (fields ``eval_*`` in that
+  step's line);
+- checkpoints atomically every ``checkpoint_every`` steps; ``resume=True`` continues
+  from the last checkpoint exactly: same weights, optimizer moments, schedule position,
+  data position and RNG states, so steps k+1... reproduce an uninterrupted run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from bert_packed.config import Config, ConfigError, gradient_accumulation, validate
+from bert_packed.data import build_data_source
+
+METRICS_NAME, SUMMARY_NAME = "metrics.jsonl", "summary.json"
+
+
+# ---------------------------------------------------------------------------------------
+# Building blocks
+
+
+def setup_distributed(backend_cls) -> tuple:
+    """(rank, world_size); joins the torchrun process group when launched by torchrun."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=getattr(backend_cls, "dist_backend", "gloo"))
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def build_model(config: Config):
+    """BertForPreTraining from the model section plus the data section's packed shapes."""
+    from bert_packed.modeling import BertConfig, BertForPreTraining, ModelConfigError
+
+    names = {f.name for f in dataclasses.fields(BertConfig)}
+    values = {k: v for k, v in dataclasses.asdict(config.model).items() if k in names}
+    values["max_sequences_per_pack"] = config.data.max_sequences_per_pack
+    values["max_masked_tokens_per_pack"] = config.data.max_masked_tokens_per_pack
+    try:
+        return BertForPreTraining(BertConfig(**values))
+    except ModelConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def adjust_for_packing(config: Config, packing_factor: float, base_accumulation: int):
+    """(gradient_accumulation, (beta1, beta2)) after train.packing_adjustment with p."""
+    from bert_packed import optim
+
+    o = config.optimizer
+    return optim.adjust_for_packing(
+        config.train.packing_adjustment, packing_factor=packing_factor,
+        gradient_accumulation=base_accumulation, betas=(o.beta1, o.beta2),
+    )
+
+
+def build_optimizer(config: Config, model, betas):
+    from bert_packed import optim
+
+    o = config.optimizer
+    optimizer = optim.build_optimizer(model, o.name, lr=o.learning_rate, betas=betas, eps=o.eps,
+                                      weight_decay=o.weight_decay)
+    scheduler = optim.build_schedule(optimizer, o.schedule, warmup_fraction=o.warmup_fraction,
+                                     total_steps=config.train.steps)
+    return optimizer, scheduler
+
+
+def _write_json_atomic(path: str, obj: Any) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+    """Keep only the lines of steps <= last_step (a resumed run rewrites the rest)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError):
+            break  # a torn last line from the kill
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
+    with os.fdopen(fd, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def _all_reduce_sum(values: List[float]) -> List[float]:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+    return list(values)
+
+
+def _gather(obj: Any) -> List[Any]:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def _real_counts(micro_batches) -> List[float]:
+    """[sequences, packs, tokens] actually present (padding excluded)."""
+    return [float(sum(b["nsp_weights"].sum() for b in micro_batches)),
+            float(sum(b["input_ids"].shape[0] for b in micro_batches)),
+            float(sum((b["sequence_ids"] > 0).sum() for b in micro_batches))]
+
+
+def _evaluate(backend, source, start_state: Dict[str, Any], num_batches: int) -> Dict[str, float]:
+    """Count-weighted means over the first ``num_batches`` micro-batches per rank (the same
+    held-out batches every time, so evaluations are comparable)."""
+    source.load_state_dict(start_state)
+    iterator = iter(source)
+    totals = {"mlm": 0.0, "nsp": 0.0, "mlm_acc": 0.0, "nsp_acc": 0.0, "tokens": 0.0, "sequences": 0.0}
+    for _ in range(num_batches):
+        m = backend.eval_step(next(iterator))
+        totals["mlm"] += m["mlm_loss"] * m["num_mlm_tokens"]
+        totals["mlm_acc"] += m["mlm_accuracy"] * m["num_mlm_tokens"]
+        totals["nsp"] += m["nsp_loss"] * m["num_sequences"]
+        totals["nsp_acc"] += m["nsp_accuracy"] * m["num_sequences"]
+        totals["tokens"] += m["num_mlm_tokens"]
+        totals["sequences"] += m["num_sequences"]
+    tokens, sequences = max(totals["tokens"], 1.0), max(totals["sequences"], 1.0)
+    out = {"eval_mlm_loss": totals["mlm"] / tokens, "eval_nsp_loss": totals["nsp"] / sequences,
+           "eval_mlm_accuracy": totals["mlm_acc"] / tokens, "eval_nsp_accuracy": totals["nsp_acc"] / sequences}
+    out["eval_loss"] = out["eval_mlm_loss"] + out["eval_nsp_loss"]
+    return out
+
+
+class _Progress:
+    """tqdm on a terminal; plain lines (every ``every`` steps) when piped to a file."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.bar = None
+        self.every = max(1, total // 20)
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, line: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        text = (f"loss {line['loss']:.3f} mlm {line['mlm_loss']:.3f} nsp {line['nsp_loss']:.3f} "
+                f"mlm_acc {line['mlm_accuracy']:.3f} {line['sequences_per_second']:.0f} seq/s")
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif step % self.every == 0 or step == self.total or step == 1:
+            print(f"step {step:>5}/{self.total} | {text}", flush=True)
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------
+# The loop
+
+
+def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str] = None,
+          resume: bool = False, show_progress: bool = True) -> Dict[str, Any]:
+    """Train ``config`` on backend ``backend_name``; returns the summary (also in summary.json)."""
+    from backends import get_backend, get_backend_class
+
+    backend_cls = get_backend_class(backend_name)
+    rank, world_size = setup_distributed(backend_cls)
+    t = config.train
+    warnings = validate(config, backend_name, world_size)
+    backend = get_backend(backend_name)
+    is_main = rank == 0
+    for line in warnings if is_main else ():
+        print(f"warning: {line}", file=sys.stderr)
+    output_dir = output_dir or t.output_dir or os.path.join("runs", config.name)
+    if is_main:
+        os.makedirs(output_dir, exist_ok=True)
+
+    if t.num_threads is not None:
+        torch.set_num_threads(t.num_threads)
+    random.seed(t.seed)
+    np.random.seed(t.seed)
+    torch.manual_seed(t.seed)
+
+    # Data first: the packing factor of the data decides the hyperparameter adjustment.
+    source = build_data_source(config, split="train", micro_batch_size=t.micro_batch_size, rank=rank,
+                               world_size=world_size)
+    packing_factor = t.packing_factor or source.packing_factor
+    base_accumulation = gradient_accumulation(config, backend_name, world_size)
+    accumulation, betas = adjust_for_packing(config, packing_factor, base_accumulation)
+    # The backends read the effective values from the config.
+    config.train.gradient_accumulation, config.train.global_batch_size = accumulation, None
+    config.optimizer.beta1, config.optimizer.beta2 = betas
+
+    model = build_model(config)
+    optimizer, scheduler = build_optimizer(config, model, betas)
+    backend.prepare(model, optimizer, config, scheduler=scheduler)
+    micro_batches_per_step = getattr(backend, "micro_batches_per_step", accumulation)
+    steps_per_call = getattr(backend, "steps_per_call", 1)
+
+    eval_source = eval_start = None
+    if t.eval_every > 0:
+        eval_source = build_data_source(config, split="eval", micro_batch_size=t.micro_batch_size, rank=rank,
+                                        world_size=world_size)
+        eval_start = eval_source.state_dict()
+
+    metrics_path = os.path.join(output_dir, METRICS_NAME)
+    checkpoint_path = os.path.join(output_dir, CHECKPOINT_NAME)
+    start_step, totals = 0, {"sequences": 0.0, "packs": 0.0, "tokens": 0.0, "seconds": 0.0, "data_seconds": 0.0}
+    if resume and os.path.exists(checkpoint_path):
+        state = load_checkpoint(checkpoint_path)
+        if state["world_size"] != world_size:
+            raise ConfigError(f"checkpoint was written by {state['world_size']} processes, this run has {world_size}; "
+                              "resume with the same number of processes")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state.get("scheduler") is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        source.load_state_dict(state["data"][rank])
+        set_rng_state(state["rng"][rank])
+        start_step, totals = state["step"], state["totals"]
+        if is_main:
+            _truncate_metrics(metrics_path, start_step)
+    elif is_main:
+        if resume:
+            print(f"note: no checkpoint in {output_dir}; starting from step 0", file=sys.stderr)
+        open(metrics_path, "w").close()
+
+    writer = None
+    if is_main and t.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        except Exception:  # tensorboard not installed: optional
+            writer = None
+
+    progress = _Progress(t.steps, start_step, enabled=is_main and show_progress)
+    if is_main and show_progress and start_step == 0:
+        progress.write(
+            f"training {config.name} on {backend_name} x{world_size}: {t.steps} steps of "
+            f"{micro_batches_per_step * world_size} x {t.micro_batch_size} packs "
+            f"(S={config.data.max_sequence_length}, K={config.data.max_sequences_per_pack}, "
+            f"{packing_factor:.2f} sequences/pack), output {output_dir}")
+    iterator = iter(source)
+    first_line = last_line = None
+    step = start_step
+    timed = {"sequences": 0.0, "tokens": 0.0, "seconds": 0.0}  # this invocation, first step excluded
+    while step < t.steps:
+        calls = min(steps_per_call, t.steps - step)
+        data_start = time.perf_counter()
+        micro_batches = [next(iterator) for _ in range(micro_batches_per_step * calls)]
+        data_seconds = time.perf_counter() - data_start
+        start = time.perf_counter()
+        results = backend.train_step(micro_batches)
+        seconds = time.perf_counter() - start
+        results = results if isinstance(results, list) else [results]
+        per_step = len(micro_batches) // len(results)
+        for i, metrics in enumerate(results):
+            step += 1
+            counts = _all_reduce_sum(_real_counts(micro_batches[i * per_step:(i + 1) * per_step]))
+            step_seconds = seconds / len(results)
+            line = {
+                "step": step, "loss": metrics["loss"], "mlm_loss": metrics["mlm_loss"], "nsp_loss": metrics["nsp_loss"],
+                "mlm_accuracy": metrics["mlm_accuracy"], "nsp_accuracy": metrics["nsp_accuracy"],
+                "sequences": int(counts[0]), "packs": int(counts[1]), "tokens": int(counts[2]),
+                "seconds": step_seconds, "data_seconds": data_seconds / len(results),
+                "sequences_per_second": counts[0] / step_seconds, "tokens_per_second": counts[2] / step_seconds,
+            }
+            if "learning_rate" in metrics:
+                line["learning_rate"] = metrics["learning_rate"]
+            for key, total in zip(("sequences", "packs", "tokens"), counts):
+                totals[key] += total
+            totals["seconds"] += step_seconds
+            totals["data_seconds"] += line["data_seconds"]
+            if step > start_step + 1 or t.steps - start_step == 1:
+                timed["sequences"] += counts[0]
+                timed["tokens"] += counts[2]
+                timed["seconds"] += step_seconds
+            if eval_source is not None and (step % t.eval_every == 0 or step == t.steps):
+                line.update(_evaluate(backend, eval_source, eval_start, t.eval_batches))
+                progress.write(f"step {step}: eval loss {line['eval_loss']:.4f} "
+                               f"mlm_acc {line['eval_mlm_accuracy']:.4f}")
+            first_line = first_line or line
+            last_line = line
+            if is_main and (step % t.log_every == 0 or step == t.steps):
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+                if writer is not None:
+                    for key, value in line.items():
+                        if key != "step":
+                            writer.add_scalar(key, value, step)
+            progress.update(step, line)
+            if t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps):
+                _checkpoint(checkpoint_path, step, model, optimizer, scheduler, source, totals, config, world_size,
+                            is_main)
+    progress.close()
+    if writer is not None:
+        writer.close()
+
+    summary = {
+        "config": config.name, "backend": backend_name, "world_size": world_size, "steps": t.steps,
+        "micro_batch_size": t.micro_batch_size, "gradient_accumulation": accumulation,
+        "packs_per_step": micro_batches_per_step * world_size * t.micro_batch_size,
+        "max_sequence_length": config.data.max_sequence_length,
+        "max_sequences_per_pack": config.data.max_sequences_per_pack,
+        "packing_algorithm": config.data.packing_algorithm, "packing_factor": packing_factor,
+        "packing_adjustment": t.packing_adjustment, "betas": list(betas),
+        "data_packing": getattr(source, "packing", None),
+        "total_sequences": totals["sequences"], "total_tokens": totals["tokens"], "total_packs": totals["packs"],
+        "train_seconds": totals["seconds"], "data_seconds": totals["data_seconds"],
+        # Throughput of this invocation without its first (warm-up) step.
+        "sequences_per_second": timed["sequences"] / timed["seconds"] if timed["seconds"] else None,
+        "tokens_per_second": timed["tokens"] / timed["seconds"] if timed["seconds"] else None,
+        "first": first_line, "last": last_line,
+        "resumed_from_step": start_step if resume else None,
+        "config_resolved": config.to_dict(),
+    }
+    if is_main:
+        _write_json_atomic(os.path.join(output_dir, SUMMARY_NAME), summary)
+    return summary
+
+
+def _checkpoint(path, step, model, optimizer, scheduler, source, totals, config, world_size, is_main) -> None:
+    # Every rank contributes its data position and RNG state; rank 0 writes the file.
+    data_states = _gather(source.state_dict())
+    rng_states = _gather(rng_state())
+    if is_main:
+        save_checkpoint(path, {
+            "step": step, "world_size": world_size, "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "data": data_states, "rng": rng_states, "totals": dict(totals), "config": config.to_dict(),
+        })
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
