@@ -45,7 +45,7 @@ def read_documents(input_paths, vocab_path, *, lowercase=True, batch_lines=4096,
     from tokenizers import BertWordPieceTokenizer
 
     load_vocab(vocab_path)  # checks the special tokens with a clear message
-    tokenizer = BertWordPieceTokenizer(vocab_path, clean_text=True, handle_chinese_chars=True,
+    tokenizer = BertWordPieceTokenizer(os.fspath(vocab_path), clean_text=True, handle_chinese_chars=True,
                                        strip_accents=None, lowercase=lowercase)
     documents = [[]]
 
@@ -244,6 +244,7 @@ def create_pretraining_file(input_paths, vocab_path, output_path, *, max_seq_len
         raise DataError(f"--dupe-factor must be at least 1, got {dupe_factor}")
     if not 0 < masked_lm_prob < 1 or not 0 <= short_seq_prob <= 1:
         raise DataError("--masked-lm-prob must be in (0, 1) and --short-seq-prob in [0, 1]")
+    vocab_path = os.fspath(vocab_path)
     vocab = load_vocab(vocab_path)
     documents = read_documents(input_paths, vocab_path, lowercase=lowercase,
                                show_progress=show_progress)
