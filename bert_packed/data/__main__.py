@@ -48,7 +48,9 @@ def _parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-packs", type=int, default=8192, help="packs written per chunk (memory bound)")
     p.add_argument("--compression", default="gzip", choices=["gzip", "lzf", "none"])
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress bars on stderr (default: when stderr is a terminal)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
 
     p = commands.add_parser("stats", help="length histogram and padding of an HDF5 file")
     p.add_argument("file")
@@ -91,7 +93,8 @@ def main(argv=None):
                               max_sequence_length=args.max_sequence_length,
                               max_masked_tokens_per_pack=args.max_masked_tokens_per_pack,
                               seed=args.seed, chunk_packs=args.chunk_packs,
-                              compression=args.compression, show_progress=not args.no_progress)
+                              compression=args.compression,
+                              show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
             print(f"wrote {args.output}: {stats['num_sequences']} sequences in {stats['num_packs']} "
                   f"packs ({stats['algorithm']}, depth <= {stats['max_sequences_per_pack']}), "
                   f"packing factor {stats['packing_factor']:.3f}, efficiency "
