@@ -110,13 +110,15 @@ class CPUBackend:
         return add_step_normalizers(micro_batches, totals=(float(counts[0]), float(counts[1])))
 
     def _run(self, micro_batches: List[Dict[str, np.ndarray]], train: bool) -> Dict[str, float]:
-        sums = torch.zeros(len(_NORMALISED) + len(_COUNTS), dtype=torch.float64)
+        # Accumulate on the device and copy once: a .cpu() per micro-batch would stall a GPU.
+        sums = torch.zeros(len(_NORMALISED) + len(_COUNTS), dtype=torch.float64, device=self.device)
         for batch in self._normalise(micro_batches):
             with self.autocast():
                 out = self.forward_module(**self.to_device(batch))
             if train:
                 self.backward(out["loss"])
-            sums += torch.stack([out[k].detach().double().cpu() for k in _NORMALISED + _COUNTS])
+            sums += torch.stack([out[k].detach().double() for k in _NORMALISED + _COUNTS])
+        sums = sums.cpu()
         self.all_reduce_(sums)
         return dict(zip(_NORMALISED + _COUNTS, sums.tolist()))
 

@@ -205,11 +205,13 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
     """Train ``config`` on backend ``backend_name``; returns the summary (also in summary.json)."""
     from backends import get_backend, get_backend_class
 
-    backend_cls = get_backend_class(backend_name)
-    rank, world_size = setup_distributed(backend_cls)
     t = config.train
-    warnings = validate(config, backend_name, world_size)
+    # Validate before touching the backend, so config mistakes are reported the same way
+    # whether or not the backend can run here.
+    warnings = validate(config, backend_name, int(os.environ.get("WORLD_SIZE", "1")))
+    backend_cls = get_backend_class(backend_name)
     backend = get_backend(backend_name)
+    rank, world_size = setup_distributed(backend_cls)
     is_main = rank == 0
     for line in warnings if is_main else ():
         print(f"warning: {line}", file=sys.stderr)
@@ -308,8 +310,9 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
                 "seconds": step_seconds, "data_seconds": data_seconds / len(results),
                 "sequences_per_second": counts[0] / step_seconds, "tokens_per_second": counts[2] / step_seconds,
             }
-            if "learning_rate" in metrics:
-                line["learning_rate"] = metrics["learning_rate"]
+            # Backend-specific extras (learning_rate, loss_scale, recompiles, ...) pass through.
+            line.update({k: v for k, v in metrics.items() if k not in line and not k.startswith("num_")
+                         and isinstance(v, (int, float))})
             for key, total in zip(("sequences", "packs", "tokens"), counts):
                 totals[key] += total
             totals["seconds"] += step_seconds
