@@ -1,0 +1,26 @@
+"""The ``mock`` backend: the IPU code path (ipu/backend.py) on the IPU-free poptorch stand-in.
+
+Identical to ``backends/ipu.py`` except for the module it passes in. It proves that the
+options, pipeline annotations, batching, accumulation/replication and optimizer wiring are
+consistent and give the same training step as the cpu backend; it says nothing about IPU
+speed, memory or compilation (its cycle counts are cost-model estimates). See docs/ipu.md.
+"""
+from __future__ import annotations
+
+import ipu.mock_popart as mock_popart
+import ipu.mock_poptorch as mock_poptorch
+from ipu.backend import PopTorchBackend, install_mock_cycle_estimator
+from ipu.options import import_popdist
+
+
+class MockBackend(PopTorchBackend):
+    name = "mock"
+    cost_unit = "estimated cycles"
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    def __init__(self) -> None:
+        install_mock_cycle_estimator(mock_poptorch)
+        super().__init__(poptorch=mock_poptorch, popart=mock_popart, popdist=import_popdist())

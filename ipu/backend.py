@@ -1,0 +1,319 @@
+"""The IPU backend, written once against a ``poptorch`` module: the real one (``backends/ipu.py``)
+or the IPU-free mock (``backends/mock.py``). Everything but that import is shared.
+
+One PopTorch call = ``device_iterations`` optimizer steps. The loop hands ``train_step`` the
+micro-batches of those steps as a flat list (step-major; within a step replica-major:
+``micro_batches[s*n + r*GA + j]`` is replica r's j-th micro-batch of step s, n = GA x R). They are
+stacked into PopTorch's host layout ``[device_iterations, GA, replica, micro_batch, ...]``.
+
+Loss normalisation (docs/internals.md): every pack carries the step's global counts
+(``mlm_normalizer``/``nsp_normalizer``), so the model's loss on a micro-batch is its *share* of
+the step loss and the step's gradient is the SUM of the micro-batch gradients. PopTorch reduces
+with ``ReductionType.Mean`` (Graphcore's choice and the default): the device gradient is the
+mean over the GA x R_total micro-batches. We keep Mean and multiply the loss PopTorch
+differentiates by ``GA x R_total``, so the mean of the scaled gradients equals the sum of the
+unscaled ones: the same step as the cpu backend. Why not ``ReductionType.Sum`` with no scale:
+with the global normaliser each micro-batch's gradient is ~1/(GA x R) of an ordinary one
+(1/4096 at phase 2), which in fp16 underflows; scaled, each micro-batch's loss and gradient
+have the magnitude of an ordinary per-micro-batch mean, which is what fp16 loss scaling is
+tuned for. The reported metrics are the unscaled shares, summed over micro-batches.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from bert_packed.config import ConfigError
+from bert_packed.losses import add_step_normalizers, step_counts
+from ipu import options as ipu_options
+from ipu import pipeline
+
+_COUNT_METRICS = ("num_sequences", "num_mlm_tokens")
+
+
+def _bert_config(model):
+    """The ``BertConfig`` of a (possibly wrapped) BERT model, or None."""
+    for candidate in (model, getattr(model, "model", None)):
+        config = getattr(candidate, "config", None)
+        if config is not None and hasattr(config, "num_hidden_layers"):
+            return config
+    return None
+
+
+def estimate_run_cycles(info: Dict[str, Any]) -> Dict[str, Any]:
+    """Estimated GC200 cycles of one PopTorch run (first replica) from ``ipu.cost_model``.
+
+    ``info``: ``model``, ``signature`` [(path, micro-batch shape, dtype)], ``pipeline`` (the
+    executor's plan), ``training``, ``device_iterations``, ``gradient_accumulation``, and
+    optionally ``layers_per_ipu`` and ``precision``. The cost model gives one micro-batch's
+    cycles on the bottleneck stage; a run streams device_iterations x GA micro-batches through
+    the pipeline, so it is that many times one (steady state: pipeline ramp-up and the weight
+    update are not modelled). Returns {"total", "per_micro_batch", "breakdown", "unit"}.
+    """
+    from ipu.cost_model import estimate_cycles  # profiling helper's model (no import cycle at module load)
+
+    config = _bert_config(info["model"])
+    if config is None:
+        raise ConfigError("the cycle estimate knows BERT only: the model has no BERT config")
+    shapes = {path.split("'")[1]: shape for path, shape, _ in info["signature"] if "'" in path}
+    missing = [k for k in ("input_ids", "nsp_weights", "mlm_positions") if k not in shapes]
+    if missing:
+        raise ConfigError(f"the cycle estimate needs the batch fields {missing}")
+    micro_batch_size, sequence_length = shapes["input_ids"]
+    max_sequences_per_pack = shapes["nsp_weights"][1]
+    plan = info.get("pipeline") or {}
+    layers_per_ipu = info.get("layers_per_ipu")
+    if layers_per_ipu is None and plan.get("blocks"):
+        counts = [0] * plan["num_ipus_per_replica"]
+        for block_id, ipu_id, _ in plan["blocks"]:
+            if str(block_id).startswith("Encoder"):
+                counts[ipu_id] += 1
+        layers_per_ipu = counts
+    precision = info.get("precision")
+    if precision is None:
+        dtype = next(info["model"].parameters()).dtype
+        precision = "fp16" if dtype == torch.float16 else "fp32"
+    estimate = estimate_cycles(
+        config, micro_batch_size=int(micro_batch_size), sequence_length=int(sequence_length),
+        max_sequences_per_pack=int(max_sequences_per_pack), packed=max_sequences_per_pack > 1,
+        num_ipus_per_replica=len(layers_per_ipu) if layers_per_ipu else 1, training=bool(info["training"]),
+        layers_per_ipu=list(layers_per_ipu) if layers_per_ipu else None, precision=precision,
+        max_masked_tokens_per_pack=int(shapes["mlm_positions"][1]))
+    num_micro_batches = int(info["device_iterations"]) * int(info["gradient_accumulation"])
+    return {"total": int(estimate["total"]) * num_micro_batches, "per_micro_batch": int(estimate["total"]),
+            "breakdown": estimate.get("breakdown"), "unit": "estimated cycles"}
+
+
+def stack_host_batch(micro_batches: List[Dict[str, np.ndarray]], *, num_steps: int, gradient_accumulation: int,
+                     num_replicas: int) -> Dict[str, torch.Tensor]:
+    """Micro-batches (step-major, then replica-major) -> PopTorch's host batch per field.
+
+    Row order of the result: [step (device iteration), accumulation step, replica, pack].
+    """
+    per_step = gradient_accumulation * num_replicas
+    order = [s * per_step + r * gradient_accumulation + j
+             for s in range(num_steps) for j in range(gradient_accumulation) for r in range(num_replicas)]
+    fields = micro_batches[0].keys()
+    host = {}
+    for name in fields:
+        arrays = [np.asarray(micro_batches[i][name]) for i in order]
+        shapes = {a.shape for a in arrays}
+        if len(shapes) != 1:
+            raise ConfigError(f"micro-batches of one call differ in the shape of {name!r} ({sorted(shapes)}); "
+                              f"the IPU path needs fixed shapes")
+        stacked = np.concatenate(arrays, axis=0)
+        if stacked.dtype.kind == "f":
+            stacked = stacked.astype(np.float32)  # normalisers stay fp32 (counts can exceed fp16)
+        host[name] = torch.from_numpy(np.ascontiguousarray(stacked))
+    return host
+
+
+class PopTorchBackend:
+    """Backend protocol (backends/base.py) on PopTorch. Subclasses choose the ``poptorch`` module."""
+
+    name = "ipu"
+    cost_unit = "cycles"
+
+    def __init__(self, poptorch=None, popart=None, popdist=None) -> None:
+        self.poptorch = poptorch
+        self.popart = popart
+        self.popdist = popdist
+        self.model = self.config = self.scheduler = None
+        self.host_optimizer = self.optimizer = None
+        self.training_model = self.inference_model = None
+        self.micro_batches_per_step = 1
+        self.steps_per_call = 1
+
+    @staticmethod
+    def process_shard():
+        """(instance index, number of instances) under PopRun, else None (see ipu.options.data_shard)."""
+        popdist = ipu_options.import_popdist()
+        return None if popdist is None else ipu_options.data_shard(popdist)
+
+    # -- setup --------------------------------------------------------------------------------
+    def prepare(self, model, optimizer, config, scheduler=None, **kwargs) -> None:
+        """Annotate, cast and wrap ``model`` for PopTorch; replace ``optimizer`` by PopTorch's.
+
+        The loop's ``scheduler`` keeps driving ``optimizer`` (the host one); after every call the
+        new learning rates are copied over and pushed with ``setOptimizer`` (PopTorch only sees
+        hyperparameter changes pushed that way, and only between calls).
+        """
+        poptorch, ipu = self.poptorch, config.ipu
+        if ipu.output_mode in ("final", "default"):
+            raise ConfigError(f"ipu.output_mode={ipu.output_mode} returns only the last micro-batch per replica "
+                              f"in training, so the step's loss can't be reported; use sum or all")
+        if self.popdist is not None and self.popdist.getNumInstances() > 1 and not (
+                torch.distributed.is_available() and torch.distributed.is_initialized()):
+            # The loss normalisers are the step's counts over ALL instances; without a process
+            # group they would be per instance and the step num_instances times too large.
+            raise ConfigError("PopRun with several instances needs torch.distributed initialised (for the "
+                              "step's global counts); see docs/ipu.md, or run one instance")
+        self.config, self.scheduler, self.host_optimizer = config, scheduler, optimizer
+        ga = config.train.gradient_accumulation
+        self.micro_batches_per_step = ga * ipu.replication_factor
+        self.steps_per_call = ipu.device_iterations
+        self.model = pipeline.parallelize(model, ipu, poptorch)
+        if ipu.half_precision:
+            self.model.half()
+        self.model.train()
+        self.optimizer = pipeline.build_optimizer(optimizer, poptorch, config)
+        num_total = ipu_options.num_total_replicas(config, self.popdist)
+        wrapper = pipeline.TrainingWrapper(self.model, poptorch, loss_multiplier=ga * num_total)
+        opts = ipu_options.build_options(poptorch, config, training=True, popdist=self.popdist, popart=self.popart)
+        self.training_model = poptorch.trainingModel(wrapper, opts, optimizer=self.optimizer)
+
+    # -- training -----------------------------------------------------------------------------
+    def _normalise(self, step_batches):
+        """The step's global counts in every pack (kept if the loop already filled them)."""
+        if all("mlm_normalizer" in b and "nsp_normalizer" in b for b in step_batches):
+            return step_batches
+        step_batches = [dict(b) for b in step_batches]
+        counts = torch.tensor(step_counts(step_batches, self.model.config.mlm_loss_normalization), dtype=torch.float64)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts)  # PopRun instances: counts over all of them
+        return add_step_normalizers(step_batches, totals=(float(counts[0]), float(counts[1])))
+
+    def _switch_to(self, executor, other) -> None:
+        """Only one executable holds the IPUs: detach the other one (weights go to the host)."""
+        if other is not None and other.isAttachedToDevice():
+            other.copyWeightsToHost()
+            other.detachFromDevice()
+            if executor.isCompiled():
+                executor.copyWeightsToDevice()
+
+    def train_step(self, micro_batches):
+        n, num_steps = self.micro_batches_per_step, self.steps_per_call
+        if len(micro_batches) != n * num_steps:
+            raise ConfigError(f"train_step got {len(micro_batches)} micro-batches; the IPU path needs "
+                              f"device_iterations x gradient_accumulation x replicas = {num_steps} x {n}")
+        batches = []
+        for s in range(num_steps):
+            batches += self._normalise(micro_batches[s * n:(s + 1) * n])
+        host = stack_host_batch(batches, num_steps=num_steps, gradient_accumulation=self.config.train.gradient_accumulation,
+                                num_replicas=self.config.ipu.replication_factor)
+        self._switch_to(self.training_model, self.inference_model)
+        learning_rate = float(self.optimizer.param_groups[0]["lr"])
+        outputs = self.training_model(**host)
+        per_step = self._step_metrics(outputs[1:], num_steps)
+        if self.scheduler is not None:
+            with warnings.catch_warnings():
+                # The host optimizer never steps (the device does), which torch's scheduler
+                # would otherwise report as "scheduler.step() before optimizer.step()".
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                for _ in range(num_steps):
+                    self.scheduler.step()
+            pipeline.sync_learning_rates(self.host_optimizer, self.optimizer)
+            self.training_model.setOptimizer(self.optimizer)
+        for metrics in per_step:
+            metrics["learning_rate"] = learning_rate
+        return per_step if num_steps > 1 else per_step[0]
+
+    def _step_metrics(self, outputs, num_steps) -> List[Dict[str, float]]:
+        """Per-step metrics from the wrapper's outputs under the configured OutputMode.
+
+        ``all``: one value per micro-batch in [step, GA, replica] order -> sum each step's.
+        ``sum``: per replica, summed over steps and accumulation -> the call's total; with
+        several steps per call their mean is reported for each (the split is not returned).
+        """
+        values = {}
+        for name, tensor in zip(pipeline.METRIC_NAMES, outputs):
+            flat = tensor.detach().double().reshape(-1)
+            if self.config.ipu.output_mode == "all":
+                values[name] = flat.reshape(num_steps, -1).sum(dim=1).tolist()
+            else:
+                values[name] = [float(flat.sum()) / num_steps] * num_steps
+        return [{name: values[name][s] for name in values} for s in range(num_steps)]
+
+    # -- evaluation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_step(self, batch):
+        """Metrics of one micro-batch on one replica, forward only (its own executable).
+
+        Sharded (not pipelined) execution: a pipelined inference run needs at least as many
+        micro-batches as stages, and evaluation gets one.
+        """
+        poptorch = self.poptorch
+        if self.inference_model is None:
+            opts = ipu_options.build_options(poptorch, self.config, training=False, popdist=None, popart=self.popart,
+                                             device_iterations=1, replication_factor=1)
+            opts.setExecutionStrategy(poptorch.ShardedExecution(poptorch.AutoStage.AutoIncrement))
+            opts.outputMode(poptorch.OutputMode.All)
+            self.inference_model = poptorch.inferenceModel(pipeline.EvalWrapper(self.model), opts)
+        batch = self._normalise([batch])[0]
+        host = stack_host_batch([batch], num_steps=1, gradient_accumulation=1, num_replicas=1)
+        self._switch_to(self.inference_model, self.training_model)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            outputs = self.inference_model(**host)
+        finally:
+            self.model.train(was_training)
+        return {name: float(t.double().sum()) for name, t in zip(pipeline.METRIC_NAMES, outputs)}
+
+    # -- profiling ----------------------------------------------------------------------------
+    def profile(self, model, batch, *, num_repeats: int = 5, profile_dir: Optional[str] = None,
+                config=None) -> Dict[str, Any]:
+        """Cycles of one micro-batch forward+backward of ``model`` on ``batch`` (one replica).
+
+        Through the IPU path: options with ``logCycleCount(True)``, the pipeline annotations, one
+        run of the smallest accumulation the pipeline accepts (2 x stages - 1 micro-batches, the
+        same ``batch`` repeated), ``cycleCount()`` divided by the micro-batches of the run. On
+        the mock with a model on the meta device (nothing to execute) the same cost model is
+        asked directly with the same shapes and layout.
+        """
+        from bert_packed.config import Config
+        config = config or self.config or Config()
+        ipu = config.ipu
+        num_ipus = ipu.ipus_per_replica
+        # One forward stage per IPU plus the heads back on IPU 0 (when there is more than one IPU).
+        num_stages = num_ipus + 1 if num_ipus > 1 else 1
+        ga = 2 * num_stages - 1
+        precision = "fp16" if ipu.half_precision else "fp32"
+        on_meta = any(p.is_meta for p in model.parameters())
+        result = {"unit": self.cost_unit}
+        if profile_dir:
+            result["profile_dir"] = profile_dir
+        if on_meta:
+            if not getattr(self.poptorch, "IS_MOCK", False):
+                raise ConfigError("profile() needs a model with real weights on IPU hardware (got the meta device)")
+            signature = [(f"kwargs[{name!r}]", tuple(np.asarray(v).shape), None) for name, v in batch.items()]
+            estimate = estimate_run_cycles({
+                "model": model, "signature": signature, "pipeline": None, "training": True,
+                "device_iterations": 1, "gradient_accumulation": 1, "layers_per_ipu": list(ipu.layers_per_ipu),
+                "precision": precision})
+            result.update(cost=float(estimate["total"]), breakdown=estimate["breakdown"], cycle_count_logged=False)
+            return result
+        # A copy: the annotations and casts below must not leak into the caller's model.
+        model = pipeline.parallelize(copy.deepcopy(model), ipu, self.poptorch)
+        if ipu.half_precision:
+            model.half()
+        model.train()
+        opts = ipu_options.build_options(self.poptorch, config, training=True, popdist=None, popart=self.popart,
+                                         log_cycle_count=True, profile_dir=profile_dir, device_iterations=1,
+                                         gradient_accumulation=ga, replication_factor=1)
+        optimizer = self.poptorch.optim.SGD(model.parameters(), lr=0.0)  # measure, don't train
+        executor = self.poptorch.trainingModel(pipeline.TrainingWrapper(model, self.poptorch), opts, optimizer=optimizer)
+        batch = self._normalise([dict(batch)])[0]
+        host = stack_host_batch([batch] * ga, num_steps=1, gradient_accumulation=ga, num_replicas=1)
+        costs = []
+        try:
+            for _ in range(max(1, num_repeats)):
+                executor(**host)
+                costs.append(executor.cycleCount() / ga)
+        finally:
+            executor.destroy()
+        result.update(cost=float(np.median(costs)), breakdown=None, cycle_count_logged=True)
+        if getattr(self.poptorch, "IS_MOCK", False):
+            info = dict(executor._last_run_info, precision=precision)
+            result["breakdown"] = estimate_run_cycles(info)["breakdown"]
+        return result
+
+
+def install_mock_cycle_estimator(mock_poptorch) -> None:
+    """Make the mock's ``cycleCount()`` return ``estimate_run_cycles(...)["total"]``."""
+    mock_poptorch.set_cycle_estimator(lambda info: estimate_run_cycles(info)["total"])
+

@@ -1,0 +1,128 @@
+"""``poptorch.Options`` from the config's ``ipu`` section (and ``train`` for accumulation and seed).
+
+Written against a ``poptorch`` module passed in, so the same lines configure the real PopTorch
+(``--backend ipu``) and the IPU-free mock (``--backend mock``). The choices follow Graphcore's
+PopTorch BERT (``ipu_options.py``): pipelined execution with ``AutoStage.AutoIncrement`` (so the
+heads can return to IPU 0 as a last stage), Mean reduction over accumulation and replicas,
+optimizer state in Streaming Memory with replicated tensor sharding, half partials and
+stochastic rounding for fp16 training.
+
+Multi-host: under PopRun (``poprun --num-instances N --num-replicas R ...``) the popdist
+environment is set; then the options come from ``popdist.poptorch.Options(ipus_per_replica=...)``,
+which sets this instance's replicas and ``Distributed`` process id, and ``data_shard`` tells the
+data pipeline which share of the data this instance reads.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+from bert_packed.config import ConfigError
+
+# config ipu.output_mode -> poptorch.OutputMode member name ("default" leaves PopTorch's default)
+OUTPUT_MODES = {"all": "All", "sum": "Sum", "final": "Final"}
+
+
+def import_popdist() -> Optional[Any]:
+    """The ``popdist`` module of the Poplar SDK when running under PopRun, else None."""
+    try:
+        import popdist  # noqa: F401  (Poplar SDK only)
+        import popdist.poptorch  # noqa: F401
+    except ImportError:
+        return None
+    return popdist if popdist.isPopdistEnvSet() else None
+
+
+def data_shard(popdist: Optional[Any] = None) -> Tuple[int, int]:
+    """``(instance_index, num_instances)``: which share of the data this host process reads.
+
+    Every PopRun instance feeds its own replicas, so instance i reads every num_instances-th
+    pack group starting at i (``(0, 1)`` without PopRun).
+    """
+    if popdist is None:
+        return 0, 1
+    return int(popdist.getInstanceIndex()), int(popdist.getNumInstances())
+
+
+def num_total_replicas(config, popdist: Optional[Any] = None) -> int:
+    """Replicas over all PopRun instances (what PopTorch's Mean reduction averages over)."""
+    if popdist is None:
+        return config.ipu.replication_factor
+    return int(popdist.getNumTotalReplicas())
+
+
+def build_options(poptorch, config, *, training: bool = True, popdist: Optional[Any] = None,
+                  popart: Optional[Any] = None, log_cycle_count: Optional[bool] = None,
+                  profile_dir: Optional[str] = None, device_iterations: Optional[int] = None,
+                  gradient_accumulation: Optional[int] = None, replication_factor: Optional[int] = None):
+    """A ``poptorch.Options`` for ``config`` (a ``bert_packed.config.Config``).
+
+    Keyword overrides exist for the backend's own uses (profiling, evaluation); by default
+    every value comes from the config: ``ipu.*`` plus ``train.gradient_accumulation`` (per
+    replica, already packing-adjusted by the loop) and ``train.seed``.
+    """
+    ipu = config.ipu
+    rf = ipu.replication_factor if replication_factor is None else replication_factor
+    if popdist is not None:
+        opts = popdist.poptorch.Options(ipus_per_replica=ipu.ipus_per_replica)
+        local = int(popdist.getNumLocalReplicas())
+        if rf != local:
+            raise ConfigError(f"ipu.replication_factor={rf} but PopRun gives this instance {local} replicas; "
+                              f"use --set ipu.replication_factor={local} (replicas per instance)")
+    else:
+        opts = poptorch.Options()
+        opts.replicationFactor(rf)
+    opts.autoRoundNumIPUs(ipu.auto_round_num_ipus)
+    opts.deviceIterations(ipu.device_iterations if device_iterations is None else device_iterations)
+    opts.randomSeed(int(config.train.seed))
+
+    if training:
+        ga = config.train.gradient_accumulation if gradient_accumulation is None else gradient_accumulation
+        opts.Training.gradientAccumulation(ga)
+        # Mean over accumulation and replicas (PopTorch's default, made explicit): the backend
+        # scales each micro-batch's loss by the number of micro-batches so that the mean of the
+        # gradients is the global-count-normalised gradient (see ipu/backend.py).
+        opts.Training.accumulationAndReplicationReductionType(poptorch.ReductionType.Mean)
+
+    if ipu.output_mode != "default":
+        opts.outputMode(getattr(poptorch.OutputMode, OUTPUT_MODES[ipu.output_mode]))
+
+    # New stage for every block, so the heads' block on IPU 0 after the last encoder IPU is a
+    # later pipeline stage instead of an out-of-order stage 0 (AutoStage.SameAsIpu).
+    opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
+    proportions = ipu.available_memory_proportion
+    if len(proportions) == 1:
+        proportions = proportions * ipu.ipus_per_replica
+    opts.setAvailableMemoryProportion({f"IPU{i}": float(p) for i, p in enumerate(proportions)})
+
+    opts.Precision.setPartialsType(torch.half if ipu.enable_half_partials else torch.float)
+    opts.Precision.enableStochasticRounding(bool(ipu.stochastic_rounding))
+
+    if ipu.executable_cache_dir:
+        opts.enableExecutableCaching(ipu.executable_cache_dir)
+    if ipu.synthetic_data:
+        opts.enableSyntheticData(True)
+    opts.logCycleCount(bool(ipu.log_cycle_count if log_cycle_count is None else log_cycle_count))
+    if profile_dir:
+        opts.enableProfiling(profile_dir)
+
+    # Optimizer state (LAMB's two moments: 2x the weights) in Streaming Memory, sharded over
+    # the replicas so each only streams its 1/R share; sharding needs more than one replica.
+    sharded = bool(ipu.replicated_tensor_sharding) and num_total_replicas(config, popdist) > 1
+    opts.TensorLocations.setOptimizerLocation(
+        poptorch.TensorLocationSettings()
+        .useOnChipStorage(not ipu.optimizer_state_offchip)
+        .useReplicatedTensorSharding(sharded))
+
+    if training and ipu.ipus_per_replica > 1:
+        # Graphcore BERT's PopART settings for pipelined accumulation: no host streams for the
+        # accumulators, the outer (weight-update) fragment scheduled to save memory, except on
+        # IPU 0 (embeddings + heads, the fullest), and subgraph copies just in time.
+        opts._Popart.set("disableGradAccumulationTensorStreams", True)
+        opts._Popart.set("accumulateOuterFragmentSettings.schedule",
+                         int(popart.AccumulateOuterFragmentSchedule.OverlapMemoryOptimized) if popart else 3)
+        opts._Popart.set("accumulateOuterFragmentSettings.excludedVirtualGraphs", ["0"])
+        opts._Popart.set("subgraphCopyingStrategy",
+                         int(popart.SubgraphCopyingStrategy.JustInTime) if popart else 1)
+    return opts

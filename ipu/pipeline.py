@@ -1,0 +1,145 @@
+"""Pipeline stages, recomputation, precision and the PopTorch optimizer for ``BertForPreTraining``.
+
+Layout (Graphcore's PopTorch BERT, ``layers_per_ipu`` e.g. ``[3, 7, 7, 7]`` for BERT-Large on
+4 IPUs per replica):
+
+    IPU 0: "Embedding" (word/position/segment embeddings, attention-mask preparation),
+           encoder layers 0..2
+    IPU 1..3: encoder layers 3..9, 10..16, 17..23 ("Encoder<i>" blocks)
+    IPU 0: "Heads": pooler, NSP head and the MLM head, whose decoder weight is TIED to the
+           word embeddings, so it must sit on the IPU holding the embedding table; with
+           AutoStage.AutoIncrement this is a last, separate pipeline stage on IPU 0.
+
+``layers_per_ipu`` entries may be 0 (an IPU with no encoder layers: Graphcore's IPU 0 in
+some layouts is embeddings + heads only).
+"""
+from __future__ import annotations
+
+import types
+from typing import List
+
+import torch
+from torch import nn
+
+from bert_packed.config import ConfigError
+
+# Outputs the training wrapper returns, in order (the first is the one loss PopTorch trains).
+METRIC_NAMES = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "num_sequences", "num_mlm_tokens")
+
+
+def layer_ipus(layers_per_ipu: List[int], num_layers: int) -> List[int]:
+    """IPU of each encoder layer: ``[3, 7, 7, 7]`` -> ``[0, 0, 0, 1, ..., 3]`` (length num_layers)."""
+    if sum(layers_per_ipu) != num_layers or any(n < 0 for n in layers_per_ipu):
+        raise ConfigError(f"ipu.layers_per_ipu={list(layers_per_ipu)} sums to {sum(layers_per_ipu)} but the "
+                          f"model has {num_layers} encoder layers; make them agree")
+    return [ipu for ipu, count in enumerate(layers_per_ipu) for _ in range(count)]
+
+
+def _checkpoint_output(poptorch):
+    def hook(module, inputs, output):
+        # Keep each layer's output as a recomputation checkpoint: the backward pass recomputes
+        # the layer's internals from it instead of storing every activation of the stage.
+        return poptorch.recomputationCheckpoint(output)
+    return hook
+
+
+def _serialize_decoder(decoder: nn.Linear, poptorch, factor: int) -> None:
+    """Split the MLM decoder matmul ([M,H] x [H,V]) into ``factor`` pieces along V, in place.
+
+    The forward method is replaced on the instance, so parameter names (and the tie to the
+    word embeddings) stay exactly as they are.
+    """
+    def forward(self, hidden_states):
+        logits = poptorch.serializedMatMul(hidden_states, self.weight.t(),
+                                           poptorch.MatMulSerializationMode.OutputChannels, factor)
+        return logits if self.bias is None else logits + self.bias
+    decoder.forward = types.MethodType(forward, decoder)
+
+
+def parallelize(model, ipu_config, poptorch):
+    """Annotate ``model`` (a ``BertForPreTraining``) in place for pipelined execution; returns it."""
+    layers = model.bert.encoder.layer
+    ipus = layer_ipus(ipu_config.layers_per_ipu, len(layers))
+    poptorch.BeginBlock(model.bert.embeddings, "Embedding", ipu_id=0)
+    for index, (layer, ipu) in enumerate(zip(layers, ipus)):
+        poptorch.BeginBlock(layer, f"Encoder{index}", ipu_id=ipu)
+        if ipu_config.recompute_checkpoint_every_layer:
+            layer.register_forward_hook(_checkpoint_output(poptorch))
+    # The pooler runs first among the heads (pool -> cls), so the "Heads" block starts there.
+    poptorch.BeginBlock(model.bert.pooler, "Heads", ipu_id=0)
+    if ipu_config.embedding_serialization_factor > 1:
+        _serialize_decoder(model.cls.predictions.decoder, poptorch, ipu_config.embedding_serialization_factor)
+    return model
+
+
+class TrainingWrapper(nn.Module):
+    """What PopTorch compiles: the model plus the one marked loss, returning scalars only.
+
+    ``loss_multiplier`` scales the loss PopTorch differentiates (not the reported metrics): see
+    ``ipu.backend`` for why (global-count normalisation under PopTorch's Mean reduction).
+    """
+
+    def __init__(self, model, poptorch, loss_multiplier: float = 1.0):
+        super().__init__()
+        self.model = model
+        self._poptorch = poptorch
+        self.loss_multiplier = float(loss_multiplier)
+
+    def forward(self, **batch):
+        out = self.model(**batch)
+        final_loss = self._poptorch.identity_loss(out["loss"] * self.loss_multiplier, reduction="none")
+        return (final_loss,) + tuple(out[name].float() for name in METRIC_NAMES)
+
+
+class EvalWrapper(nn.Module):
+    """Forward only, the same scalar outputs (no loss marker needed for inference)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch):
+        out = self.model(**batch)
+        return tuple(out[name].float() for name in METRIC_NAMES)
+
+
+def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
+    """The PopTorch optimizer equivalent to the loop's ``torch_optimizer`` (same param groups).
+
+    ``bert_packed.optim.Lamb`` -> ``poptorch.optim.LAMB``: same update (see bert_packed/optim.py);
+    per-group ``weight_decay`` and ``max_weight_norm`` carry over; a group without a clamp
+    (``max_weight_norm=None``) gets PopTorch's default clamp 65500 (fp16 max), far above any
+    BERT weight norm. ``torch.optim.AdamW`` -> ``poptorch.optim.AdamW``. ``loss_scaling`` from
+    ``ipu.loss_scaling`` (the device multiplies the loss and divides the gradients by it).
+    """
+    groups = []
+    for group in torch_optimizer.param_groups:
+        entry = {"params": list(group["params"]), "weight_decay": float(group["weight_decay"]),
+                 "lr": float(group["lr"])}
+        if group.get("max_weight_norm") is not None:
+            entry["max_weight_norm"] = float(group["max_weight_norm"])
+        groups.append(entry)
+    defaults = torch_optimizer.defaults
+    loss_scaling = float(config.ipu.loss_scaling)
+    if type(torch_optimizer).__name__ == "Lamb":
+        bias_correction = {bool(g.get("bias_correction", True)) for g in torch_optimizer.param_groups}
+        if len(bias_correction) != 1:
+            raise ConfigError("poptorch.optim.LAMB has one bias_correction for all groups; the groups differ")
+        accum = torch.float16 if config.ipu.half_precision else torch.float32
+        return poptorch.optim.LAMB(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]),
+                                   eps=float(defaults["eps"]), weight_decay=float(defaults["weight_decay"]),
+                                   bias_correction=bias_correction.pop(), loss_scaling=loss_scaling,
+                                   max_weight_norm=defaults.get("max_weight_norm"),
+                                   accum_type=accum, first_order_momentum_accum_type=torch.float32,
+                                   second_order_momentum_accum_type=torch.float32)
+    if isinstance(torch_optimizer, torch.optim.AdamW):
+        return poptorch.optim.AdamW(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]),
+                                    eps=float(defaults["eps"]), weight_decay=float(defaults["weight_decay"]),
+                                    loss_scaling=loss_scaling)
+    raise ConfigError(f"the IPU path supports optimizer.name lamb or adamw, not {type(torch_optimizer).__name__}")
+
+
+def sync_learning_rates(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+    """Copy each group's ``lr`` (the loop's schedule writes ``source``) into ``target``."""
+    for src, dst in zip(source.param_groups, target.param_groups):
+        dst["lr"] = src["lr"]
