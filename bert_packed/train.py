@@ -44,7 +44,14 @@ METRICS_NAME, SUMMARY_NAME = "metrics.jsonl", "summary.json"
 
 
 def setup_distributed(backend_cls) -> tuple:
-    """(rank, world_size); joins the torchrun process group when launched by torchrun."""
+    """(rank, world_size); joins the torchrun process group when launched by torchrun.
+
+    A backend with its own launcher (the IPU's PopRun) reports its shard through
+    ``process_shard()`` -> (instance index, number of instances) or None."""
+    shard = getattr(backend_cls, "process_shard", None)
+    shard = shard() if callable(shard) else None
+    if shard is not None:
+        return int(shard[0]), int(shard[1])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend=getattr(backend_cls, "dist_backend", "gloo"))
@@ -208,10 +215,11 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
     t = config.train
     # Validate before touching the backend, so config mistakes are reported the same way
     # whether or not the backend can run here.
-    warnings = validate(config, backend_name, int(os.environ.get("WORLD_SIZE", "1")))
+    validate(config, backend_name, int(os.environ.get("WORLD_SIZE", "1")))
     backend_cls = get_backend_class(backend_name)
     backend = get_backend(backend_name)
     rank, world_size = setup_distributed(backend_cls)
+    warnings = validate(config, backend_name, world_size)
     is_main = rank == 0
     for line in warnings if is_main else ():
         print(f"warning: {line}", file=sys.stderr)
@@ -362,6 +370,12 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
     }
     if is_main:
         _write_json_atomic(os.path.join(output_dir, SUMMARY_NAME), summary)
+        if show_progress and first_line is not None:
+            evaluated = f" (eval {last_line['eval_mlm_loss']:.3f})" if "eval_mlm_loss" in last_line else ""
+            rate = f"{summary['sequences_per_second']:.0f}" if summary["sequences_per_second"] else "n/a"
+            print(f"done: steps {first_line['step']}-{last_line['step']} in {totals['seconds']:.0f} s of training; "
+                  f"mlm_loss {first_line['mlm_loss']:.3f} -> {last_line['mlm_loss']:.3f}{evaluated}; "
+                  f"{rate} sequences/s; {os.path.join(output_dir, METRICS_NAME)}", flush=True)
     return summary
 
 
