@@ -1,0 +1,56 @@
+"""Real text end to end: King James Bible -> vocab -> create -> pack -> training steps (run.py).
+
+Skips, saying why, where Debian's bible-kjv (the `bible` program) is not installed.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bert_packed.data.kjv import kjv_available
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not kjv_available(),
+                                 reason="needs the `bible` program (Debian package bible-kjv)")]
+
+
+def run(*args, module=True):
+    command = [sys.executable] + (["-m", "bert_packed.data"] if module else []) + list(map(str, args))
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_kjv_text_to_packed_training(tmp_path):
+    corpus, vocab = tmp_path / "corpus.txt", tmp_path / "vocab.txt"
+    unpacked, packed = tmp_path / "train.h5", tmp_path / "packed.h5"
+    run("kjv", "--output", corpus, "--first", "Gen1:1", "--last", "Gen20:18")
+    run("vocab", "--input", corpus, "--size", 600, "--output", vocab)
+    # Short targets are raised to 50 % so this small slice has padding for packing to remove.
+    run("create", "--input", corpus, "--vocab", vocab, "--output", unpacked,
+        "--max-seq-length", 64, "--max-predictions", 10, "--dupe-factor", 2, "--seed", 0,
+        "--short-seq-prob", 0.5)
+    out = run("pack", "--input", unpacked, "--output", packed, "--algorithm", "lpfhp",
+              "--max-sequences-per-pack", 3)
+    assert "packing factor" in out
+    stats = json.loads(run("stats", packed, "--json", "--no-plot"))
+    assert stats["packing_factor"] > 1.2 and stats["efficiency"] > 0.9
+    num_vocab = len(open(vocab).read().split("\n")) - 1
+    for name, path, depth in (("unpacked", unpacked, 1), ("packed", packed, 3)):
+        output_dir = tmp_path / name
+        run("run.py", "--config", "tiny", "--steps", 3, "--output-dir", output_dir,
+            "--set", f"data.path={path}", "--set", f"data.eval_path={unpacked}",
+            "--set", f"data.max_sequences_per_pack={depth}", "--set", f"model.vocab_size={num_vocab}",
+            "--set", "data.max_masked_tokens=10", "--set", "train.eval_every=3",
+            "--set", "train.eval_batches=2", "--no-progress", module=False)
+        lines = [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
+        assert [line["step"] for line in lines] == [1, 2, 3]
+        assert all(np.isfinite(line["loss"]) for line in lines)
+        # Packed micro-batches of 4 packs carry more than 4 sequences each.
+        sequences = sum(line["sequences"] for line in lines)
+        assert (sequences == 12) if depth == 1 else (sequences > 14)
+        assert "eval_mlm_accuracy" in lines[-1]
