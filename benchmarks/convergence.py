@@ -145,6 +145,7 @@ def plot(results, output_path, title):
     for axis in axes:
         axis.set_xlabel("sequences seen")
         axis.grid(alpha=0.3)
+        axis.ticklabel_format(axis="y", useOffset=False)
         axis.legend(fontsize=8)
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
