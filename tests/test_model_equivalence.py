@@ -71,7 +71,9 @@ def assert_gradients_close(actual, expected, rtol=1e-5):
     for name in expected:
         scale = expected[name].norm().item()
         error = (actual[name] - expected[name]).norm().item()
-        assert error <= rtol * scale + 1e-12, f"{name}: relative gradient error {error / max(scale, 1e-30):.2e}"
+        # The absolute term covers gradients that are 0 in exact arithmetic (attention key
+        # biases: softmax is shift-invariant), where only rounding noise (~1e-12) remains.
+        assert error <= rtol * scale + 1e-9, f"{name}: relative gradient error {error / max(scale, 1e-30):.2e}"
 
 
 # ----------------------------------------------------------------------------- hidden states
