@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from bert_packed.config import ConfigError
 from ipu.backend import PopTorchBackend
-from ipu.options import import_popdist
+from ipu import options as ipu_options
 
 INSTALL_HINT = ("poptorch is not installed: install the Poplar SDK (graphcore.ai/downloads), "
                 "`source <sdk>/enable.sh` and `pip install <sdk>/poptorch-*.whl` (torch 2.0.1), "
@@ -45,4 +45,4 @@ class IPUBackend(PopTorchBackend):
             import popart
         except ImportError:
             popart = None  # only used for enum values; the ints are the fallback
-        super().__init__(poptorch=poptorch, popart=popart, popdist=import_popdist())
+        super().__init__(poptorch=poptorch, popart=popart, popdist=ipu_options.import_popdist())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipu.mock_popart as mock_popart
 import ipu.mock_poptorch as mock_poptorch
 from ipu.backend import PopTorchBackend, install_mock_cycle_estimator
-from ipu.options import import_popdist
+from ipu import options as ipu_options
 
 
 class MockBackend(PopTorchBackend):
@@ -23,4 +23,4 @@ class MockBackend(PopTorchBackend):
 
     def __init__(self) -> None:
         install_mock_cycle_estimator(mock_poptorch)
-        super().__init__(poptorch=mock_poptorch, popart=mock_popart, popdist=import_popdist())
+        super().__init__(poptorch=mock_poptorch, popart=mock_popart, popdist=ipu_options.import_popdist())

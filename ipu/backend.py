@@ -21,6 +21,7 @@ tuned for. The reported metrics are the unscaled shares, summed over micro-batch
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -203,7 +204,7 @@ class PopTorchBackend:
             with warnings.catch_warnings():
                 # The host optimizer never steps (the device does), which torch's scheduler
                 # would otherwise report as "scheduler.step() before optimizer.step()".
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 for _ in range(num_steps):
                     self.scheduler.step()
             pipeline.sync_learning_rates(self.host_optimizer, self.optimizer)

@@ -1,0 +1,143 @@
+"""Mock-IPU training == cpu training on the same global batches (fp32, <= 1e-5).
+
+The mock runs the whole IPU path (options, pipeline annotations, PopTorch's host-batch split,
+Mean reduction over accumulation and replicas with the backend's loss multiplier, PopTorch
+LAMB, setOptimizer); the cpu backend is the eager reference over the same micro-batches.
+
+About the pipeline depth: PopART requires, for pipelined training, a gradient accumulation of
+at least the number of pipeline stages, forward and backward: 2 x F - 1 for F forward stages.
+Graphcore's layout on 4 IPUs has F = 5 (IPU 0, 1, 2, 3, then the tied heads back on IPU 0), so
+the smallest legal accumulation is 9; GA 4 with that pipeline is rejected (tested below, as the
+real SDK would). The exact batch split rf 2 x GA 4 x di 2 is tested on one IPU per replica.
+"""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ipu.mock_poptorch as poptorch
+from backends.cpu import CPUBackend
+from backends.mock import MockBackend
+from bert_packed.config import load_config
+from bert_packed.train import build_model, build_optimizer
+from ipu.testing import TINY_MODEL, random_micro_batches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METRICS = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "num_sequences", "num_mlm_tokens")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is ~8x faster than two."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def fp32_config(layers_per_ipu, ga, extra=()):
+    return load_config("phase2", TINY_MODEL + [
+        f"model.num_hidden_layers={sum(layers_per_ipu)}", f"ipu.layers_per_ipu={list(layers_per_ipu)}",
+        "model.hidden_dropout_prob=0.0", "model.attention_probs_dropout_prob=0.0",
+        "data.max_sequence_length=32", "train.micro_batch_size=1", f"train.gradient_accumulation={ga}",
+        # Constant LR: PopTorch changes hyperparameters only between calls (setOptimizer), so
+        # with device_iterations 2 a per-step schedule would differ from the cpu by design.
+        "optimizer.schedule=constant", "optimizer.warmup_fraction=0.0", "train.steps=8",
+        "ipu.replication_factor=2", "ipu.device_iterations=2", "ipu.output_mode=all",
+        "ipu.half_precision=false", "ipu.enable_half_partials=false", "ipu.loss_scaling=1.0",
+        "ipu.available_memory_proportion=[0.2]"] + list(extra))
+
+
+def train_both(config, num_calls):
+    """Per-step metrics and final models of mock and cpu on the same micro-batches."""
+    torch.manual_seed(0)
+    model = build_model(config)
+    reference = copy.deepcopy(model)
+    betas = (config.optimizer.beta1, config.optimizer.beta2)
+    mock, cpu = MockBackend(), CPUBackend()
+    optimizer, scheduler = build_optimizer(config, model, betas)
+    mock.prepare(model, optimizer, config, scheduler=scheduler)
+    ref_optimizer, ref_scheduler = build_optimizer(config, reference, betas)
+    cpu.prepare(reference, ref_optimizer, config, scheduler=ref_scheduler)
+    n, num_steps = mock.micro_batches_per_step, mock.steps_per_call
+    batches = random_micro_batches(1, n * num_steps * num_calls, config)
+    mock_steps, cpu_steps = [], []
+    for call in range(num_calls):
+        call_batches = batches[call * n * num_steps:(call + 1) * n * num_steps]
+        mock_steps += mock.train_step([dict(b) for b in call_batches])
+        for s in range(num_steps):
+            cpu_steps.append(cpu.train_step([dict(b) for b in call_batches[s * n:(s + 1) * n]]))
+    return mock, model, reference, mock_steps, cpu_steps
+
+
+def assert_same_training(model, reference, mock_steps, cpu_steps):
+    assert len(mock_steps) == len(cpu_steps)
+    for step, (m, c) in enumerate(zip(mock_steps, cpu_steps)):
+        for name in METRICS:
+            assert abs(m[name] - c[name]) <= 1e-5 * max(1.0, abs(c[name])), (step, name, m[name], c[name])
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
+    assert any(not torch.equal(p, q) for p, q in zip(build_model_like(model).parameters(), model.parameters()))
+
+
+def build_model_like(model):
+    torch.manual_seed(0)
+    return type(model)(model.config)
+
+
+def test_mock_equals_cpu_rf2_ga4_di2():
+    config = fp32_config([4], ga=4)
+    mock, model, reference, mock_steps, cpu_steps = train_both(config, num_calls=2)
+    assert mock.micro_batches_per_step == 8 and mock.steps_per_call == 2
+    assert_same_training(model, reference, mock_steps, cpu_steps)
+
+
+def test_mock_equals_cpu_rf2_di2_four_ipu_pipeline():
+    config = fp32_config([1, 1, 1, 1], ga=9)
+    mock, model, reference, mock_steps, cpu_steps = train_both(config, num_calls=1)
+    plan = mock.training_model.pipeline
+    assert plan["stage_ipus"] == [0, 1, 2, 3, 0] and plan["num_ipus"] == 8
+    assert_same_training(model, reference, mock_steps, cpu_steps)
+
+
+def test_ga4_is_too_shallow_for_the_four_ipu_pipeline():
+    config = fp32_config([1, 1, 1, 1], ga=4)
+    torch.manual_seed(0)
+    model = build_model(config)
+    mock = MockBackend()
+    optimizer, scheduler = build_optimizer(config, model, (0.9, 0.999))
+    mock.prepare(model, optimizer, config, scheduler=scheduler)
+    with pytest.raises(poptorch.Error, match=r"number of pipeline stages \(9\)"):
+        mock.train_step(random_micro_batches(0, 16, config))
+
+
+def _generated_data_available():
+    try:
+        from packing import Histogram  # noqa: F401  (generated data packs with the packing library)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _generated_data_available(), reason="the packing library is not in this tree yet")
+def test_run_py_mock_phase2_with_size_overrides_only(tmp_path):
+    """`python run.py --backend mock --config phase2.yaml` with --set size overrides (fp16 as configured)."""
+    command = [sys.executable, "run.py", "--backend", "mock", "--config", "phase2.yaml", "--steps", "2",
+               "--output-dir", str(tmp_path), "--no-progress"]
+    sizes = TINY_MODEL + ["model.num_hidden_layers=4", "ipu.layers_per_ipu=[1,1,1,1]",
+                          "train.gradient_accumulation=9", "train.micro_batch_size=1",
+                          "data.max_sequence_length=32", "data.num_sequences=300"]
+    for item in sizes:
+        command += ["--set", item]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    losses = [json.loads(line)["loss"] for line in lines]
+    assert all(0 < loss < 20 for loss in losses)  # finite fp16 training on the mock
