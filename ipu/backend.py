@@ -157,6 +157,8 @@ class PopTorchBackend:
         ga = config.train.gradient_accumulation
         self.micro_batches_per_step = ga * ipu.replication_factor
         self.steps_per_call = ipu.device_iterations
+        pipeline.layer_ipus(ipu.layers_per_ipu, config.model.num_hidden_layers)
+        pipeline.check_pipeline_depth(ipu.layers_per_ipu, ga, ipu.device_iterations)
         self.model = pipeline.parallelize(model, ipu, poptorch)
         if ipu.half_precision:
             self.model.half()

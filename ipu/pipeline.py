@@ -35,6 +35,34 @@ def layer_ipus(layers_per_ipu: List[int], num_layers: int) -> List[int]:
     return [ipu for ipu, count in enumerate(layers_per_ipu) for _ in range(count)]
 
 
+def forward_stage_ipus(layers_per_ipu: List[int]) -> List[int]:
+    """IPU of each forward pipeline stage of the layout: ``[3, 7, 7, 7]`` -> ``[0, 1, 2, 3, 0]``.
+
+    Consecutive blocks on one IPU form one stage (PopART merges them); one IPU -> ``[0]``.
+    """
+    blocks = [0] + layer_ipus(layers_per_ipu, sum(layers_per_ipu)) + [0]
+    stages = [ipu for i, ipu in enumerate(blocks) if i == 0 or ipu != blocks[i - 1]]
+    return stages if len(stages) > 1 else [0]
+
+
+def check_pipeline_depth(layers_per_ipu: List[int], gradient_accumulation: int, device_iterations: int) -> None:
+    """PopART's rule as a config error: pipelined training keeps 2 x stages - 1 micro-batches in
+    flight (forward and backward stages), so accumulation (or, without it, device iterations)
+    must be at least that."""
+    num_stages = len(forward_stage_ipus(layers_per_ipu))
+    if num_stages == 1:
+        return
+    depth = 2 * num_stages - 1
+    if gradient_accumulation > 1 and gradient_accumulation < depth:
+        raise ConfigError(f"ipu.layers_per_ipu={list(layers_per_ipu)} pipelines over {num_stages} stages, so training "
+                          f"needs train.gradient_accumulation >= {depth} (got {gradient_accumulation}); raise it "
+                          f"or use one IPU per replica (ipu.layers_per_ipu=[{sum(layers_per_ipu)}])")
+    if gradient_accumulation == 1 and device_iterations < depth:
+        raise ConfigError(f"ipu.layers_per_ipu={list(layers_per_ipu)} pipelines over {num_stages} stages: set "
+                          f"train.gradient_accumulation >= {depth} (or ipu.device_iterations >= {depth}), or use one "
+                          f"IPU per replica (ipu.layers_per_ipu=[{sum(layers_per_ipu)}])")
+
+
 def _checkpoint_output(poptorch):
     def hook(module, inputs, output):
         # Keep each layer's output as a recomputation checkpoint: the backward pass recomputes

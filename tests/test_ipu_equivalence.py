@@ -22,8 +22,12 @@ import torch
 import ipu.mock_poptorch as poptorch
 from backends.cpu import CPUBackend
 from backends.mock import MockBackend
-from bert_packed.config import load_config
+from bert_packed.config import ConfigError, load_config
 from bert_packed.train import build_model, build_optimizer
+from ipu import options as ipu_options
+from ipu import pipeline
+from ipu.backend import stack_host_batch
+from ipu.pipeline import TrainingWrapper
 from ipu.testing import TINY_MODEL, random_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,11 +112,17 @@ def test_ga4_is_too_shallow_for_the_four_ipu_pipeline():
     config = fp32_config([1, 1, 1, 1], ga=4)
     torch.manual_seed(0)
     model = build_model(config)
-    mock = MockBackend()
     optimizer, scheduler = build_optimizer(config, model, (0.9, 0.999))
-    mock.prepare(model, optimizer, config, scheduler=scheduler)
+    # The backend says it as a config error before anything runs ...
+    with pytest.raises(ConfigError, match=r"needs train.gradient_accumulation >= 9 \(got 4\)"):
+        MockBackend().prepare(model, optimizer, config, scheduler=scheduler)
+    # ... and the mock itself rejects it as PopART would, for code that bypasses the backend.
+    opts = ipu_options.build_options(poptorch, config)
+    wrapped = poptorch.trainingModel(TrainingWrapper(pipeline.parallelize(model, config.ipu, poptorch), poptorch),
+                                     opts, optimizer=pipeline.build_optimizer(optimizer, poptorch, config))
+    host = stack_host_batch(random_micro_batches(0, 16, config), num_steps=2, gradient_accumulation=4, num_replicas=2)
     with pytest.raises(poptorch.Error, match=r"number of pipeline stages \(9\)"):
-        mock.train_step(random_micro_batches(0, 16, config))
+        wrapped(**host)
 
 
 def _generated_data_available():

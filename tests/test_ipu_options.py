@@ -198,3 +198,18 @@ def test_ipu_backend_without_poptorch_says_how_to_install(monkeypatch):
         ipu_backend.IPUBackend()
     with pytest.raises(ConfigError, match="--backend mock"):
         backends.get_backend("ipu")
+
+
+@pytest.mark.parametrize("layers_per_ipu, stages", [([3, 7, 7, 7], [0, 1, 2, 3, 0]), ([0, 4], [0, 1, 0]),
+                                                    ([4], [0]), ([2, 2], [0, 1, 0])])
+def test_forward_stages_of_the_graphcore_layout(layers_per_ipu, stages):
+    from ipu.pipeline import forward_stage_ipus
+    assert forward_stage_ipus(layers_per_ipu) == stages
+
+
+def test_demo_style_pipeline_without_accumulation_is_a_config_error():
+    from ipu.pipeline import check_pipeline_depth
+    with pytest.raises(ConfigError, match=r"gradient_accumulation >= 5 .*layers_per_ipu=\[2\]"):
+        check_pipeline_depth([1, 1], gradient_accumulation=1, device_iterations=1)
+    check_pipeline_depth([1, 1], gradient_accumulation=5, device_iterations=1)
+    check_pipeline_depth([1, 1], gradient_accumulation=1, device_iterations=5)
