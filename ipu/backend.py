@@ -170,12 +170,13 @@ class PopTorchBackend:
         self.training_model = poptorch.trainingModel(wrapper, opts, optimizer=self.optimizer)
 
     # -- training -----------------------------------------------------------------------------
-    def _normalise(self, step_batches):
+    def _normalise(self, step_batches, model=None):
         """The step's global counts in every pack (kept if the loop already filled them)."""
         if all("mlm_normalizer" in b and "nsp_normalizer" in b for b in step_batches):
             return step_batches
         step_batches = [dict(b) for b in step_batches]
-        counts = torch.tensor(step_counts(step_batches, self.model.config.mlm_loss_normalization), dtype=torch.float64)
+        normalization = (model or self.model).config.mlm_loss_normalization
+        counts = torch.tensor(step_counts(step_batches, normalization), dtype=torch.float64)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(counts)  # PopRun instances: counts over all of them
         return add_step_normalizers(step_batches, totals=(float(counts[0]), float(counts[1])))
@@ -300,7 +301,7 @@ class PopTorchBackend:
                                          gradient_accumulation=ga, replication_factor=1)
         optimizer = self.poptorch.optim.SGD(model.parameters(), lr=0.0)  # measure, don't train
         executor = self.poptorch.trainingModel(pipeline.TrainingWrapper(model, self.poptorch), opts, optimizer=optimizer)
-        batch = self._normalise([dict(batch)])[0]
+        batch = self._normalise([dict(batch)], model)[0]
         host = stack_host_batch([batch] * ga, num_steps=1, gradient_accumulation=ga, num_replicas=1)
         costs = []
         try:
