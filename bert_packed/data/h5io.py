@@ -23,6 +23,7 @@ import tempfile
 import numpy as np
 
 from .errors import DataError
+from .vocab import publish
 
 UNPACKED_FIELDS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions",
                    "masked_lm_ids", "next_sentence_labels")
@@ -129,7 +130,7 @@ def atomic_h5(path):
         # track_order off and no timestamps: the same inputs give byte-identical files.
         with h5py.File(tmp, "w", libver=("earliest", "v110")) as handle:
             yield handle
-        os.replace(tmp, path)
+        publish(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -89,7 +89,7 @@ def write_text_atomic(path, text):
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -111,7 +111,15 @@ class atomic_path:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            os.replace(self.tmp, self.path)
+            publish(self.tmp, self.path)
         elif os.path.exists(self.tmp):
             os.unlink(self.tmp)
         return False
+
+
+def publish(tmp, path):
+    """os.replace `tmp` onto `path` with the usual permissions (mkstemp makes files 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
