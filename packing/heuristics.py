@@ -1,0 +1,195 @@
+"""Histogram packers from the papers and the per-sequence baselines people actually run.
+
+Every function here takes a histogram's ``counts`` (np.int64 [L], counts[i] = sequences of
+length i+1), ``max_sequence_length`` L and ``depth`` (max sequences per pack; ``None`` is
+unlimited) and returns ``(strategies, repeats)`` that cover the histogram (every length has
+at least as many slots as sequences); :func:`packing.plan.exact_plan` makes them exact.
+
+Invariants of every packer (property-tested in tests/test_packing_properties.py):
+each strategy sums to at most L, has at most ``depth`` entries, and the repeats are
+positive integers; with exact_plan the slots equal the histogram.
+"""
+import bisect
+
+import numpy as np
+
+
+def _descending_lengths(counts):
+    """(length, count) pairs for the non-empty bins, longest first."""
+    lengths = np.flatnonzero(counts)[::-1] + 1
+    return [(int(length), int(counts[length - 1])) for length in lengths]
+
+
+def pack_none(counts, max_sequence_length, depth):
+    """One sequence per pack: the unpacked baseline."""
+    return [(length,) for length, _ in _descending_lengths(counts)], [n for _, n in _descending_lengths(counts)]
+
+
+class _OpenPacks:
+    """Open packs grouped by their remaining space, for the histogram packers.
+
+    ``groups[space]`` is a stack of ``[count, pack]`` (count identical packs); ``spaces``
+    is the sorted list of spaces that have groups, so best/worst fit is one bisect.
+    Packs that are full (no space or at the depth limit) go to ``closed``.
+    """
+
+    def __init__(self, max_sequence_length, depth):
+        self.max_sequence_length = max_sequence_length
+        self.depth = max_sequence_length if depth is None else depth
+        self.groups = {}
+        self.spaces = []
+        self.closed = []
+
+    def add(self, pack, count, space):
+        if count <= 0:
+            return
+        if len(pack) >= self.depth or space == 0:
+            self.closed.append((pack, count))
+            return
+        if space not in self.groups:
+            self.groups[space] = []
+            bisect.insort(self.spaces, space)
+        self.groups[space].append([count, pack])
+
+    def pop(self, space):
+        stack = self.groups[space]
+        count, pack = stack.pop()
+        if not stack:
+            del self.groups[space]
+            self.spaces.pop(bisect.bisect_left(self.spaces, space))
+        return count, pack
+
+    def push_back(self, count, pack, space):
+        self.add(pack, count, space)
+
+    def worst_fit(self, length):
+        """The largest space that fits ``length``, or None."""
+        if self.spaces and self.spaces[-1] >= length:
+            return self.spaces[-1]
+        return None
+
+    def best_fit(self, length):
+        """The smallest space that fits ``length``, or None."""
+        index = bisect.bisect_left(self.spaces, length)
+        return self.spaces[index] if index < len(self.spaces) else None
+
+    def result(self):
+        packs = list(self.closed)
+        for space in self.spaces:
+            packs.extend((pack, count) for count, pack in self.groups[space])
+        return [pack for pack, _ in packs], [count for _, count in packs]
+
+
+def pack_spfhp(counts, max_sequence_length, depth):
+    """Shortest-pack-first histogram packing (Krell et al.): worst fit on the sorted histogram.
+
+    Lengths are visited longest first; all sequences of a length go to the open packs
+    with the most space left (a group of identical packs is split if it has more packs
+    than there are sequences), the rest open new single-sequence packs. O(L^2) at most.
+    """
+    packs = _OpenPacks(max_sequence_length, depth)
+    for length, remaining in _descending_lengths(counts):
+        while remaining > 0:
+            space = packs.worst_fit(length)
+            if space is None:
+                packs.add((length,), remaining, max_sequence_length - length)
+                break
+            count, pack = packs.pop(space)
+            if count > remaining:
+                packs.push_back(count - remaining, pack, space)
+            used = min(count, remaining)
+            remaining -= used
+            packs.add(pack + (length,), used, space - length)
+    return packs.result()
+
+
+def pack_lpfhp(counts, max_sequence_length, depth):
+    """Longest-pack-first histogram packing (Krell et al., appendix): best fit with
+    count splitting.
+
+    Like SPFHP but each length goes to the open packs with the *least* space that still
+    fits, and a length that fits several times into the space (or into an empty pack) is
+    added that many times at once (e.g. 256 + 256), splitting the count.
+    """
+    depth_limit = max_sequence_length if depth is None else depth
+    packs = _OpenPacks(max_sequence_length, depth)
+    for length, remaining in _descending_lengths(counts):
+        while remaining > 0:
+            space = packs.best_fit(length)
+            if space is None:
+                # Nothing fits: open packs holding as many copies as fit, then the rest
+                # in packs holding fewer copies (never look at old packs again).
+                while remaining > 0:
+                    repeat = min(max_sequence_length // length, depth_limit, remaining)
+                    num_packs = remaining // repeat
+                    packs.add((length,) * repeat, num_packs, max_sequence_length - repeat * length)
+                    remaining -= num_packs * repeat
+                break
+            count, pack = packs.pop(space)
+            repeat = min(space // length, depth_limit - len(pack), remaining)
+            used = min(count, remaining // repeat)
+            if count > used:
+                packs.push_back(count - used, pack, space)
+            remaining -= used * repeat
+            packs.add(pack + (length,) * repeat, used, space - repeat * length)
+    return packs.result()
+
+
+def _fit_decreasing(counts, max_sequence_length, depth, best):
+    """Per-sequence first-fit / best-fit decreasing, simulated exactly on the histogram.
+
+    Sequences of equal length are interchangeable, so item-by-item FFD/BFD can be
+    replayed on groups of identical bins (kept in creation order, which is FFD's order
+    and BFD's tie-break). A bin chosen for one sequence of length l stays the chosen bin
+    until it cannot take another l, so each group absorbs ``k = min(space // l, depth
+    left)`` sequences per bin at once; a group that is only partly used splits.
+    """
+    depth_limit = max_sequence_length if depth is None else depth
+    groups = []  # [count, space, pack] in creation order
+    closed = []
+    for length, remaining in _descending_lengths(counts):
+        order = [i for i, group in enumerate(groups) if group[1] >= length]
+        if best:
+            order.sort(key=lambda i: groups[i][1])  # stable: ties keep creation order
+        replaced = {}
+        for i in order:
+            if remaining == 0:
+                break
+            count, space, pack = groups[i]
+            per_bin = min(space // length, depth_limit - len(pack))
+            full_bins = min(count, remaining // per_bin)
+            pieces = []
+            if full_bins:
+                pieces.append([full_bins, space - per_bin * length, pack + (length,) * per_bin])
+            remaining -= full_bins * per_bin
+            left = count - full_bins
+            if left and remaining:  # remaining < per_bin: one bin takes the rest
+                pieces.append([1, space - remaining * length, pack + (length,) * remaining])
+                remaining, left = 0, left - 1
+            if left:
+                pieces.append([left, space, pack])
+            replaced[i] = pieces
+        if replaced:
+            groups = [piece for i, group in enumerate(groups) for piece in replaced.get(i, [group])]
+        while remaining > 0:
+            per_bin = min(max_sequence_length // length, depth_limit, remaining)
+            num_bins = remaining // per_bin
+            groups.append([num_bins, max_sequence_length - per_bin * length, (length,) * per_bin])
+            remaining -= num_bins * per_bin
+        # Bins that can take nothing more leave the search.
+        still_open = []
+        for group in groups:
+            (closed if group[1] == 0 or len(group[2]) >= depth_limit else still_open).append(group)
+        groups = still_open
+    everything = closed + groups
+    return [group[2] for group in everything], [group[0] for group in everything]
+
+
+def pack_ffd(counts, max_sequence_length, depth):
+    """First-fit decreasing: each sequence, longest first, into the first bin it fits."""
+    return _fit_decreasing(counts, max_sequence_length, depth, best=False)
+
+
+def pack_bfd(counts, max_sequence_length, depth):
+    """Best-fit decreasing: each sequence, longest first, into the fullest bin it fits."""
+    return _fit_decreasing(counts, max_sequence_length, depth, best=True)

@@ -1,0 +1,92 @@
+"""Non-negative least squares histogram packing (NNLSHP) and its extended variant (ENNLSHP).
+
+Both solve for a mixture ``x >= 0`` of all strategies that sum *exactly* to L (the paper's
+"packing matrix" A, one column per strategy, rows = lengths 1..L), round it to integers,
+and put the sequences the rounded mixture leaves out into packs of their own. Lengths the
+mixture over-subscribes become padding (the paper's "explicit padding"), which
+:func:`packing.plan.exact_plan` turns into shorter strategies.
+
+The strategy count grows like L^2/12 at depth 3 and L^3/144 at depth 4, which is why
+the papers (and we) define these two for depth <= 3 only; use ``lp`` beyond that.
+"""
+import numpy as np
+from scipy import optimize
+
+MAX_NNLS_DEPTH = 3
+
+
+def exact_sum_strategies(max_sequence_length, depth):
+    """All ascending tuples of 1..depth lengths that sum exactly to L, as a dense
+    np.int64 [num_strategies, depth] array padded with zeros on the left."""
+    L = max_sequence_length
+    rows = [np.array([[0] * (depth - 1) + [L]], dtype=np.int64)]
+    if depth >= 2:
+        a = np.arange(1, L // 2 + 1)
+        pairs = np.zeros((a.size, depth), dtype=np.int64)
+        pairs[:, -2], pairs[:, -1] = a, L - a
+        rows.append(pairs)
+    if depth >= 3:
+        a, b = np.meshgrid(np.arange(1, L // 3 + 1), np.arange(1, L // 2 + 1), indexing="ij")
+        a, b = a.ravel(), b.ravel()
+        c = L - a - b
+        keep = (a <= b) & (b <= c)
+        triples = np.zeros((int(keep.sum()), depth), dtype=np.int64)
+        triples[:, -3], triples[:, -2], triples[:, -1] = a[keep], b[keep], c[keep]
+        rows.append(triples)
+    return np.concatenate(rows)
+
+
+def packing_matrix(strategies, max_sequence_length):
+    """Dense float64 A [L, num_strategies]: A[l-1, s] = how often length l occurs in s."""
+    num_strategies = strategies.shape[0]
+    A = np.zeros((max_sequence_length + 1, num_strategies))
+    columns = np.broadcast_to(np.arange(num_strategies)[:, None], strategies.shape)
+    np.add.at(A, (strategies.ravel(), columns.ravel()), 1.0)
+    return A[1:]
+
+
+def _round_and_complete(x, A, strategies, counts):
+    """Round the mixture, then give every sequence the rounded mixture misses a pack of its own."""
+    repeats = np.rint(x).astype(np.int64)
+    residual = counts - A.astype(np.int64) @ repeats
+    result_strategies = [tuple(int(v) for v in row if v) for row in strategies]
+    result_repeats = repeats.tolist()
+    for length in np.flatnonzero(residual > 0) + 1:
+        result_strategies.append((int(length),))
+        result_repeats.append(int(residual[length - 1]))
+    return result_strategies, result_repeats
+
+
+def pack_nnlshp(counts, max_sequence_length, depth, short_length=8, short_weight=0.09):
+    """NNLSHP (Krell et al., section 3.1.2 / F.4): ``min ||w (A x - b)||^2, x >= 0``.
+
+    The weight is ``short_weight`` (0.09) for lengths <= ``short_length`` (8) and 1
+    elsewhere, so a deficit of very short sequences (cheap padding) is penalised less.
+    """
+    strategies = exact_sum_strategies(max_sequence_length, depth)
+    A = packing_matrix(strategies, max_sequence_length)
+    weights = np.ones(max_sequence_length)
+    weights[:short_length] = short_weight
+    x, _ = optimize.nnls(weights[:, None] * A, weights * counts, maxiter=50 * A.shape[1])
+    return _round_and_complete(x, A, strategies, counts)
+
+
+def pack_ennlshp(counts, max_sequence_length, depth, penalty=1e6):
+    """Extended NNLSHP (Krell et al., appendix "padding token weighting").
+
+    Minimises the padding-token-weighted residual ``||diag(1..L) (A x - b)||^2`` while a
+    ``penalty``-weighted block with slack ``r >= 0`` enforces ``A x - b = r >= 0`` (no
+    sequence left out before rounding):
+    ``A_bar = [[w A, 0], [p A, -p I]]``, ``b_bar = [w b, p b]``, unknowns ``[x, r]``.
+    """
+    strategies = exact_sum_strategies(max_sequence_length, depth)
+    A = packing_matrix(strategies, max_sequence_length)
+    L, num_strategies = A.shape
+    weights = np.arange(1, L + 1, dtype=np.float64)
+    A_bar = np.zeros((2 * L, num_strategies + L))
+    A_bar[:L, :num_strategies] = weights[:, None] * A
+    A_bar[L:, :num_strategies] = penalty * A
+    A_bar[L:, num_strategies:] = -penalty * np.eye(L)
+    b_bar = np.concatenate([weights * counts, penalty * counts.astype(np.float64)])
+    solution, _ = optimize.nnls(A_bar, b_bar, maxiter=50 * A_bar.shape[1])
+    return _round_and_complete(solution[:num_strategies], A, strategies, counts)
