@@ -28,6 +28,7 @@ imports on a CPU-only torch 2.0.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ __all__ = [
     "list_attention_implementations",
     "available_attention_implementations",
     "block_diagonal_additive_mask",
+    "profiler_scope",
+    "set_profiler_scopes",
     "dense_attend",
     "sdpa_attend",
 ]
@@ -54,6 +57,24 @@ __all__ = [
 # or newer-torch features, so they are imported on demand and an ImportError just means
 # "not available here".
 _LAZY_MODULES = ("bert_packed.flex_attention",)
+
+
+_PROFILER_SCOPES = True
+
+
+def set_profiler_scopes(enabled: bool) -> None:
+    """Turn the "packing/..." ``record_function`` scopes on or off (on by default).
+
+    A graph compiler that should not see profiler ops (e.g. a PopTorch trace) can switch
+    them off; eager runs keep them, they cost about a microsecond each.
+    """
+    global _PROFILER_SCOPES
+    _PROFILER_SCOPES = bool(enabled)
+
+
+def profiler_scope(name: str):
+    """``torch.profiler.record_function(name)``, or a no-op when scopes are switched off."""
+    return record_function(name) if _PROFILER_SCOPES else contextlib.nullcontext()
 
 
 class AttentionError(ValueError):
@@ -143,7 +164,7 @@ def block_diagonal_additive_mask(sequence_ids: torch.Tensor, *, dtype: torch.dty
     masked keys contribute exact zeros (this is what makes other sequences bit-identical
     when one sequence changes).
     """
-    with record_function("packing/mask"):
+    with profiler_scope("packing/mask"):
         keys = sequence_ids[:, None, :]  # [B, 1, S]
         allowed = (sequence_ids[:, :, None] == keys) & (keys != 0)  # [B, S, S]
         mask = torch.zeros(allowed.shape, dtype=dtype, device=sequence_ids.device)
@@ -175,7 +196,7 @@ def dense_attend(
     # Scaling the query (B*N*S*D values) is cheaper than scaling the scores (B*N*S*S).
     query = query * (1.0 / math.sqrt(query.shape[-1]))
     scores = torch.matmul(query, key.transpose(-1, -2))
-    with record_function("packing/attention"):
+    with profiler_scope("packing/attention"):
         scores = scores + prepared
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0 and training:

@@ -35,9 +35,9 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from bert_packed import attention as attention_registry
+from bert_packed.attention import profiler_scope
 from bert_packed.losses import MLM_LOSS_NORMALIZATIONS, mlm_loss_terms, normalize, nsp_loss_terms
 
 __all__ = [
@@ -513,11 +513,11 @@ class BertForPreTraining(BertPreTrainedModel):
     ) -> Dict[str, torch.Tensor]:
         sequence_output = self.bert(input_ids, segment_ids, position_ids, sequence_ids)
         masked_hidden_states = gather_rows(sequence_output, mlm_positions)  # [B,M,H]
-        with record_function("packing/loss_unpacking"):
+        with profiler_scope("packing/loss_unpacking"):
             pooled_output = self.bert.pool(sequence_output, cls_positions)  # [B,K,H]
         mlm_logits, nsp_logits = self.cls(masked_hidden_states, pooled_output)
 
-        with record_function("packing/loss_unpacking"):
+        with profiler_scope("packing/loss_unpacking"):
             mlm = mlm_loss_terms(
                 mlm_logits,
                 mlm_labels,
@@ -579,7 +579,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
         normalizer: Optional[torch.Tensor] = None,
     ) -> Dict[str, torch.Tensor]:
         sequence_output = self.bert(input_ids, segment_ids, position_ids, sequence_ids)
-        with record_function("packing/loss_unpacking"):
+        with profiler_scope("packing/loss_unpacking"):
             pooled_output = self.bert.pool(sequence_output, cls_positions)
         logits = self.classifier(self.dropout(pooled_output))  # [B,K,num_labels]
         outputs: Dict[str, torch.Tensor] = {"logits": logits}
@@ -587,7 +587,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
             return outputs
         if label_weights is None:
             label_weights = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
-        with record_function("packing/loss_unpacking"):
+        with profiler_scope("packing/loss_unpacking"):
             terms = nsp_loss_terms(logits, labels, label_weights)
             outputs["loss"] = normalize(terms["loss_sum"], terms["count"], normalizer)
             outputs["accuracy"] = normalize(terms["correct_sum"], terms["count"], normalizer)
@@ -604,11 +604,22 @@ _HF_BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids",
 def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
     """Load a ``transformers`` state dict into ``model`` (same names and shapes).
 
-    Hugging Face's non-weight buffers (``position_ids``, ``token_type_ids``) are dropped. A
-    checkpoint without ``cls.predictions.decoder.weight`` (it is tied) loads too: the tie
-    to the word embeddings provides it. Returns ``load_state_dict``'s result.
+    Hugging Face's non-weight buffers (``position_ids``, ``token_type_ids``) are dropped,
+    old ``LayerNorm.gamma/beta`` names are renamed, a ``bert.``-prefixed checkpoint loads
+    into a bare ``BertModel``, and a checkpoint without ``cls.predictions.decoder.weight``
+    (it is tied) loads too: the tie to the word embeddings provides it. Use
+    ``strict=False`` to start a task model from another head's checkpoint (e.g. sequence
+    classification from a pre-training checkpoint). Returns ``load_state_dict``'s result.
     """
-    state = {k: v for k, v in state_dict.items() if k not in _HF_BUFFERS}
+    state = {}
+    for key, value in state_dict.items():
+        if key in _HF_BUFFERS:
+            continue
+        # Old (TF-converted) checkpoints call the LayerNorm parameters gamma / beta.
+        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if isinstance(model, BertModel) and key.startswith("bert."):
+            key = key[len("bert.") :]  # a task model's checkpoint into the bare encoder
+        state[key] = value
     # Tied weights: whichever is missing is the other one.
     if "cls.predictions.decoder.weight" not in state and "bert.embeddings.word_embeddings.weight" in state:
         if hasattr(model, "cls"):

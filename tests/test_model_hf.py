@@ -129,3 +129,19 @@ def test_config_round_trips_through_transformers():
     hf_config = transformers.BertConfig(**config.to_hf_dict())
     back = BertConfig.from_hf(hf_config, max_sequences_per_pack=16, max_masked_tokens_per_pack=100)
     assert back == config
+
+
+def test_old_checkpoint_names_and_bare_encoder_load():
+    config = tiny_config()
+    hf, ours = hf_pair(config, seed=5)
+    old_style = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v for k, v in hf.state_dict().items()}
+    fresh = BertForPreTraining(config)
+    fresh.load_hf_state_dict(old_style)
+    for name, value in ours.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    from bert_packed.modeling import BertModel
+
+    encoder = BertModel(config)
+    result = encoder.load_hf_state_dict(hf.state_dict(), strict=False)
+    assert not result.missing_keys  # every encoder weight found under "bert."
+    assert torch.equal(encoder.embeddings.word_embeddings.weight, hf.bert.embeddings.word_embeddings.weight)
