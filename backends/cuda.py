@@ -156,9 +156,12 @@ class CUDABackend(CPUBackend):
         max_norm = self.config.optimizer.max_grad_norm
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        scale = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        if self.scheduler is not None:
+        # An overflowing step is skipped and the scale lowered; the schedule then stays
+        # where it is, so the retried step gets the learning rate it was meant to have.
+        if self.scheduler is not None and self.scaler.get_scale() >= scale:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
