@@ -1,0 +1,506 @@
+"""What packing costs and what it buys, per packing depth: ``run.py --profile``.
+
+For every depth d in (1, 2, 3, 4, 8, 16) the report holds one row with
+
+- the cost of one forward+backward of the *unpacked* model (depth 1, classic padded rows)
+  and of the *packed* model at depth d, both at the same [B, S] (micro_batch_size x
+  max_sequence_length), in the backend's unit: ``cycles`` (ipu: ``logCycleCount`` /
+  ``cycleCount()``, plus PopVision totals through ``pva`` when importable),
+  ``estimated cycles`` (mock: the GC200 cost model of ``ipu.cost_model``), ``ms``
+  (cpu: median wall time; cuda: CUDA events);
+- overhead = 1 - unpacked / packed: the paper's "percentage decrease in throughput"
+  (packs/s) caused by the block-diagonal mask and the per-sequence loss unpacking. On
+  noisy backends packed and unpacked runs are interleaved and the overhead comes from
+  the median of the *paired* ratios, so drift of a shared machine cancels;
+- packing factor (sequences per pack) and efficiency (real-token fraction) of the
+  configured algorithm at depth d on the run's data: the length histogram of the
+  generated data (``data.histogram``, mapped to S as the generator maps it) or the
+  lengths of the HDF5 data when the source exposes them;
+- realized speed-up = packing factor x (1 - overhead) = sequences/s packed over padded,
+  the paper's Table 1 column;
+- a breakdown of the packed step's cost: ``mask`` (mask construction), ``attention``
+  (masked attention; on cpu/cuda only the work inside the model's ``packing/attention``
+  scope, i.e. applying the mask), ``loss_unpacking`` (per-sequence MLM/NSP gathers and
+  reductions) and ``rest``. On cpu/cuda it comes from the model's
+  ``torch.profiler.record_function`` scopes (``packing/mask``, ``packing/attention``,
+  ``packing/loss_unpacking``), scaled to the step's cost.
+
+Next to the estimate, ``throughput`` measures training itself: packed (the configured
+depth) and padded steps interleaved in one run over the *same* generated sequences,
+sequences/s of each and their ratio (mock: derived from estimated cycles, labelled so).
+
+Outputs in ``output_dir``: ``overhead.json`` (everything), ``overhead.md`` (the table) and
+``overhead.png`` (overhead and speed-ups against depth), written atomically.
+"""
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+DEPTHS = (1, 2, 3, 4, 8, 16)
+CATEGORIES = ("mask", "attention", "loss_unpacking", "rest")
+SCOPES = {"packing/mask": "mask", "packing/attention": "attention", "packing/loss_unpacking": "loss_unpacking"}
+# Backends whose cost is exact for a fixed program: one measurement per shape is enough.
+DETERMINISTIC_BACKENDS = ("mock", "ipu")
+GC200_CLOCK_HZ = 1.33e9
+
+
+class ProfilingError(ValueError):
+    """A profiling request that cannot be run (one-line message naming the fix)."""
+
+
+# ----------------------------------------------------------------------------- packing statistics
+
+
+def mapped_histogram_counts(counts: np.ndarray, source_length: int, max_sequence_length: int,
+                            length_mapping: str = "scale") -> np.ndarray:
+    """Map a length histogram onto S the way the generated data maps sampled lengths.
+
+    ``scale``: length l -> ceil(l * S / L); ``truncate``: min(l, S); both clipped to [3, S].
+    """
+    lengths = np.arange(1, source_length + 1)
+    if length_mapping == "scale":
+        lengths = np.ceil(lengths * (max_sequence_length / source_length)).astype(np.int64)
+    lengths = np.clip(lengths, 3, max_sequence_length)
+    mapped = np.zeros(max_sequence_length, dtype=np.int64)
+    np.add.at(mapped, lengths - 1, np.asarray(counts, dtype=np.int64))
+    return mapped
+
+
+def packing_statistics(config, depths: Sequence[int] = DEPTHS, lengths: Optional[np.ndarray] = None) -> Dict:
+    """Packing factor and efficiency of ``config.data.packing_algorithm`` at every depth.
+
+    Depth 1 is always the ``none`` algorithm (one sequence per row). Returns
+    ``{"source": str, "theoretical_speedup": float, "rows": {depth: {...}}}``.
+    """
+    from packing import Histogram, PackingError, pack
+
+    d = config.data
+    if lengths is not None:
+        hist = Histogram.from_lengths(np.asarray(lengths), max_sequence_length=d.max_sequence_length)
+        source = "lengths of the run's data"
+    else:
+        base = Histogram.load(d.histogram)
+        counts = mapped_histogram_counts(base.counts, base.max_sequence_length, d.max_sequence_length,
+                                         d.length_mapping)
+        hist = Histogram(counts, max_sequence_length=d.max_sequence_length)
+        source = f"histogram {d.histogram} mapped to S={d.max_sequence_length} ({d.length_mapping})"
+    rows = {}
+    for depth in depths:
+        algorithm = "none" if depth == 1 else d.packing_algorithm
+        try:
+            result = pack(hist, algorithm=algorithm, max_sequences_per_pack=depth, seed=config.train.seed)
+        except PackingError as error:
+            raise ProfilingError(f"packing with {algorithm} at depth {depth} failed: {error}") from None
+        stats = result.to_dict()
+        rows[depth] = {"algorithm": algorithm, "packing_factor": float(stats["packing_factor"]),
+                       "efficiency": float(stats["efficiency"]), "num_packs": int(stats["num_packs"])}
+    return {"source": source, "theoretical_speedup": float(hist.theoretical_speedup), "rows": rows}
+
+
+# ----------------------------------------------------------------------------- batches and models
+
+
+def depth_config(config, depth: int, num_sequences: Optional[int] = None):
+    """A copy of ``config`` whose data is packed at ``depth`` (1 = padded rows)."""
+    new = copy.deepcopy(config)
+    new.data.max_sequences_per_pack = int(depth)
+    new.data.path = None  # costs depend on shapes only; generated packs have the real shapes
+    if num_sequences is not None:
+        new.data.num_sequences = int(num_sequences)
+    return new
+
+
+def profile_batches(config, depths: Sequence[int], micro_batch_size: int) -> Dict[int, Dict[str, np.ndarray]]:
+    """One generated micro-batch [B, S] per depth (same B, S; K = depth, M = masked + K - 1),
+    packed with lpfhp (see below); the packing statistics use the configured algorithm."""
+    from bert_packed.data.generated import GeneratedSource
+
+    batches = {}
+    for depth in depths:
+        cfg = depth_config(config, depth, num_sequences=max(200, 4 * micro_batch_size * depth))
+        # The batch supplies shapes and realistic contents; fixed-shape costs do not depend on
+        # which packer filled the rows, so use the fast lpfhp rather than e.g. nnlshp's NNLS.
+        if depth > 1:
+            cfg.data.packing_algorithm = "lpfhp"
+        source = GeneratedSource(cfg, split="train", micro_batch_size=micro_batch_size, seed=config.train.seed)
+        batches[depth] = next(iter(source))
+    return batches
+
+
+def build_profile_model(config, backend_name: str, execute: Optional[bool] = None):
+    """The model to profile. mock (unless ``execute``): on the meta device (shapes only, no memory,
+    nothing computed), since its cost is an estimate from shapes; otherwise a real model (the mock
+    then runs it through its trainingModel with logCycleCount and reads cycleCount())."""
+    import torch
+
+    from bert_packed.train import build_model
+
+    if execute is None:
+        execute = backend_name != "mock"
+    if not execute:
+        with torch.device("meta"):
+            return build_model(config)
+    torch.manual_seed(config.train.seed)
+    return build_model(config)
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def scope_breakdown(model, batch: Dict[str, np.ndarray], device: str = "cpu") -> Dict[str, float]:
+    """Fraction of one forward+backward spent inside the model's packing scopes.
+
+    Runs the step once under ``torch.profiler`` and sums the CPU time of the events named
+    ``packing/mask``, ``packing/attention``, ``packing/loss_unpacking``; ``rest`` is the
+    remainder of the step's wall time. Returns fractions summing to 1.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model.train()
+    tensors = {k: torch.as_tensor(v).to(device) for k, v in batch.items()}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    model.zero_grad(set_to_none=True)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        model(**tensors)["loss"].backward()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        total_us = (time.perf_counter() - start) * 1e6
+    model.zero_grad(set_to_none=True)
+    spent = {name: 0.0 for name in CATEGORIES}
+    for event in prof.events():
+        category = SCOPES.get(event.name)
+        if category is not None:
+            spent[category] += event.cpu_time_total
+    scoped = sum(spent.values())
+    spent["rest"] = max(total_us - scoped, 0.0)
+    denominator = max(sum(spent.values()), 1e-12)
+    return {name: spent[name] / denominator for name in CATEGORIES}
+
+
+def measure_costs(backend, model, batches: Dict[int, Dict[str, np.ndarray]], *, num_repeats: int,
+                  deterministic: bool, progress: Optional[Callable[[], None]] = None,
+                  profile_kwargs: Optional[Dict[str, Any]] = None) -> Dict[int, Dict]:
+    """Cost of the unpacked batch (depth 1) and of every packed one, interleaved.
+
+    Round r measures, for each depth d > 1, the baseline then depth d, so every packed
+    sample has a baseline sample taken right before it; the overhead is
+    1 - median(baseline / packed) over these pairs (the decrease in packs/s). A deterministic backend is measured once per shape.
+    ``profile_kwargs`` go to every ``backend.profile`` call (ipu/mock: config, profile_dir).
+    """
+    kwargs = dict(profile_kwargs or {})
+    rounds = 1 if deterministic else num_repeats
+    depths = [d for d in batches if d != 1]
+    samples = {d: {"baseline": [], "packed": [], "ratio": []} for d in depths}
+    unit, breakdowns, extras = None, {}, {}
+    baseline_once = None
+    for _ in range(rounds):
+        for depth in depths:
+            if deterministic and baseline_once is not None:
+                base = baseline_once
+            else:
+                base = backend.profile(model, batches[1], num_repeats=1, **kwargs)
+                baseline_once = base
+                breakdowns.setdefault(1, base.get("breakdown"))
+                extras.setdefault(1, base)
+            packed = backend.profile(model, batches[depth], num_repeats=1, **kwargs)
+            unit = packed["unit"]
+            breakdowns.setdefault(depth, packed.get("breakdown"))
+            extras.setdefault(depth, packed)
+            s = samples[depth]
+            s["baseline"].append(float(base["cost"]))
+            s["packed"].append(float(packed["cost"]))
+            s["ratio"].append(float(base["cost"]) / float(packed["cost"]))
+            if progress is not None:
+                progress()
+    all_baseline = [c for d in depths for c in samples[d]["baseline"]]
+    out = {1: {"unpacked_cost": statistics.median(all_baseline), "packed_cost": statistics.median(all_baseline),
+               "overhead": 0.0, "num_samples": len(all_baseline), "unit": unit,
+               "breakdown": breakdowns.get(1), "raw": extras.get(1)}}
+    for depth in depths:
+        s = samples[depth]
+        out[depth] = {"unpacked_cost": statistics.median(s["baseline"]), "packed_cost": statistics.median(s["packed"]),
+                      "overhead": 1.0 - statistics.median(s["ratio"]), "num_samples": len(s["ratio"]),
+                      "unit": unit, "breakdown": breakdowns.get(depth), "raw": extras.get(depth)}
+    return out
+
+
+def default_report_reader(profile_dir: str):
+    """Open the newest PopVision report under ``profile_dir`` with ``pva`` (None without pva or a report)."""
+    try:
+        import pva  # shipped with the Poplar SDK, not on PyPI
+    except ImportError:
+        return None
+    reports = sorted(glob.glob(os.path.join(profile_dir, "**", "*.pop"), recursive=True), key=os.path.getmtime)
+    return pva.openReport(reports[-1]) if reports else None
+
+
+def pva_total_cycles(report) -> Optional[float]:
+    """Execution cycles of a pva report: the total when present, else the sum over steps (IPU 0)."""
+    if report is None:
+        return None
+    execution = report.execution
+    total = getattr(getattr(execution, "totalCycles", None), "total", None)
+    if total is not None:
+        return float(total)
+    return float(sum(step.ipus[0].cycles for step in execution.steps))
+
+
+def measure_throughput(config, backend_name: str, packed_depth: int, *, num_sequences: int,
+                       progress: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """Train packed (``packed_depth``) and padded (depth 1) side by side on the same sequences.
+
+    Both modes get one full epoch of the same generated sequences (the lengths depend on
+    the seed, not on the depth); steps of the two modes are interleaved in proportion so
+    machine noise hits both alike. sequences/s = real sequences trained / seconds in
+    train_step.
+    """
+    import torch
+
+    from backends import get_backend
+    from bert_packed.data.generated import GeneratedSource
+    from bert_packed.train import build_model, build_optimizer
+
+    B = config.train.micro_batch_size
+    modes = {}
+    for name, depth in (("padded", 1), ("packed", packed_depth)):
+        cfg = depth_config(config, depth, num_sequences=num_sequences)
+        source = GeneratedSource(cfg, split="train", micro_batch_size=B, seed=config.train.seed)
+        torch.manual_seed(config.train.seed)
+        model = build_model(cfg)
+        optimizer, scheduler = build_optimizer(cfg, model, (cfg.optimizer.beta1, cfg.optimizer.beta2))
+        backend = get_backend(backend_name)
+        backend.prepare(model, optimizer, cfg, scheduler=scheduler)
+        it = iter(source)
+        batches = [next(it) for _ in range(source.micro_batches_per_epoch)]
+        backend.train_step([batches[0]])  # warm-up (compilation, allocators), not timed
+        modes[name] = {"backend": backend, "batches": batches, "done": 0, "seconds": 0.0, "sequences": 0.0,
+                       "packs": 0, "depth": depth}
+    while any(m["done"] < len(m["batches"]) for m in modes.values()):
+        # Run the mode that is furthest behind in its own epoch: steps stay interleaved.
+        mode = min((m for m in modes.values() if m["done"] < len(m["batches"])),
+                   key=lambda m: m["done"] / len(m["batches"]))
+        batch = mode["batches"][mode["done"]]
+        start = time.perf_counter()
+        mode["backend"].train_step([batch])
+        mode["seconds"] += time.perf_counter() - start
+        mode["sequences"] += float(np.sum(batch["nsp_weights"]))
+        mode["packs"] += int(batch["input_ids"].shape[0])
+        mode["done"] += 1
+        if progress is not None:
+            progress()
+    result = {"method": "measured: interleaved train_step calls over one epoch of the same sequences",
+              "num_sequences_generated": num_sequences}
+    for name, m in modes.items():
+        result[name] = {"depth": m["depth"], "steps": m["done"], "packs": m["packs"], "sequences": m["sequences"],
+                        "seconds": m["seconds"], "sequences_per_second": m["sequences"] / m["seconds"],
+                        "packs_per_second": m["packs"] / m["seconds"]}
+    result["speedup"] = result["packed"]["sequences_per_second"] / result["padded"]["sequences_per_second"]
+    return result
+
+
+def estimated_throughput(rows: List[Dict], packed_depth: int, micro_batch_size: int) -> Dict[str, Any]:
+    """Sequences/s per replica from estimated cycles (mock): B x packing factor / (cycles / clock)."""
+    by_depth = {row["depth"]: row for row in rows}
+    padded, packed = by_depth[1], by_depth[packed_depth]
+    out = {"method": "estimated from the cost model's cycles at 1.33 GHz (no execution)"}
+    for name, row, cost in (("padded", padded, padded["unpacked_cost"]), ("packed", packed, packed["packed_cost"])):
+        seconds = cost / GC200_CLOCK_HZ
+        out[name] = {"depth": row["depth"], "sequences_per_second": micro_batch_size * row["packing_factor"] / seconds,
+                     "packs_per_second": micro_batch_size / seconds}
+    out["speedup"] = out["packed"]["sequences_per_second"] / out["padded"]["sequences_per_second"]
+    return out
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _breakdown_in_unit(breakdown: Optional[Dict], cost: float) -> Dict[str, float]:
+    """Absolute breakdown in the cost's unit: as given (cycle estimates) or fractions x cost."""
+    if not breakdown:
+        return {}
+    values = {name: float(breakdown.get(name, 0.0)) for name in CATEGORIES}
+    total = sum(values.values())
+    if total <= 0:
+        return {}
+    if abs(total - 1.0) < 1e-6:  # fractions
+        return {name: v * cost for name, v in values.items()}
+    return {name: v * cost / total for name, v in values.items()}
+
+
+def _atomic_write(path: str, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def format_markdown(report: Dict) -> str:
+    """The report as a Markdown table (the paper's Table 1 columns plus costs and breakdown)."""
+    unit = report["unit"]
+    lines = [f"# Packing overhead: {report['backend']} backend, config {report['config']}", "",
+             f"Model: {report['model']}; shape [B, S] = [{report['micro_batch_size']}, {report['max_sequence_length']}]; "
+             f"algorithm {report['algorithm']} on {report['packing_source']} "
+             f"(theoretical speed-up {report['theoretical_speedup']:.4f}). Cost unit: **{unit}** "
+             f"({report['cost_note']}).", "",
+             f"| depth | algorithm | unpacked ({unit}) | packed ({unit}) | overhead % | packing factor | "
+             f"efficiency % | realized speed-up | mask % | attention % | loss unpacking % | rest % |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in report["rows"]:
+        b = row["breakdown"]
+        share = [100.0 * b.get(name, float("nan")) / row["packed_cost"] if b else float("nan") for name in CATEGORIES]
+        lines.append(f"| {row['depth']} | {row['algorithm']} | {row['unpacked_cost']:.6g} | {row['packed_cost']:.6g} | "
+                     f"{100 * row['overhead']:.2f} | {row['packing_factor']:.4f} | {100 * row['efficiency']:.2f} | "
+                     f"{row['realized_speedup']:.4f} | " + " | ".join(f"{s:.2f}" for s in share) + " |")
+    t = report.get("throughput")
+    if t:
+        lines += ["", f"Training throughput, packed (depth {t['packed']['depth']}) vs padded, side by side "
+                      f"({t['method']}):", "",
+                  "| mode | sequences/s | packs/s |", "|---|---:|---:|"]
+        for name in ("padded", "packed"):
+            lines.append(f"| {name} | {t[name]['sequences_per_second']:.4g} | {t[name]['packs_per_second']:.4g} |")
+        lines += ["", f"Packed / padded sequences/s: **{t['speedup']:.3f}**"]
+    if report.get("pva_cycles") is not None:
+        lines += ["", f"PopVision (pva) total cycles of the profiled run: {report['pva_cycles']:.6g}"]
+    lines += ["", "overhead = 1 - unpacked / packed, the decrease in packs/s (median of paired, interleaved "
+                  "measurements on noisy backends); realized speed-up = packing factor x (1 - overhead); "
+                  "breakdown shares are of the packed step's cost.", ""]
+    return "\n".join(lines)
+
+
+def plot_report(report: Dict, path: str) -> None:
+    """Overhead % and speed-ups against packing depth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = [row["depth"] for row in report["rows"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.plot(depths, [100 * row["overhead"] for row in report["rows"]], "o-")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("packing depth")
+    left.set_ylabel(f"overhead % ({report['unit']})")
+    left.grid(True, alpha=0.3)
+    right.plot(depths, [row["packing_factor"] for row in report["rows"]], "s--", label="packing factor")
+    right.plot(depths, [row["realized_speedup"] for row in report["rows"]], "o-", label="realized speed-up")
+    right.axhline(report["theoretical_speedup"], color="gray", lw=0.8, label="theoretical (no padding)")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("packing depth")
+    right.set_ylabel("x over padded BERT")
+    right.legend()
+    right.grid(True, alpha=0.3)
+    fig.suptitle(f"{report['backend']}: {report['model']}, algorithm {report['algorithm']}")
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+_COST_NOTES = {
+    "mock": "GC200 cost-model estimate, not a measurement",
+    "ipu": "IPU hardware cycle counter",
+    "cpu": "median wall time of forward+backward",
+    "cuda": "median CUDA-event time of forward+backward",
+}
+
+
+def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[int] = DEPTHS,
+                num_repeats: int = 5, throughput: bool = True, throughput_sequences: Optional[int] = None,
+                report_reader: Optional[Callable[[str], Any]] = None, show_progress: bool = True,
+                execute: Optional[bool] = None) -> Dict:
+    """Profile every depth on ``backend_name`` and write overhead.json/.md/.png to ``output_dir``.
+
+    ``report_reader(profile_dir) -> pva report or None`` reads PopVision reports (default:
+    ``pva.openReport`` on the newest ``*.pop``; tests inject a fake). ``execute``: run the model
+    on the mock (default: no, BERT-Large is priced from shapes on the meta device). Returns the
+    report dict.
+    """
+    from backends import get_backend
+
+    depths = sorted({int(d) for d in depths} | {1})
+    if any(d < 1 for d in depths):
+        raise ProfilingError(f"packing depths must be >= 1, got {depths}")
+    os.makedirs(output_dir, exist_ok=True)
+    B, S = config.train.micro_batch_size, config.data.max_sequence_length
+    lengths = None
+    if config.data.path is not None:
+        from bert_packed.data import build_data_source
+        lengths = getattr(build_data_source(config, micro_batch_size=B), "lengths", None)
+    packing = packing_statistics(config, depths, lengths)
+
+    backend = get_backend(backend_name)
+    model = build_profile_model(config, backend_name, execute)
+    batches = profile_batches(config, depths, B)
+    deterministic = backend_name in DETERMINISTIC_BACKENDS
+    num_calls = (1 if deterministic else num_repeats) * (len(depths) - 1)
+    from tqdm import tqdm
+
+    bar = tqdm(total=num_calls, desc=f"profile {backend_name}", disable=not show_progress, leave=False)
+    profile_kwargs = {}
+    if backend_name in ("ipu", "mock"):
+        # PopVision reports (engine option autoReport.directory) go next to the report.
+        profile_kwargs = {"config": config, "profile_dir": os.path.join(output_dir, "popvision")}
+    costs = measure_costs(backend, model, batches, num_repeats=num_repeats, deterministic=deterministic,
+                          progress=bar.update, profile_kwargs=profile_kwargs)
+    bar.close()
+
+    rows = []
+    for depth in depths:
+        c, p = costs[depth], packing["rows"][depth]
+        breakdown = c["breakdown"]
+        if breakdown is None and backend_name in ("cpu", "cuda"):
+            device = "cuda" if backend_name == "cuda" else "cpu"
+            breakdown = scope_breakdown(model, batches[depth], device=device)
+        rows.append({"depth": depth, "algorithm": p["algorithm"], "unpacked_cost": c["unpacked_cost"],
+                     "packed_cost": c["packed_cost"], "overhead": c["overhead"], "num_samples": c["num_samples"],
+                     "packing_factor": p["packing_factor"], "efficiency": p["efficiency"],
+                     "realized_speedup": p["packing_factor"] * (1.0 - c["overhead"]),
+                     "breakdown": _breakdown_in_unit(breakdown, c["packed_cost"]),
+                     "max_masked_tokens_per_pack": int(batches[depth]["mlm_positions"].shape[1])})
+    unit = costs[depths[-1]]["unit"] or costs[1]["unit"]
+    m = config.model
+    report = {"backend": backend_name, "config": getattr(config, "name", ""), "unit": unit,
+              "cost_note": _COST_NOTES.get(backend_name, ""),
+              "model": f"{m.num_hidden_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+                       f"attention {m.attention_implementation}",
+              "micro_batch_size": B, "max_sequence_length": S, "algorithm": config.data.packing_algorithm,
+              "packing_source": packing["source"], "theoretical_speedup": packing["theoretical_speedup"],
+              "num_repeats": 1 if deterministic else num_repeats, "rows": rows}
+
+    # PopVision totals when the backend left a profile directory behind (ipu; mock in tests).
+    raw = costs[depths[-1]].get("raw") or {}
+    profile_dir = raw.get("profile_dir")
+    report["cycle_count_logged"] = raw.get("cycle_count_logged")
+    report["pva_cycles"] = None
+    if profile_dir:
+        reader = report_reader or default_report_reader
+        report["pva_cycles"] = pva_total_cycles(reader(profile_dir))
+
+    packed_depth = config.data.max_sequences_per_pack if config.data.max_sequences_per_pack in depths else 3
+    if throughput and packed_depth in depths and packed_depth > 1:
+        if backend_name == "mock":
+            report["throughput"] = estimated_throughput(rows, packed_depth, B)
+        else:
+            num_sequences = throughput_sequences or max(40, 8 * B)
+            tbar = tqdm(desc="throughput", disable=not show_progress, leave=False)
+            report["throughput"] = measure_throughput(config, backend_name, packed_depth,
+                                                      num_sequences=num_sequences, progress=tbar.update)
+            tbar.close()
+
+    _atomic_write(os.path.join(output_dir, "overhead.json"), json.dumps(report, indent=2, default=float) + "\n")
+    _atomic_write(os.path.join(output_dir, "overhead.md"), format_markdown(report))
+    plot_report(report, os.path.join(output_dir, "overhead.png"))
+    return report
