@@ -184,8 +184,9 @@ class _Progress:
             return
         text = (f"loss {line['loss']:.3f} mlm {line['mlm_loss']:.3f} nsp {line['nsp_loss']:.3f} "
                 f"mlm_acc {line['mlm_accuracy']:.3f} {line['sequences_per_second']:.0f} seq/s")
-        if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)
+        if self.bar is not None:  # short: the bar shares one terminal line with it
+            self.bar.set_postfix_str(f"mlm {line['mlm_loss']:.3f} acc {line['mlm_accuracy']:.3f} "
+                                     f"{line['sequences_per_second']:.0f} seq/s", refresh=False)
             self.bar.update(1)
         elif step % self.every == 0 or step == self.total or step == 1:
             print(f"step {step:>5}/{self.total} | {text}", flush=True)
@@ -227,7 +228,7 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
     if is_main:
         os.makedirs(output_dir, exist_ok=True)
 
-    if t.num_threads is not None:
+    if t.num_threads is not None:  # process-wide: run.py runs one training per process
         torch.set_num_threads(t.num_threads)
     random.seed(t.seed)
     np.random.seed(t.seed)
