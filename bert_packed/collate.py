@@ -42,6 +42,7 @@ __all__ = [
     "one_per_pack",
     "collate",
     "collate_unpacked",
+    "collate_classification",
     "validate_batch",
 ]
 
@@ -98,22 +99,19 @@ def one_per_pack(sequence_indices) -> PackSlice:
     return PackSlice(np.arange(len(indices) + 1, dtype=np.int64), indices)
 
 
-def collate(
-    samples: Mapping[str, np.ndarray],
-    assignment: Any,
-    *,
-    max_sequence_length: int,
-    max_sequences_per_pack: int,
-    max_masked_tokens_per_pack: int,
-) -> Dict[str, np.ndarray]:
-    """Packed batch of ``assignment.num_packs`` packs (DESIGN.md §2 fields, numpy).
+class _Layout(NamedTuple):
+    """Where every sequence of an assignment goes (arrays over sequences in pack order)."""
 
-    Shapes: ``[B, S]`` token fields with S = ``max_sequence_length``, ``[B, M]`` masked
-    slots with M = ``max_masked_tokens_per_pack``, ``[B, K]`` per-sequence fields with
-    K = ``max_sequences_per_pack``. Raises ``BatchError`` if a pack is too long, holds
-    too many sequences or masked tokens, or a sample is malformed.
-    """
-    S, K, M = int(max_sequence_length), int(max_sequences_per_pack), int(max_masked_tokens_per_pack)
+    offsets: np.ndarray  # [P + 1]
+    order: np.ndarray  # [n] sample index
+    pack_of: np.ndarray  # [n] pack
+    slot: np.ndarray  # [n] 0-based slot k in its pack
+    start: np.ndarray  # [n] first column in its pack
+    lengths: np.ndarray  # [n] tokens
+
+
+def _pack_tokens(samples, assignment, S: int, K: int):
+    """Token and per-sequence fields shared by every task; returns (batch, layout)."""
     offsets = np.asarray(assignment.pack_offsets, dtype=np.int64)
     order = np.asarray(assignment.sequence_indices, dtype=np.int64)  # sample index, in pack order
     num_packs = len(offsets) - 1
@@ -159,21 +157,46 @@ def collate(
     batch["segment_ids"][rows, cols] = np.asarray(samples["segment_ids"])[source, token_position]
     batch["position_ids"][rows, cols] = token_position  # restart at 0 for every sequence
     batch["sequence_ids"][rows, cols] = slot[token_sequence] + 1
-
-    # Per-sequence fields.
     batch["cls_positions"] = np.zeros((num_packs, K), dtype=np.int64)
-    batch["nsp_labels"] = np.zeros((num_packs, K), dtype=np.int64)
-    batch["nsp_weights"] = np.zeros((num_packs, K), dtype=np.float32)
     batch["cls_positions"][pack_of, slot] = start
-    batch["nsp_labels"][pack_of, slot] = np.asarray(samples["next_sentence_labels"]).reshape(-1)[order]
-    batch["nsp_weights"][pack_of, slot] = 1.0
+    return batch, _Layout(offsets, order, pack_of, slot, start, lengths)
+
+
+def _per_sequence(layout: _Layout, values, K: int, dtype) -> np.ndarray:
+    out = np.zeros((len(layout.offsets) - 1, K), dtype=dtype)
+    out[layout.pack_of, layout.slot] = np.asarray(values).reshape(-1)[layout.order]
+    return out
+
+
+def collate(
+    samples: Mapping[str, np.ndarray],
+    assignment: Any,
+    *,
+    max_sequence_length: int,
+    max_sequences_per_pack: int,
+    max_masked_tokens_per_pack: int,
+) -> Dict[str, np.ndarray]:
+    """Packed pre-training batch of ``assignment.num_packs`` packs (DESIGN.md §2 fields, numpy).
+
+    Shapes: ``[B, S]`` token fields with S = ``max_sequence_length``, ``[B, M]`` masked
+    slots with M = ``max_masked_tokens_per_pack``, ``[B, K]`` per-sequence fields with
+    K = ``max_sequences_per_pack``. Raises ``BatchError`` if a pack is too long, holds
+    too many sequences or masked tokens, or a sample is malformed.
+    """
+    S, K, M = int(max_sequence_length), int(max_sequences_per_pack), int(max_masked_tokens_per_pack)
+    batch, layout = _pack_tokens(samples, assignment, S, K)
+    offsets, order, pack_of, slot, start, lengths = layout
+    num_packs = len(offsets) - 1
+    batch["nsp_labels"] = _per_sequence(layout, samples["next_sentence_labels"], K, np.int64)
+    batch["nsp_weights"] = _per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
 
     # Masked tokens: the pack's sequences in order, each with its valid slots in order.
     masked_positions = np.asarray(samples["masked_lm_positions"])[order].astype(np.int64)  # [n, P]
     masked_ids = np.asarray(samples["masked_lm_ids"])[order].astype(np.int64)
     valid = masked_positions > 0
-    if np.any(valid & (masked_positions >= lengths[:, None])):
-        bad = int(np.argmax(np.any(valid & (masked_positions >= lengths[:, None]), axis=1)))
+    beyond = np.any(valid & (masked_positions >= lengths[:, None]), axis=1)
+    if beyond.any():
+        bad = int(np.argmax(beyond))
         raise BatchError(f"sample {int(order[bad])}: a masked_lm_position lies beyond its {lengths[bad]} tokens")
     masked_per_sequence = valid.sum(axis=1)
     masked_end = np.concatenate([[0], np.cumsum(masked_per_sequence)])
@@ -193,6 +216,26 @@ def collate(
     batch["mlm_positions"][mask_pack, mask_slot] = start[sequence_of_mask] + masked_positions[sequence_of_mask, column]
     batch["mlm_labels"][mask_pack, mask_slot] = masked_ids[sequence_of_mask, column]
     batch["mlm_sequence_ids"][mask_pack, mask_slot] = slot[sequence_of_mask] + 1
+    return batch
+
+
+def collate_classification(
+    samples: Mapping[str, np.ndarray],
+    assignment: Any,
+    *,
+    max_sequence_length: int,
+    max_sequences_per_pack: int,
+) -> Dict[str, np.ndarray]:
+    """Packed sequence-classification batch: token fields, ``cls_positions``, ``labels`` and
+    ``label_weights`` ``[B, K]`` (``BertForSequenceClassification``'s inputs).
+
+    ``samples``: ``input_ids``, ``segment_ids``, optional ``input_mask`` (as for ``collate``)
+    and ``labels`` ``[N]`` (int class per sequence).
+    """
+    S, K = int(max_sequence_length), int(max_sequences_per_pack)
+    batch, layout = _pack_tokens(samples, assignment, S, K)
+    batch["labels"] = _per_sequence(layout, samples["labels"], K, np.int64)
+    batch["label_weights"] = _per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
     return batch
 
 

@@ -151,3 +151,20 @@ def test_validate_batch_accepts_tensors():
     torch = pytest.importorskip("torch")
     batch = {k: torch.from_numpy(v) for k, v in _good_batch().items()}
     validate_batch(batch, tiny_config(max_masked_tokens_per_pack=M))
+
+
+def test_classification_collate_puts_each_label_in_its_sequence_slot():
+    samples, assignment = packed_problem(6, num_packs=8)
+    n = samples["input_ids"].shape[0]
+    samples = {k: samples[k] for k in ("input_ids", "input_mask", "segment_ids")}
+    samples["labels"] = np.arange(n) % 3
+    from bert_packed.collate import collate_classification
+
+    batch = collate_classification(samples, assignment, max_sequence_length=S, max_sequences_per_pack=K)
+    for p in range(assignment.num_packs):
+        members = assignment.sequence_indices[assignment.pack_offsets[p] : assignment.pack_offsets[p + 1]]
+        assert batch["labels"][p, : len(members)].tolist() == (members % 3).tolist()
+        assert batch["label_weights"][p].tolist() == [1.0] * len(members) + [0.0] * (K - len(members))
+    pretraining = collate(packed_problem(6, num_packs=8)[0], assignment, max_sequence_length=S, max_sequences_per_pack=K, max_masked_tokens_per_pack=M)
+    for name in ("input_ids", "segment_ids", "position_ids", "sequence_ids", "cls_positions"):
+        assert np.array_equal(batch[name], pretraining[name]), name
