@@ -1,0 +1,65 @@
+"""Estimated GC200 cycles of the phase-2 layout through the mock IPU path (a cost model, not hardware).
+
+    python benchmarks/ipu_mock_cycles.py [--config phase2] [--depths 1 2 3]
+
+For each packing depth K: one micro-batch (forward + backward, bottleneck pipeline stage of one
+replica) as ``MockBackend.profile`` reports it for a BERT built on the meta device (no compute),
+and the per-step figure for the config's gradient accumulation. Unit: *estimated* cycles from
+ipu/cost_model.py; a real IPU run (``--backend ipu``) reports hardware cycles instead.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from backends.mock import MockBackend  # noqa: E402
+from bert_packed.config import ConfigError, load_config  # noqa: E402
+from bert_packed.train import build_model  # noqa: E402
+
+
+def shape_only_batch(micro_batch_size, sequence_length, max_sequences_per_pack, max_masked_tokens_per_pack):
+    """Zeros with the batch contract's shapes: the cost model reads shapes only."""
+    B, S, K, M = micro_batch_size, sequence_length, max_sequences_per_pack, max_masked_tokens_per_pack
+    batch = {n: np.zeros((B, S), np.int64) for n in ("input_ids", "segment_ids", "position_ids", "sequence_ids")}
+    batch.update({n: np.zeros((B, M), np.int64) for n in ("mlm_positions", "mlm_labels", "mlm_sequence_ids")})
+    batch.update({"cls_positions": np.zeros((B, K), np.int64), "nsp_labels": np.zeros((B, K), np.int64),
+                  "nsp_weights": np.zeros((B, K), np.float32)})
+    return batch
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="phase2")
+    parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    backend = MockBackend()
+    d, t, ipu = config.data, config.train, config.ipu
+    print(f"config {config.name}: layers_per_ipu {ipu.layers_per_ipu}, micro_batch {t.micro_batch_size}, "
+          f"S={d.max_sequence_length}, GA {t.gradient_accumulation}, {'fp16' if ipu.half_precision else 'fp32'}")
+    print("| K | est. cycles / micro-batch | est. cycles / step (x GA) | breakdown |")
+    print("|---|---|---|---|")
+    for depth in args.depths:
+        config.data.max_sequences_per_pack = depth
+        with torch.device("meta"):
+            model = build_model(config)
+        batch = shape_only_batch(t.micro_batch_size, d.max_sequence_length, depth,
+                                 d.max_masked_tokens + depth - 1)
+        result = backend.profile(model, batch, config=config)
+        parts = ", ".join(f"{k} {v:,}" for k, v in (result["breakdown"] or {}).items())
+        print(f"| {depth} | {result['cost']:,.0f} | {result['cost'] * t.gradient_accumulation:,.0f} | {parts} |")
+    print(f"unit: {result['unit']} (ipu/cost_model.py; not a hardware measurement)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
