@@ -26,8 +26,9 @@ For every depth d in (1, 2, 3, 4, 8, 16) the report holds one row with
   ``packing/loss_unpacking``), scaled to the step's cost.
 
 Next to the estimate, ``throughput`` measures training itself: packed (the configured
-depth) and padded steps interleaved in one run over the *same* generated sequences,
-sequences/s of each and their ratio (mock: derived from estimated cycles, labelled so).
+depth) and padded ``train_step`` calls interleaved in one run on generated data with the
+same sequences, sequences/s of each and their ratio (mock: derived from estimated
+cycles, labelled so).
 
 Outputs in ``output_dir``: ``overhead.json`` (everything), ``overhead.md`` (the table) and
 ``overhead.png`` (overhead and speed-ups against depth), written atomically.
@@ -52,6 +53,8 @@ SCOPES = {"packing/mask": "mask", "packing/attention": "attention", "packing/los
 # Backends whose cost is exact for a fixed program: one measurement per shape is enough.
 DETERMINISTIC_BACKENDS = ("mock", "ipu")
 GC200_CLOCK_HZ = 1.33e9
+# Packs the depths the configured algorithm is not defined for (fast, any depth).
+FALLBACK_ALGORITHM = "lpfhp"
 
 
 class ProfilingError(ValueError):
@@ -79,7 +82,8 @@ def mapped_histogram_counts(counts: np.ndarray, source_length: int, max_sequence
 def packing_statistics(config, depths: Sequence[int] = DEPTHS, lengths: Optional[np.ndarray] = None) -> Dict:
     """Packing factor and efficiency of ``config.data.packing_algorithm`` at every depth.
 
-    Depth 1 is always the ``none`` algorithm (one sequence per row). Returns
+    Depth 1 is always the ``none`` algorithm (one sequence per row). A depth the configured
+    algorithm is not defined for (nnlshp beyond 3) is packed with lpfhp and labelled so. Returns
     ``{"source": str, "theoretical_speedup": float, "rows": {depth: {...}}}``.
     """
     from packing import Histogram, PackingError, pack
@@ -97,12 +101,17 @@ def packing_statistics(config, depths: Sequence[int] = DEPTHS, lengths: Optional
     rows = {}
     for depth in depths:
         algorithm = "none" if depth == 1 else d.packing_algorithm
+        label = algorithm
         try:
             result = pack(hist, algorithm=algorithm, max_sequences_per_pack=depth, seed=config.train.seed)
         except PackingError as error:
-            raise ProfilingError(f"packing with {algorithm} at depth {depth} failed: {error}") from None
+            if depth == 1 or algorithm == FALLBACK_ALGORITHM:
+                raise ProfilingError(f"packing with {algorithm} at depth {depth} failed: {error}") from None
+            # e.g. nnlshp is defined up to depth 3: keep the row, say which packer filled it.
+            result = pack(hist, algorithm=FALLBACK_ALGORITHM, max_sequences_per_pack=depth, seed=config.train.seed)
+            label = f"{FALLBACK_ALGORITHM} ({algorithm} not defined at depth {depth})"
         stats = result.to_dict()
-        rows[depth] = {"algorithm": algorithm, "packing_factor": float(stats["packing_factor"]),
+        rows[depth] = {"algorithm": label, "packing_factor": float(stats["packing_factor"]),
                        "efficiency": float(stats["efficiency"]), "num_packs": int(stats["num_packs"])}
     return {"source": source, "theoretical_speedup": float(hist.theoretical_speedup), "rows": rows}
 
@@ -257,14 +266,18 @@ def pva_total_cycles(report) -> Optional[float]:
     return float(sum(step.ipus[0].cycles for step in execution.steps))
 
 
-def measure_throughput(config, backend_name: str, packed_depth: int, *, num_sequences: int,
+def measure_throughput(config, backend_name: str, packed_depth: int, *, num_steps: int,
                        progress: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
-    """Train packed (``packed_depth``) and padded (depth 1) side by side on the same sequences.
+    """Train packed (``packed_depth``) and padded (depth 1) side by side: ``num_steps`` of each.
 
-    Both modes get one full epoch of the same generated sequences (the lengths depend on
-    the seed, not on the depth); steps of the two modes are interleaved in proportion so
-    machine noise hits both alike. sequences/s = real sequences trained / seconds in
-    train_step.
+    The two modes' ``train_step`` calls alternate (packed, padded, packed, ...) so machine
+    noise hits both alike; one untimed warm-up step each. Both draw from generated data
+    with the same sequences (the lengths depend on the seed, not on the depth).
+
+    ``sequences_per_second`` = measured packs/s x the data's sequences per pack over its
+    whole epoch: a step's cost does not depend on what the rows hold (fixed shapes), so
+    this is the long-run rate; ``measured_sequences_per_second`` counts only the sequences
+    that were in the timed steps (noisier for few steps).
     """
     import torch
 
@@ -272,10 +285,12 @@ def measure_throughput(config, backend_name: str, packed_depth: int, *, num_sequ
     from bert_packed.data.generated import GeneratedSource
     from bert_packed.train import build_model, build_optimizer
 
+    if num_steps < 1:
+        raise ProfilingError(f"throughput needs at least one step per mode, got {num_steps}")
     B = config.train.micro_batch_size
     modes = {}
-    for name, depth in (("padded", 1), ("packed", packed_depth)):
-        cfg = depth_config(config, depth, num_sequences=num_sequences)
+    for name, depth in (("packed", packed_depth), ("padded", 1)):
+        cfg = depth_config(config, depth)
         source = GeneratedSource(cfg, split="train", micro_batch_size=B, seed=config.train.seed)
         torch.manual_seed(config.train.seed)
         model = build_model(cfg)
@@ -283,30 +298,32 @@ def measure_throughput(config, backend_name: str, packed_depth: int, *, num_sequ
         backend = get_backend(backend_name)
         backend.prepare(model, optimizer, cfg, scheduler=scheduler)
         it = iter(source)
-        batches = [next(it) for _ in range(source.micro_batches_per_epoch)]
-        backend.train_step([batches[0]])  # warm-up (compilation, allocators), not timed
-        modes[name] = {"backend": backend, "batches": batches, "done": 0, "seconds": 0.0, "sequences": 0.0,
-                       "packs": 0, "depth": depth}
-    while any(m["done"] < len(m["batches"]) for m in modes.values()):
-        # Run the mode that is furthest behind in its own epoch: steps stay interleaved.
-        mode = min((m for m in modes.values() if m["done"] < len(m["batches"])),
-                   key=lambda m: m["done"] / len(m["batches"]))
-        batch = mode["batches"][mode["done"]]
-        start = time.perf_counter()
-        mode["backend"].train_step([batch])
-        mode["seconds"] += time.perf_counter() - start
-        mode["sequences"] += float(np.sum(batch["nsp_weights"]))
-        mode["packs"] += int(batch["input_ids"].shape[0])
-        mode["done"] += 1
-        if progress is not None:
-            progress()
-    result = {"method": "measured: interleaved train_step calls over one epoch of the same sequences",
-              "num_sequences_generated": num_sequences}
+        backend.train_step([next(it)])  # warm-up (compilation, allocators), not timed
+        modes[name] = {"backend": backend, "iterator": it, "seconds": 0.0, "sequences": 0.0, "packs": 0,
+                       "depth": depth, "packing_factor": float(source.packing_factor)}
+    for _ in range(num_steps):
+        for mode in modes.values():
+            batch = next(mode["iterator"])
+            start = time.perf_counter()
+            mode["backend"].train_step([batch])
+            mode["seconds"] += time.perf_counter() - start
+            mode["sequences"] += float(np.sum(batch["nsp_weights"]))
+            mode["packs"] += int(batch["input_ids"].shape[0])
+            if progress is not None:
+                progress()
+    result = {"method": f"measured: {num_steps} interleaved train_step calls per mode; sequences/s = "
+                        f"packs/s x the generated data's sequences per pack over its epoch",
+              "num_steps": num_steps}
     for name, m in modes.items():
-        result[name] = {"depth": m["depth"], "steps": m["done"], "packs": m["packs"], "sequences": m["sequences"],
-                        "seconds": m["seconds"], "sequences_per_second": m["sequences"] / m["seconds"],
-                        "packs_per_second": m["packs"] / m["seconds"]}
+        packs_per_second = m["packs"] / m["seconds"]
+        result[name] = {"depth": m["depth"], "steps": num_steps, "packs": m["packs"], "seconds": m["seconds"],
+                        "packs_per_second": packs_per_second, "data_packing_factor": m["packing_factor"],
+                        "sequences_per_second": packs_per_second * m["packing_factor"],
+                        "measured_sequences": m["sequences"],
+                        "measured_sequences_per_second": m["sequences"] / m["seconds"]}
     result["speedup"] = result["packed"]["sequences_per_second"] / result["padded"]["sequences_per_second"]
+    result["measured_speedup"] = (result["packed"]["measured_sequences_per_second"]
+                                  / result["padded"]["measured_sequences_per_second"])
     return result
 
 
@@ -418,7 +435,7 @@ _COST_NOTES = {
 
 
 def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[int] = DEPTHS,
-                num_repeats: int = 5, throughput: bool = True, throughput_sequences: Optional[int] = None,
+                num_repeats: int = 5, throughput: bool = True, throughput_steps: int = 6,
                 report_reader: Optional[Callable[[str], Any]] = None, show_progress: bool = True,
                 execute: Optional[bool] = None) -> Dict:
     """Profile every depth on ``backend_name`` and write overhead.json/.md/.png to ``output_dir``.
@@ -494,10 +511,9 @@ def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[
         if backend_name == "mock":
             report["throughput"] = estimated_throughput(rows, packed_depth, B)
         else:
-            num_sequences = throughput_sequences or max(40, 8 * B)
-            tbar = tqdm(desc="throughput", disable=not show_progress, leave=False)
+            tbar = tqdm(total=2 * throughput_steps, desc="throughput", disable=not show_progress, leave=False)
             report["throughput"] = measure_throughput(config, backend_name, packed_depth,
-                                                      num_sequences=num_sequences, progress=tbar.update)
+                                                      num_steps=throughput_steps, progress=tbar.update)
             tbar.close()
 
     _atomic_write(os.path.join(output_dir, "overhead.json"), json.dumps(report, indent=2, default=float) + "\n")

@@ -37,6 +37,14 @@ def test_packing_statistics_match_the_packing_library():
     assert stats["theoretical_speedup"] == pytest.approx(2.0013, abs=1e-4)
 
 
+def test_depths_the_algorithm_cannot_pack_fall_back_to_lpfhp_and_say_so():
+    config = load_config("phase2", ["data.packing_algorithm=nnlshp"])
+    stats = profiling.packing_statistics(config, depths=(1, 4))  # nnlshp stops at depth 3
+    assert stats["rows"][4]["algorithm"] == "lpfhp (nnlshp not defined at depth 4)"
+    lpfhp = profiling.packing_statistics(load_config("phase2", ["data.packing_algorithm=lpfhp"]), depths=(4,))
+    assert stats["rows"][4]["packing_factor"] == lpfhp["rows"][4]["packing_factor"]
+
+
 class DriftingBackend:
     """Cost = true cost of the batch's depth x a machine-speed factor that drifts 3x over the run."""
 
@@ -102,13 +110,17 @@ def _check_report(report, output_dir, depths):
 def test_cpu_report_end_to_end(tmp_path):
     config = load_config("phase2_base", TINY)
     report = profiling.run_profile(config, "cpu", str(tmp_path), depths=(1, 2, 3), num_repeats=2,
-                                   throughput_sequences=24, show_progress=False)
+                                   throughput_steps=2, show_progress=False)
     on_disk = _check_report(report, str(tmp_path), (1, 2, 3))
     assert on_disk["unit"] == "ms"
     t = on_disk["throughput"]
-    # Same sequences in both modes; packed needs fewer rows, so fewer steps.
-    assert t["packed"]["sequences"] <= t["padded"]["sequences"]
-    assert t["packed"]["steps"] < t["padded"]["steps"]
+    assert t["packed"]["steps"] == t["padded"]["steps"] == 2
+    assert t["padded"]["data_packing_factor"] == 1.0 and t["packed"]["data_packing_factor"] > 1.2
+    # Long-run sequences/s = measured packs/s x the data's sequences per pack.
+    for mode in ("packed", "padded"):
+        m = t[mode]
+        assert m["sequences_per_second"] == pytest.approx(m["packs"] / m["seconds"] * m["data_packing_factor"])
+    assert t["padded"]["measured_sequences"] == 2 * 2
     assert "| 3 |" in open(tmp_path / "overhead.md").read()
 
 
