@@ -20,6 +20,7 @@ tuned for. The reported metrics are the unscaled shares, summed over micro-batch
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import warnings
@@ -28,6 +29,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from bert_packed import attention as attention_registry
 from bert_packed.config import ConfigError
 from bert_packed.losses import add_step_normalizers, step_counts
 from ipu import options as ipu_options
@@ -87,6 +89,18 @@ def estimate_run_cycles(info: Dict[str, Any]) -> Dict[str, Any]:
     num_micro_batches = int(info["device_iterations"]) * int(info["gradient_accumulation"])
     return {"total": int(estimate["total"]) * num_micro_batches, "per_micro_batch": int(estimate["total"]),
             "breakdown": estimate.get("breakdown"), "unit": "estimated cycles"}
+
+
+@contextlib.contextmanager
+def no_profiler_scopes():
+    """Run without the model's "packing/..." record_function scopes: PopTorch traces the model on
+    the first call, and host profiler markers have no place in the IPU graph."""
+    previous = getattr(attention_registry, "_PROFILER_SCOPES", True)
+    attention_registry.set_profiler_scopes(False)
+    try:
+        yield
+    finally:
+        attention_registry.set_profiler_scopes(previous)
 
 
 def stack_host_batch(micro_batches: List[Dict[str, np.ndarray]], *, num_steps: int, gradient_accumulation: int,
@@ -201,7 +215,8 @@ class PopTorchBackend:
                                 num_replicas=self.config.ipu.replication_factor)
         self._switch_to(self.training_model, self.inference_model)
         learning_rate = float(self.optimizer.param_groups[0]["lr"])
-        outputs = self.training_model(**host)
+        with no_profiler_scopes():
+            outputs = self.training_model(**host)
         per_step = self._step_metrics(outputs[1:], num_steps)
         if self.scheduler is not None:
             with warnings.catch_warnings():
@@ -253,7 +268,8 @@ class PopTorchBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            outputs = self.inference_model(**host)
+            with no_profiler_scopes():
+                outputs = self.inference_model(**host)
         finally:
             self.model.train(was_training)
         return {name: float(t.double().sum()) for name, t in zip(pipeline.METRIC_NAMES, outputs)}
@@ -306,7 +322,8 @@ class PopTorchBackend:
         costs = []
         try:
             for _ in range(max(1, num_repeats)):
-                executor(**host)
+                with no_profiler_scopes():
+                    executor(**host)
                 costs.append(executor.cycleCount() / ga)
         finally:
             executor.destroy()

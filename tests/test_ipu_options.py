@@ -17,7 +17,7 @@ from bert_packed.config import ConfigError, IPUConfig, load_config, resolve_conf
 from bert_packed.optim import build_optimizer
 from bert_packed.train import build_model
 from ipu import options as ipu_options
-from ipu.backend import stack_host_batch
+from ipu.backend import no_profiler_scopes, stack_host_batch
 from ipu.testing import TINY_MODEL, random_micro_batches
 
 # Only sizes shrink; every ipu value stays phase2's (24 layers keep layers_per_ipu [3, 7, 7, 7]).
@@ -41,7 +41,8 @@ def prepared(overrides):
     original = poptorch.serializedMatMul
     poptorch.serializedMatMul = lambda lhs, rhs, mode, factor=0, **k: serialized.append(factor) or original(lhs, rhs, mode, factor)
     try:
-        backend.training_model.compile(**{k: v for k, v in host.items()})
+        with no_profiler_scopes():
+            backend.training_model.compile(**host)
     finally:
         poptorch.serializedMatMul = original
     return config, backend, serialized
