@@ -120,6 +120,8 @@ def pack(histogram, algorithm="lpfhp", max_sequences_per_pack=3, seed=0, **optio
     if not isinstance(histogram, Histogram):
         histogram = Histogram.load(histogram)
     depth = check_algorithm_depth(algorithm, max_sequences_per_pack)
+    if algorithm in ("none", "sort"):
+        depth = 1  # they never share a row, whatever the limit
     entry = ALGORITHMS[algorithm]
     started = time.perf_counter()
     try:

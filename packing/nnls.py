@@ -57,18 +57,30 @@ def _round_and_complete(x, A, strategies, counts):
     return result_strategies, result_repeats
 
 
+def _nnls_mixture(counts, max_sequence_length, depth, short_length, short_weight):
+    strategies = exact_sum_strategies(max_sequence_length, depth)
+    A = packing_matrix(strategies, max_sequence_length)
+    weights = np.ones(max_sequence_length)
+    weights[:short_length] = short_weight
+    x, _ = optimize.nnls(weights[:, None] * A, weights * counts, maxiter=50 * A.shape[1])
+    return x, A, strategies
+
+
 def pack_nnlshp(counts, max_sequence_length, depth, short_length=8, short_weight=0.09):
     """NNLSHP (Krell et al., section 3.1.2 / F.4): ``min ||w (A x - b)||^2, x >= 0``.
 
     The weight is ``short_weight`` (0.09) for lengths <= ``short_length`` (8) and 1
     elsewhere, so a deficit of very short sequences (cheap padding) is penalised less.
     """
-    strategies = exact_sum_strategies(max_sequence_length, depth)
-    A = packing_matrix(strategies, max_sequence_length)
-    weights = np.ones(max_sequence_length)
-    weights[:short_length] = short_weight
-    x, _ = optimize.nnls(weights[:, None] * A, weights * counts, maxiter=50 * A.shape[1])
+    x, A, strategies = _nnls_mixture(counts, max_sequence_length, depth, short_length, short_weight)
     return _round_and_complete(x, A, strategies, counts)
+
+
+def nnls_residual(counts, max_sequence_length, depth, short_length=8, short_weight=0.09):
+    """np.int64 [L]: ``b - A rint(x)`` of NNLSHP before left-overs are handled (the
+    papers' Figures 7/8): positive = sequences left out, negative = padding slots."""
+    x, A, _ = _nnls_mixture(counts, max_sequence_length, depth, short_length, short_weight)
+    return counts - A.astype(np.int64) @ np.rint(x).astype(np.int64)
 
 
 def pack_ennlshp(counts, max_sequence_length, depth, penalty=1e6):

@@ -1,0 +1,350 @@
+"""``python -m packing report|bench|plot``: the packing library's command line.
+
+report  a table like Table 1 of Krell et al. (or ``--json``: one object per row with the
+        field names of PackingResult.to_dict) for algorithms x depths on a histogram.
+bench   timing of every algorithm on a histogram and of the assignment of a full-size
+        dataset (in a subprocess, so its peak memory is measured on its own).
+plot    PNGs of the length histogram, a plan's padding per pack and the NNLS residual.
+
+User mistakes print one line ``error: ...`` to stderr and exit with status 2.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from .algorithms import ALGORITHMS, check_algorithm_depth, pack
+from .histogram import Histogram, PackingError
+
+# Rows of the default report: the paper's Table 1 (plus LPFHP's Table 5 and ours).
+DEFAULT_ROWS = [("none", 1), ("sort", 1), ("greedy", None)] + \
+    [("spfhp", d) for d in (2, 3, 4, 8, None)] + [("lpfhp", d) for d in (2, 3, 4, 8, None)] + \
+    [("nnlshp", 3)] + [("lp", d) for d in (2, 3, 4, None)]
+UNLIMITED_NAMES = ("max", "unlimited", "none", "inf")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one line (exit 2), like every other error."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see python -m packing {self.prog.split()[-1]} --help)\n")
+
+
+def _depth(text):
+    if text.lower() in UNLIMITED_NAMES:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"max sequences per pack must be a positive integer or 'max', got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"max sequences per pack must be at least 1, got {value}")
+    return value
+
+
+def _depth_label(depth):
+    return "max" if depth is None else str(depth)
+
+
+def _load(args):
+    return Histogram.load(args.histogram, max_sequence_length=args.max_sequence_length)
+
+
+def _rows(args):
+    """(algorithm, depth) pairs to run, validated up front so a bad pair fails before work."""
+    if args.algorithm is None and args.max_sequences_per_pack is None:
+        return DEFAULT_ROWS
+    algorithms = args.algorithm or [name for name in ALGORITHMS if name != "ennlshp"]
+    depths = args.max_sequences_per_pack or [3]
+    rows = []
+    for name in algorithms:
+        for depth in ([1] if name in ("none", "sort") else depths):
+            if args.algorithm is None and ALGORITHMS[name].max_depth is not None and (
+                    depth is None or depth > ALGORITHMS[name].max_depth):
+                continue  # not asked for by name: skip the depths it does not support
+            check_algorithm_depth(name, depth)
+            if (name, depth) not in rows:
+                rows.append((name, depth))
+    return rows
+
+
+def _run_rows(histogram, rows, args, progress=True):
+    results = []
+    for name, depth in rows:
+        if progress and sys.stderr.isatty():
+            print(f"  {name} (depth {_depth_label(depth)}) ...", file=sys.stderr, flush=True)
+        options = {"batch_size": args.batch_size} if name == "sort" else {}
+        results.append(pack(histogram, name, depth, seed=args.seed, **options))
+    # The LP bound is a property of (histogram, depth): share it with every row of that depth.
+    bounds = {result.max_sequences_per_pack: result.lp_bound_packs for result in results if result.algorithm == "lp"}
+    if args.bound:
+        for depth in {result.max_sequences_per_pack for result in results} - set(bounds):
+            if depth != 1:
+                bounds[depth] = pack(histogram, "lp", depth).lp_bound_packs
+    rows_out = []
+    for result in results:
+        row = result.to_dict()
+        if row["lp_bound_packs"] is None:
+            row["lp_bound_packs"] = histogram.num_sequences if result.max_sequences_per_pack == 1 else \
+                bounds.get(result.max_sequences_per_pack)
+        rows_out.append(row)
+    return rows_out
+
+
+def format_table(histogram, rows):
+    """The report as text: data statistics, then one line per (algorithm, depth)."""
+    stats = histogram.statistics()
+    lines = [
+        f"histogram {stats['histogram']}: {stats['num_sequences']:,} sequences, {stats['num_tokens']:,} tokens, "
+        f"L = {stats['max_sequence_length']}, padding without packing {stats['padding_fraction']:.2%}, "
+        f"theoretical speed-up {stats['theoretical_speedup']:.4f}, ceil(tokens / L) = {stats['min_num_packs']:,}",
+        "",
+    ]
+    header = ["algorithm", "depth", "packs", "tokens", "padding", "efficiency %", "packing factor", "max depth",
+              "strategies", "seconds", "LP bound", "over bound %"]
+    table = []
+    for row in rows:
+        bound = row["lp_bound_packs"]
+        table.append([
+            row["algorithm"], _depth_label(row["max_sequences_per_pack"]), f"{row['num_packs']:,}",
+            f"{row['num_tokens']:,}", f"{row['num_padding_tokens']:,}", f"{100 * row['efficiency']:.3f}",
+            f"{row['packing_factor']:.3f}", str(row["max_depth_used"]), str(row["num_strategies_used"]),
+            f"{row['seconds']:.3f}", "-" if bound is None else f"{bound:,}",
+            "-" if bound is None else f"{100 * (row['num_packs'] / bound - 1):.4f}",
+        ])
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *table)]
+    for cells in [header] + table:
+        lines.append("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(cells, widths))))
+    lines.append("")
+    lines.append("depth = max sequences per pack (max = unlimited); tokens = real tokens; efficiency = tokens / "
+                 "(tokens + padding); LP bound = certified minimum packs at that depth (from lp).")
+    return "\n".join(lines)
+
+
+def command_report(args):
+    histogram = _load(args)
+    rows = _rows(args)
+    rows_out = _run_rows(histogram, rows, args)
+    if args.json:
+        print(json.dumps(rows_out, indent=1))
+    else:
+        print(format_table(histogram, rows_out))
+
+
+# -- bench ---------------------------------------------------------------------------------
+
+_ASSIGN_SCRIPT = r"""
+import json, resource, sys, time, tracemalloc
+import numpy as np
+from packing import Histogram, assign, pack
+name, num_sequences, algorithm, depth = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+histogram = Histogram.load(name)
+lengths = histogram.sample_lengths(None if num_sequences == "all" else int(num_sequences), seed=0)
+plan = pack(Histogram.from_lengths(lengths, histogram.max_sequence_length), algorithm,
+            None if depth == "max" else int(depth)).plan
+rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tracemalloc.start()
+started = time.perf_counter()
+packs = assign(plan, lengths, seed=0)
+seconds = time.perf_counter() - started
+_, traced_peak = tracemalloc.get_traced_memory()
+tracemalloc.stop()
+rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"num_sequences": int(lengths.size), "num_packs": packs.num_packs, "seconds": seconds,
+                  "peak_rss_bytes": rss_peak * 1024, "rss_before_bytes": rss_before * 1024,
+                  "assign_traced_peak_bytes": traced_peak}))
+"""
+
+
+def _time(histogram, name, depth, repeats, seed):
+    times, result = [], None
+    for _ in range(repeats):
+        result = pack(histogram, name, depth, seed=seed)
+        times.append(result.seconds)
+    return result, float(np.median(times)), float(min(times))
+
+
+def command_bench(args):
+    histogram = _load(args)
+    plan_rows = [("spfhp", 3), ("spfhp", None), ("lpfhp", 3), ("lpfhp", None), ("ffd", 3), ("bfd", 3)]
+    if not args.quick:
+        plan_rows += [("greedy", None), ("nnlshp", 3)]
+    plan_rows += [("lp", 2), ("lp", 3), ("lp", 4), ("lp", None)]
+    records = []
+    for name, depth in plan_rows:
+        if sys.stderr.isatty():
+            print(f"  timing {name} (depth {_depth_label(depth)}) ...", file=sys.stderr, flush=True)
+        fast = name in ("spfhp", "lpfhp", "ffd", "bfd")
+        result, median, best = _time(histogram, name, depth, args.repeats if fast else 1, args.seed)
+        records.append({"kind": "plan", "algorithm": name, "max_sequences_per_pack": depth,
+                        "num_packs": result.num_packs, "efficiency": result.efficiency,
+                        "lp_bound_packs": result.lp_bound_packs, "seconds_median": median, "seconds_min": best,
+                        "repeats": args.repeats if fast else 1})
+    by_key = {(r["algorithm"], r["max_sequences_per_pack"]): r for r in records}
+    ratio = None
+    if ("nnlshp", 3) in by_key:
+        ratio = by_key[("nnlshp", 3)]["seconds_median"] / by_key[("lp", 3)]["seconds_median"]
+    if sys.stderr.isatty():
+        print("  timing assignment in a subprocess ...", file=sys.stderr, flush=True)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = dict(os.environ, PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    completed = subprocess.run(
+        [sys.executable, "-c", _ASSIGN_SCRIPT, args.histogram, "1000000" if args.quick else args.num_sequences,
+         "lpfhp", "3"], capture_output=True, text=True, env=environment)
+    if completed.returncode != 0:
+        raise RuntimeError(f"assignment benchmark failed: {completed.stderr.strip().splitlines()[-1:]}")
+    assignment = json.loads(completed.stdout.strip().splitlines()[-1])
+    assignment["kind"] = "assign"
+    records.append(assignment)
+    if args.json:
+        print(json.dumps({"histogram": histogram.name, "plans": records[:-1], "assign": assignment,
+                          "nnlshp_over_lp_depth3": ratio}, indent=1))
+        return
+    print(f"histogram {histogram.name}: {histogram.num_sequences:,} sequences, L = {histogram.max_sequence_length}")
+    print(f"{'algorithm':10} {'depth':>5} {'packs':>12} {'efficiency %':>12} {'median s':>10} {'min s':>10} {'runs':>5}")
+    for r in records[:-1]:
+        print(f"{r['algorithm']:10} {_depth_label(r['max_sequences_per_pack']):>5} {r['num_packs']:>12,} "
+              f"{100 * r['efficiency']:>12.3f} {r['seconds_median']:>10.4f} {r['seconds_min']:>10.4f} "
+              f"{r['repeats']:>5}")
+    if ratio is not None:
+        print(f"nnlshp / lp time at depth 3: {ratio:.1f}x")
+    print(f"assign: {assignment['num_sequences']:,} sequences -> {assignment['num_packs']:,} packs (lpfhp, depth 3) "
+          f"in {assignment['seconds']:.2f} s; peak RSS of the process {assignment['peak_rss_bytes'] / 2**30:.2f} GiB "
+          f"(before assign {assignment['rss_before_bytes'] / 2**30:.2f} GiB), numpy peak during assign "
+          f"{assignment['assign_traced_peak_bytes'] / 2**30:.2f} GiB")
+
+
+# -- plot ----------------------------------------------------------------------------------
+
+def _save(figure, path):
+    """Atomic write: a half-written PNG never replaces a good one."""
+    handle, temporary = tempfile.mkstemp(suffix=".png", dir=os.path.dirname(path) or ".")
+    os.close(handle)
+    figure.savefig(temporary, dpi=120)
+    os.replace(temporary, path)
+
+
+def command_plot(args):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from . import nnls
+
+    histogram = _load(args)
+    depth = args.max_sequences_per_pack[0] if args.max_sequences_per_pack else 3
+    algorithm = args.algorithm[0] if args.algorithm else "lp"
+    check_algorithm_depth(algorithm, depth)
+    os.makedirs(args.output, exist_ok=True)
+    written = []
+
+    figure, axis = plt.subplots(figsize=(8, 4))
+    axis.bar(histogram.lengths, histogram.counts, width=1.0)
+    axis.set_yscale("log")
+    axis.set_xlabel("sequence length")
+    axis.set_ylabel("sequences (log)")
+    axis.set_title(f"{histogram.name}: {histogram.num_sequences:,} sequences, "
+                   f"{histogram.padding_fraction:.1%} padding at L = {histogram.max_sequence_length}")
+    figure.tight_layout()
+    path = os.path.join(args.output, "histogram.png")
+    _save(figure, path)
+    written.append(path)
+    plt.close(figure)
+
+    # Padding per pack of the chosen plan: what is left of L in each pack.
+    result = pack(histogram, algorithm, depth, seed=args.seed)
+    plan = result.plan
+    sums = np.add.reduceat(plan.strategy_lengths, plan.strategy_offsets[:-1])
+    unused = np.bincount(histogram.max_sequence_length - sums, weights=plan.repeats,
+                         minlength=histogram.max_sequence_length)
+    figure, axis = plt.subplots(figsize=(8, 4))
+    axis.bar(np.arange(unused.size), unused, width=1.0)
+    axis.set_yscale("symlog")
+    axis.set_xlabel("padding tokens in the pack")
+    axis.set_ylabel("packs")
+    axis.set_title(f"{algorithm}, depth {_depth_label(depth)}: {result.num_packs:,} packs, "
+                   f"efficiency {result.efficiency:.3%}")
+    figure.tight_layout()
+    path = os.path.join(args.output, f"padding_{algorithm}_{_depth_label(depth)}.png")
+    _save(figure, path)
+    written.append(path)
+    plt.close(figure)
+
+    # The papers' Figures 7/8: residual b - A round(x) of NNLS, unweighted and weighted.
+    if depth is not None and depth <= nnls.MAX_NNLS_DEPTH:
+        figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for axis, weight, title in ((axes[0], 1.0, "unweighted"), (axes[1], 0.09, "weight 0.09 for lengths <= 8")):
+            residual = nnls.nnls_residual(histogram.counts, histogram.max_sequence_length, depth,
+                                          short_weight=weight)
+            axis.bar(histogram.lengths, residual, width=1.0)
+            axis.set_yscale("symlog")
+            axis.set_xlabel("sequence length")
+            axis.set_title(f"NNLS residual, depth {depth}, {title}")
+        axes[0].set_ylabel("left out (+) / padding slots (-)")
+        figure.tight_layout()
+        path = os.path.join(args.output, f"residual_nnlshp_{depth}.png")
+        _save(figure, path)
+        written.append(path)
+        plt.close(figure)
+    for path in written:
+        print(path)
+
+
+def build_parser():
+    parser = _Parser(prog="python -m packing", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(sub):
+        sub.add_argument("--histogram", default="wikipedia-512",
+                         help="shipped name (wikipedia-512) or a JSON {max_sequence_length, counts} / .npy file")
+        sub.add_argument("--max-sequence-length", type=int, default=None,
+                         help="L; must match the histogram (checked)")
+        sub.add_argument("--seed", type=int, default=0, help="seed of the greedy shuffle (default 0)")
+
+    report = commands.add_parser("report", help="table of algorithms x depths (like the paper's Table 1)")
+    common(report)
+    report.add_argument("--algorithm", nargs="+", default=None, metavar="A",
+                        help=f"one or more of: {', '.join(ALGORITHMS)} (default: a Table 1 like set)")
+    report.add_argument("--max-sequences-per-pack", nargs="+", type=_depth, default=None, metavar="D",
+                        help="one or more depths; 'max' = unlimited (default 3 when --algorithm is given)")
+    report.add_argument("--batch-size", type=int, default=32, help="batch size of 'sort' (default 32)")
+    report.add_argument("--bound", action="store_true", help="compute the LP bound for every depth in the table")
+    report.add_argument("--json", action="store_true", help="print a JSON list, one object per row")
+    report.set_defaults(handler=command_report)
+
+    bench = commands.add_parser("bench", help="timing of each algorithm and of the assignment at scale")
+    common(bench)
+    bench.add_argument("--repeats", type=int, default=5, help="runs of the fast algorithms (median reported)")
+    bench.add_argument("--num-sequences", default="all",
+                       help="sequences drawn for the assignment benchmark ('all' = the histogram itself)")
+    bench.add_argument("--quick", action="store_true", help="skip greedy and nnlshp; assign 1M sequences")
+    bench.add_argument("--json", action="store_true", help="print JSON")
+    bench.set_defaults(handler=command_bench)
+
+    plot = commands.add_parser("plot", help="PNGs of the histogram, a plan's padding and the NNLS residual")
+    common(plot)
+    plot.add_argument("--output", required=True, help="directory for the PNGs")
+    plot.add_argument("--algorithm", nargs=1, default=None, metavar="A", help="plan to plot (default lp)")
+    plot.add_argument("--max-sequences-per-pack", nargs=1, type=_depth, default=None, metavar="D",
+                      help="its depth (default 3)")
+    plot.set_defaults(handler=command_plot)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        if getattr(args, "batch_size", 1) < 1:
+            raise PackingError(f"--batch-size must be at least 1, got {args.batch_size}")
+        if getattr(args, "repeats", 1) < 1:
+            raise PackingError(f"--repeats must be at least 1, got {args.repeats}")
+        args.handler(args)
+    except PackingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
