@@ -88,6 +88,12 @@ def assert_same_training(model, reference, mock_steps, cpu_steps):
     assert any(not torch.equal(p, q) for p, q in zip(build_model_like(model).parameters(), model.parameters()))
 
 
+def cpu_backend_for(model, config):
+    backend = CPUBackend()
+    backend.prepare(model, None, config)
+    return backend
+
+
 def build_model_like(model):
     torch.manual_seed(0)
     return type(model)(model.config)
@@ -98,6 +104,11 @@ def test_mock_equals_cpu_rf2_ga4_di2():
     mock, model, reference, mock_steps, cpu_steps = train_both(config, num_calls=2)
     assert mock.micro_batches_per_step == 8 and mock.steps_per_call == 2
     assert_same_training(model, reference, mock_steps, cpu_steps)
+    # Evaluation (an inference executable on the same weights) agrees as well.
+    batch = random_micro_batches(7, 1, config)[0]
+    mock_eval, cpu_eval = mock.eval_step(dict(batch)), cpu_backend_for(reference, config).eval_step(dict(batch))
+    for name in METRICS:
+        assert abs(mock_eval[name] - cpu_eval[name]) <= 1e-5 * max(1.0, abs(cpu_eval[name])), name
 
 
 def test_mock_equals_cpu_rf2_di2_four_ipu_pipeline():
