@@ -172,6 +172,9 @@ class PopTorchBackend:
         self.micro_batches_per_step = ga * ipu.replication_factor
         self.steps_per_call = ipu.device_iterations
         pipeline.layer_ipus(ipu.layers_per_ipu, config.model.num_hidden_layers)
+        if config.train.steps % ipu.device_iterations:
+            raise ConfigError(f"train.steps={config.train.steps} is not a multiple of ipu.device_iterations="
+                              f"{ipu.device_iterations} (one PopTorch call runs that many steps); change either")
         pipeline.check_pipeline_depth(ipu.layers_per_ipu, ga, ipu.device_iterations)
         self.model = pipeline.parallelize(model, ipu, poptorch)
         if ipu.half_precision:
@@ -182,6 +185,20 @@ class PopTorchBackend:
         wrapper = pipeline.TrainingWrapper(self.model, poptorch, loss_multiplier=ga * num_total)
         opts = ipu_options.build_options(poptorch, config, training=True, popdist=self.popdist, popart=self.popart)
         self.training_model = poptorch.trainingModel(wrapper, opts, optimizer=self.optimizer)
+        # The loop checkpoints and restores the optimizer it built; the state that matters is
+        # PopTorch's (on the device for real IPUs), so its state_dict/load_state_dict go there.
+        optimizer.state_dict = self.optimizer.state_dict
+        optimizer.load_state_dict = self._load_optimizer_state
+
+    def _load_optimizer_state(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        if self.training_model is not None and self.training_model.isCompiled():
+            self.training_model.setOptimizer(self.optimizer)
+
+    def sync_to_host(self) -> None:
+        """Copy the device weights into the host model (before checkpointing or host evaluation)."""
+        if self.training_model is not None and self.training_model.isCompiled():
+            self.training_model.copyWeightsToHost()
 
     # -- training -----------------------------------------------------------------------------
     def _normalise(self, step_batches, model=None):

@@ -162,3 +162,32 @@ def test_run_py_mock_phase2_with_size_overrides_only(tmp_path):
     assert len(lines) == 2
     losses = [json.loads(line)["loss"] for line in lines]
     assert all(0 < loss < 20 for loss in losses)  # finite fp16 training on the mock
+
+
+def test_loop_optimizer_checkpoints_carry_poptorch_state():
+    config = fp32_config([2], ga=2, extra=["ipu.replication_factor=1", "ipu.device_iterations=1"])
+    torch.manual_seed(0)
+    model = build_model(config)
+    optimizer, scheduler = build_optimizer(config, model, (0.9, 0.999))
+    mock = MockBackend()
+    mock.prepare(model, optimizer, config, scheduler=scheduler)
+    mock.train_step(random_micro_batches(0, 2, config))
+    saved = optimizer.state_dict()  # what the loop writes into its checkpoint
+    assert saved["state"] and all(s["step"] == 1 for s in saved["state"].values())
+    torch.manual_seed(0)
+    restored_model = build_model(config)
+    restored_optimizer, _ = build_optimizer(config, restored_model, (0.9, 0.999))
+    restored = MockBackend()
+    restored.prepare(restored_model, restored_optimizer, config)
+    restored_optimizer.load_state_dict(saved)
+    moments = [s["exp_avg"] for s in restored.optimizer.state_dict()["state"].values()]
+    expected = [s["exp_avg"] for s in saved["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(moments, expected))
+
+
+def test_steps_must_fill_whole_calls():
+    config = fp32_config([2], ga=2, extra=["train.steps=3"])  # device_iterations 2
+    model = build_model(config)
+    optimizer, _ = build_optimizer(config, model, (0.9, 0.999))
+    with pytest.raises(ConfigError, match="not a multiple of ipu.device_iterations"):
+        MockBackend().prepare(model, optimizer, config)
