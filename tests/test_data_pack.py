@@ -111,6 +111,7 @@ def test_stats_of_unpacked_and_packed_files(unpacked, tmp_path):
     assert "packing factor" in result.stdout and plot.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_pack_streams_with_bounded_memory_and_shows_progress(tmp_path):
     """100 k sequences (the benchmark does 1 M): peak RSS of the whole process stays small."""
     source = tmp_path / "big.h5"
