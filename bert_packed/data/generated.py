@@ -36,7 +36,7 @@ PAD_ID, CLS_ID, SEP_ID, MASK_ID = 0, 101, 102, 103
 SPECIAL_IDS = (0, 100, 101, 102, 103)  # [PAD], [UNK], [CLS], [SEP], [MASK] in BERT's vocabulary
 MIN_VOCAB_SIZE = 128
 NUM_SUCCESSORS = 4
-ZIPF_EXPONENT = 1.0
+ZIPF_EXPONENT = 1.2
 _SPLITS = {"train": 0, "eval": 1}
 
 
