@@ -153,7 +153,9 @@ def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
         bias_correction = {bool(g.get("bias_correction", True)) for g in torch_optimizer.param_groups}
         if len(bias_correction) != 1:
             raise ConfigError("poptorch.optim.LAMB has one bias_correction for all groups; the groups differ")
-        accum = torch.float16 if config.ipu.half_precision else torch.float32
+        # fp32 gradient accumulators: a step sums GA x replicas loss-scaled gradients, which
+        # overflows fp16 (Graphcore's BERT accumulates in fp16; we trade that memory for range).
+        accum = torch.float32
         return poptorch.optim.LAMB(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]),
                                    eps=float(defaults["eps"]), weight_decay=float(defaults["weight_decay"]),
                                    bias_correction=bias_correction.pop(), loss_scaling=loss_scaling,

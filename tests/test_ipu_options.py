@@ -110,7 +110,7 @@ def test_every_other_value_is_carried_too():
                "ipu.executable_cache_dir=cache", "ipu.synthetic_data=true", "ipu.log_cycle_count=true",
                "ipu.optimizer_state_offchip=false", "ipu.replicated_tensor_sharding=false",
                "ipu.recompute_checkpoint_every_layer=false", "ipu.auto_round_num_ipus=false",
-               "ipu.embedding_serialization_factor=1", "train.gradient_accumulation=5"]
+               "ipu.embedding_serialization_factor=1", "train.gradient_accumulation=5", "train.steps=10"]
     config, backend, serialized = prepared(flipped)
     opts = backend.training_model.options
     for field in dataclasses.fields(IPUConfig):

@@ -375,3 +375,25 @@ def test_no_hardware_claims():
     assert poptorch.ipuHardwareIsAvailable() is False
     with pytest.raises(poptorch.Error):
         poptorch.ipuHardwareVersion()
+
+
+@pytest.mark.parametrize("accum_type, finite", [(torch.float32, True), (torch.float16, False)])
+def test_gradients_accumulate_in_the_optimizers_accum_type(accum_type, finite):
+    # fp16 weights, loss scaling 30000: one micro-batch's gradient fits fp16 (max 65504), the
+    # sum of four does not; PopART accumulates in accum_type, and so does the mock.
+    model = Toy().half()
+    with torch.no_grad():
+        model.lin.weight.fill_(0.5)
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=0.0, loss_scaling=30000.0, accum_type=accum_type)
+    wrapped = poptorch.trainingModel(model, options(ga=4), optimizer=optimizer)
+    x = torch.full((4, 3), 0.5, dtype=torch.half)
+    y = torch.zeros(4, dtype=torch.half)
+    grads = []
+    step = optimizer.step
+    optimizer.step = lambda *a, **k: (grads.append(model.lin.weight.grad.clone()), step(*a, **k))[1]
+    wrapped(x, y)
+    # d/dw mean((0.75)^2) per row = 2 * 0.75 * 0.5 = 0.75 per input; Mean over 4 micro-batches = 0.75.
+    if finite:
+        torch.testing.assert_close(grads[0].float(), torch.full((1, 3), 0.75), rtol=1e-3, atol=0)
+    else:
+        assert not torch.isfinite(grads[0]).all()

@@ -139,6 +139,7 @@ class PoplarExecutor:
         self.pipeline = None     # filled at compile: blocks, stages, IPUs (see _plan_pipeline)
         self._has_run = False
         self._last_run_info = None
+        self._accumulators = {}  # parameter -> summed gradient of the current accumulation
         model._poptorch_executor = self
 
     # -- properties and plumbing ------------------------------------------------------------
@@ -425,12 +426,26 @@ class PoplarExecutor:
         loss = recorder.losses[self._final_loss_index][1]
         scale = float(getattr(self._optimizer, "loss_scaling", 1.0) or 1.0)
         (loss * scale).backward(torch.ones_like(loss))
+        self._accumulate_gradients()
         return _map(out, torch.Tensor.detach)
+
+    def _accumulate_gradients(self):
+        """Move this micro-batch's gradients into the accumulators, in the optimizer's
+        ``accum_type`` (PopART accumulates in that type, not in the weights' fp16)."""
+        dtype = getattr(self._optimizer, "accum_type", torch.float32)
+        for param in self._parameters():
+            if param.grad is None:
+                continue
+            grad = param.grad.to(dtype)
+            param.grad = None
+            accumulator = self._accumulators.get(param)
+            self._accumulators[param] = grad if accumulator is None else accumulator.add_(grad)
 
     def _parameters(self):
         return [p for p in self._user_model.parameters() if p.requires_grad]
 
     def _zero_grads(self):
+        self._accumulators = {}
         for param in self._parameters():
             param.grad = None
 
@@ -439,10 +454,9 @@ class PoplarExecutor:
         scale = float(getattr(self._optimizer, "loss_scaling", 1.0) or 1.0)
         if self._options.Training.accumulation_and_replication_reduction_type == ReductionType.Mean:
             scale *= num_micro_batches
-        if scale != 1.0:
-            for param in self._parameters():
-                if param.grad is not None:
-                    param.grad.div_(scale)
+        for param, accumulator in self._accumulators.items():
+            param.grad = (accumulator / scale if scale != 1.0 else accumulator).to(param.dtype)
+        self._accumulators = {}
 
     def _assemble_outputs(self, outputs):
         """Per output, stack the micro-batch values by OutputMode with PopTorch's shapes."""

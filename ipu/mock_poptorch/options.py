@@ -15,7 +15,6 @@ import torch
 
 from .enums import (AutoStage, ConnectionType, MeanReductionStrategy, OutputMode,
                     ReductionType, SyncPattern, CommGroupType)
-from .errors import Error
 
 _FROZEN_MESSAGE = "Can't modify frozen Options"
 
@@ -448,8 +447,3 @@ class Options(_OptionsDict):
                                      "auto_stage": None if strategy.auto_stage is None else strategy.auto_stage.name}
         return out
 
-
-def check_options_error(condition, message):
-    """Raise a Python-side ``poptorch.Error`` (``type='poptorch_py_error'``) unless ``condition``."""
-    if not condition:
-        raise Error(message)
