@@ -72,7 +72,8 @@ def train_both(config, num_calls):
     mock_steps, cpu_steps = [], []
     for call in range(num_calls):
         call_batches = batches[call * n * num_steps:(call + 1) * n * num_steps]
-        mock_steps += mock.train_step([dict(b) for b in call_batches])
+        result = mock.train_step([dict(b) for b in call_batches])
+        mock_steps += result if isinstance(result, list) else [result]
         for s in range(num_steps):
             cpu_steps.append(cpu.train_step([dict(b) for b in call_batches[s * n:(s + 1) * n]]))
     return mock, model, reference, mock_steps, cpu_steps
@@ -109,6 +110,13 @@ def test_mock_equals_cpu_rf2_ga4_di2():
     mock_eval, cpu_eval = mock.eval_step(dict(batch)), cpu_backend_for(reference, config).eval_step(dict(batch))
     for name in METRICS:
         assert abs(mock_eval[name] - cpu_eval[name]) <= 1e-5 * max(1.0, abs(cpu_eval[name])), name
+
+
+def test_mock_equals_cpu_with_output_mode_sum():
+    """phase2's OutputMode.Sum (one value per replica, summed over the call) with one step per call."""
+    config = fp32_config([4], ga=4, extra=["ipu.output_mode=sum", "ipu.device_iterations=1"])
+    mock, model, reference, mock_steps, cpu_steps = train_both(config, num_calls=2)
+    assert_same_training(model, reference, mock_steps, cpu_steps)
 
 
 def test_mock_equals_cpu_rf2_di2_four_ipu_pipeline():
