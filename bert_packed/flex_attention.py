@@ -214,6 +214,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     check(device=query.device, dtype=query.dtype, dropout_p=dropout_p if training else 0.0, needs_grad=needs_grad)
     with torch.profiler.record_function("packing/attention"):
+        if torch.compiler.is_compiling():
+            # Inside a compiled model: traced and fused with the rest of the graph.
+            return _flex_module().flex_attention(query, key, value, block_mask=prepared)
         if query.device.type == "cpu":
             # Not differentiating (checked above): torch refuses any CPU input that
             # merely has requires_grad set, even under no_grad, so detach them.

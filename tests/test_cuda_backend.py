@@ -239,6 +239,10 @@ def test_profile_off_gpu_reports_ms():
 # ----------------------------------------------------------------------------- GPU
 
 
+# S = 128 = one FlexAttention tile (the tiny config's S = 64 is shorter than a tile).
+S128 = ["data.max_sequence_length=128", "model.max_position_embeddings=128"]
+
+
 def _run_py(args, env=None, timeout=900):
     proc = subprocess.run([sys.executable, "run.py", *args, "--no-progress"], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env=env)
@@ -259,7 +263,7 @@ def test_short_training_run_on_gpu(tmp_path, attention, precision, compile_):
     out = str(tmp_path / "run")
     _run_py(["--backend", "cuda", "--config", "tiny", "--steps", "30", "--output-dir", out,
              "--set", f"model.attention_implementation={attention}", "--set", f"cuda.precision={precision}",
-             "--set", f"cuda.compile={str(compile_).lower()}"])
+             "--set", f"cuda.compile={str(compile_).lower()}", *(a for o in S128 for a in ("--set", o))])
     rows = _metrics(out)
     assert len(rows) == 30
     losses = [r["loss"] for r in rows]
@@ -271,8 +275,8 @@ def test_short_training_run_on_gpu(tmp_path, attention, precision, compile_):
 
 @pytest.mark.cuda
 def test_gpu_step_matches_cpu_reference_bf16():
-    ref_metrics, ref_before, ref_after = run_steps(CPUBackend(), [], num_steps=1)
-    metrics, before, after = run_steps(CUDABackend(), ["model.attention_implementation=flex"], num_steps=1)
+    ref_metrics, ref_before, ref_after = run_steps(CPUBackend(), S128, num_steps=1)
+    metrics, before, after = run_steps(CUDABackend(), ["model.attention_implementation=flex", *S128], num_steps=1)
     assert torch.equal(before, ref_before)
     assert metrics[0]["loss"] == pytest.approx(ref_metrics[0]["loss"], rel=2e-2)
     assert _cosine(after - before, ref_after - ref_before) > 0.95
@@ -284,8 +288,7 @@ def test_flex_model_equals_dense_model_forward_and_gradients_bf16():
     losses, grads = {}, {}
     for attention in ("dense", "flex"):
         backend = CUDABackend()
-        config, batches, model = setup(backend, [f"model.attention_implementation={attention}",
-                                                "data.max_sequence_length=64"])
+        config, batches, model = setup(backend, [f"model.attention_implementation={attention}", *S128])
         batch = backend.to_device(batches[0])
         with backend.autocast():
             out = model(**batch)

@@ -276,3 +276,24 @@ def test_flex_skips_blocks_and_does_not_recompile_on_gpu():
         fa.attend(q2, k2, v2, fa.prepare(ids2), training=True).sum().backward()
     assert counters["stats"]["unique_graphs"] == warm
     assert fa.active_block_fraction(pack_ids([[128, 128, 256]], 512).cuda()) == pytest.approx(6 / 16)
+
+
+def test_whole_model_with_flex_equals_dense_in_eval_on_cpu():
+    """BertForPreTraining through the registry: flex and dense give the same losses."""
+    import itertools
+
+    from bert_packed.config import load_config
+    from bert_packed.data import build_data_source
+    from bert_packed.train import build_model
+
+    config = load_config("tiny", ["data.num_sequences=300"])
+    batches = list(itertools.islice(iter(build_data_source(config, split="train", micro_batch_size=4)), 2))
+    torch.manual_seed(0)
+    model = build_model(config).eval()
+    losses = {}
+    for attention in ("dense", "flex"):
+        model.config.attention_implementation = attention
+        with torch.no_grad():
+            losses[attention] = [model(**{k: torch.as_tensor(v) for k, v in b.items()})["mlm_loss"] for b in batches]
+    for dense, flex in zip(losses["dense"], losses["flex"]):
+        torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
