@@ -258,10 +258,15 @@ def test_flex_equals_dense_forward_and_gradients_bf16_on_gpu():
     out_ref = dense.attend(q32, k32, v32, dense.prepare(ids, dtype=torch.float32), dropout_p=0.0, training=True)
     grads_ref = torch.autograd.grad((out_ref * weights * real).sum(), (q32, k32, v32))
 
+    # bf16 keeps 8 mantissa bits (relative step 2^-8 = 0.4 %): errors are judged against
+    # each tensor's scale, 2 % of its largest entry; attending across sequences would be
+    # off by O(100 %).
     mask = real.expand_as(out_flex)
-    torch.testing.assert_close(out_flex.float()[mask], out_ref[mask], atol=2e-2, rtol=2e-2)
+    error = (out_flex.float()[mask] - out_ref[mask]).abs().max()
+    assert error <= 2e-2 * out_ref[mask].abs().max(), f"output error {error}"
     for name, got, want in zip("qkv", grads_flex, grads_ref):
-        torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2, msg=lambda m, n=name: f"d{n}: {m}")
+        error = (got.float() - want).abs().max()
+        assert error <= 2e-2 * want.abs().max(), f"d{name} error {error} vs scale {want.abs().max()}"
 
 
 @pytest.mark.cuda
