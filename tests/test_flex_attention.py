@@ -5,6 +5,7 @@ What runs on CPU: the block mask (ours vs torch's create_block_mask), the forwar
 Backward and the fused kernels need a GPU: those tests are marked ``cuda``.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -302,3 +303,26 @@ def test_whole_model_with_flex_equals_dense_in_eval_on_cpu():
             losses[attention] = [model(**{k: torch.as_tensor(v) for k, v in b.items()})["mlm_loss"] for b in batches]
     for dense, flex in zip(losses["dense"], losses["flex"]):
         torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_model_never_imports_flex():
+    """The IPU path (torch 2.0, dense attention) must not import this module or torch's
+    FlexAttention: checked in a fresh interpreter that builds and runs a dense model."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from bert_packed.modeling import BertConfig, BertForPreTraining\n"
+        "model = BertForPreTraining(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,"
+        " num_attention_heads=2, intermediate_size=32, max_sequences_per_pack=2, max_masked_tokens_per_pack=4,"
+        " attention_implementation='dense'))\n"
+        "model.bert(torch.ones(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long),"
+        " torch.arange(8)[None], torch.ones(1, 8, dtype=torch.long))\n"
+        "print(sorted(m for m in ('bert_packed.flex_attention', 'torch.nn.attention.flex_attention')"
+        " if m in sys.modules))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
