@@ -37,7 +37,6 @@ import math
 import time
 
 import numpy as np
-from scipy import optimize, sparse
 
 from .heuristics import pack_bfd, pack_lpfhp
 
@@ -45,12 +44,23 @@ _PRICE_TOLERANCE = 1e-9
 _DP_CHUNK_ELEMENTS = 2_000_000  # items x capacities evaluated per numpy step in the DP
 
 
+def _scipy():
+    """scipy.optimize and scipy.sparse, imported on first use (a faster command line)."""
+    from scipy import optimize, sparse
+    return optimize, sparse
+
+
 class _Columns:
-    """The restricted master problem's strategies as tuples of item indices (ascending)."""
+    """The restricted master problem's strategies as tuples of item indices (ascending).
+
+    ``matrix`` is cached and extended with only the columns added since the last call,
+    so wide masters are not rebuilt from Python lists every round.
+    """
 
     def __init__(self):
         self.items = []
         self.known = set()
+        self._built = None  # (num_items, num_columns, csc matrix of the strategy columns)
 
     def add(self, items):
         key = tuple(sorted(items))
@@ -60,22 +70,35 @@ class _Columns:
             return True
         return False
 
+    def _strategy_block(self, start, num_items):
+        _, sparse = _scipy()
+        new = self.items[start:]
+        sizes = np.fromiter((len(items) for items in new), dtype=np.int64, count=len(new))
+        rows = np.fromiter((k for items in new for k in items), dtype=np.int64, count=int(sizes.sum()))
+        cols = np.repeat(np.arange(len(new)), sizes)
+        return sparse.csc_matrix((np.ones(rows.size), (rows, cols)), shape=(num_items, len(new)))
+
     def matrix(self, num_items):
-        """Sparse [num_items, num_columns + num_items - 1]: strategies, then transfers."""
-        rows, cols = [], []
-        for column, items in enumerate(self.items):
-            rows.extend(items)
-            cols.extend([column] * len(items))
-        values = [1.0] * len(rows)
-        m = len(self.items)
-        for k in range(1, num_items):  # z_k: one slot of item k becomes one of item k-1
-            rows += [k - 1, k]
-            cols += [m + k - 1, m + k - 1]
-            values += [1.0, -1.0]
-        return sparse.csc_matrix((values, (rows, cols)), shape=(num_items, m + num_items - 1))
+        """Sparse [num_items, num_columns + num_items - 1]: strategies, then transfers
+        (z_k moves one slot of item k down to item k - 1: +1 in row k-1, -1 in row k)."""
+        _, sparse = _scipy()
+        built = self._built
+        if built is None or built[0] != num_items or built[1] > len(self.items):
+            block = self._strategy_block(0, num_items)
+        elif built[1] < len(self.items):
+            block = sparse.hstack([built[2], self._strategy_block(built[1], num_items)], format="csc")
+        else:
+            block = built[2]
+        self._built = (num_items, len(self.items), block)
+        k = np.arange(1, num_items)
+        transfers = sparse.csc_matrix(
+            (np.concatenate([np.ones(k.size), -np.ones(k.size)]), (np.concatenate([k - 1, k]), np.tile(k - 1, 2))),
+            shape=(num_items, max(0, num_items - 1)))
+        return sparse.hstack([block, transfers], format="csc")
 
 
 def _solve_master(columns, demand):
+    optimize, _ = _scipy()
     num_items = demand.size
     matrix = columns.matrix(num_items)
     num_columns = len(columns.items)
@@ -91,13 +114,15 @@ def _solve_master(columns, demand):
     return float(result.fun), result.x[:num_columns], duals
 
 
-def dominant_columns(weights, max_sequence_length, depth, max_pairs=4_000_000):
+def dominant_columns(weights, max_sequence_length, depth, max_pairs=4_000_000, max_triples=40_000):
     """Every strategy of at most min(depth, 3) items that no other strategy of that depth
     dominates (a slot may hold a shorter sequence, so only the longest third item that
     still fits matters): singles, (a, longest fitting b), and (a, b, longest fitting c).
     At depth <= 3 this is the complete column set up to domination, about L^2/12
-    strategies for L = 512, so the LP needs no generation rounds at all. Skipped (pairs
-    only) when the item pairs would exceed ``max_pairs``."""
+    strategies for L = 512, so the LP needs no generation rounds at all. The triples are
+    skipped (column generation finds the useful ones) when there would be more than
+    ``max_triples`` of them (or ``max_pairs`` pairs to look at): a master that wide costs
+    more per solve than the generation rounds it saves."""
     num_items = weights.size
     capacity = max_sequence_length
     longest_fitting = np.searchsorted(weights, np.arange(capacity + 1), side="right") - 1
@@ -113,7 +138,8 @@ def dominant_columns(weights, max_sequence_length, depth, max_pairs=4_000_000):
         a, b, room = a[fits], b[fits], room[fits]
         c = longest_fitting[room]
         triple = c >= b
-        found.append(np.stack([a[triple], b[triple], c[triple]], axis=1))
+        if np.count_nonzero(triple) <= max_triples:
+            found.append(np.stack([a[triple], b[triple], c[triple]], axis=1))
     return found
 
 
@@ -291,7 +317,7 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
         columns.add([k])
     pricer = _Pricer(weights, max_sequence_length, depth)
     max_new_columns = max_new_columns or max(100, num_items)
-    max_master_columns = max_master_columns or 8 * max(100, num_items)
+    max_master_columns = max_master_columns or 4 * max(100, num_items)
     bound, bound_duals, converged, rounds = 0.0, None, False, 0
     demand_float = demand.astype(np.float64)
     while True:
@@ -337,6 +363,7 @@ def _ceil_bound(bound):
 def _milp(columns, demand, time_limit):
     """Integer program over the given columns (transfers stay continuous: an integral x
     always admits integral transfers). Returns integer repeats or None."""
+    optimize, _ = _scipy()
     num_items = demand.size
     matrix = columns.matrix(num_items)
     num_columns = len(columns.items)

@@ -10,7 +10,6 @@ The strategy count grows like L^2/12 at depth 3 and L^3/144 at depth 4, which is
 the papers (and we) define these two for depth <= 3 only; use ``lp`` beyond that.
 """
 import numpy as np
-from scipy import optimize
 
 MAX_NNLS_DEPTH = 3
 
@@ -62,6 +61,8 @@ def _nnls_mixture(counts, max_sequence_length, depth, short_length, short_weight
     A = packing_matrix(strategies, max_sequence_length)
     weights = np.ones(max_sequence_length)
     weights[:short_length] = short_weight
+    from scipy import optimize  # imported here: the command line starts faster without scipy
+
     x, _ = optimize.nnls(weights[:, None] * A, weights * counts, maxiter=50 * A.shape[1])
     return x, A, strategies
 
@@ -100,5 +101,7 @@ def pack_ennlshp(counts, max_sequence_length, depth, penalty=1e6):
     A_bar[L:, :num_strategies] = penalty * A
     A_bar[L:, num_strategies:] = -penalty * np.eye(L)
     b_bar = np.concatenate([weights * counts, penalty * counts.astype(np.float64)])
+    from scipy import optimize
+
     solution, _ = optimize.nnls(A_bar, b_bar, maxiter=50 * A_bar.shape[1])
     return _round_and_complete(solution[:num_strategies], A, strategies, counts)
