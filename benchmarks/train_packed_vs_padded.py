@@ -27,6 +27,8 @@ from bert_packed.train import build_model, build_optimizer  # noqa: E402
 
 def _variant(config_name, depth, overrides, backend_name):
     config = load_config(config_name, overrides + [f"data.max_sequences_per_pack={depth}"])
+    if config.train.num_threads is not None:  # as run.py would (the demo: 1)
+        torch.set_num_threads(config.train.num_threads)
     torch.manual_seed(config.train.seed)
     model = build_model(config)
     optimizer, scheduler = build_optimizer(config, model, (config.optimizer.beta1, config.optimizer.beta2))
