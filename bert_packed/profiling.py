@@ -441,7 +441,7 @@ _COST_NOTES = {
 
 
 def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[int] = DEPTHS,
-                num_repeats: int = 5, throughput: bool = True, throughput_steps: int = 6,
+                num_repeats: int = 3, throughput: bool = True, throughput_steps: int = 6,
                 report_reader: Optional[Callable[[str], Any]] = None, show_progress: bool = True,
                 execute: Optional[bool] = None) -> Dict:
     """Profile every depth on ``backend_name`` and write overhead.json/.md/.png to ``output_dir``.
