@@ -345,7 +345,7 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
                             writer.add_scalar(key, value, step)
             progress.update(step, line)
             if t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps):
-                _checkpoint(checkpoint_path, step, model, optimizer, scheduler, source, totals, config, world_size,
+                _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler, source, totals, config, world_size,
                             is_main)
     progress.close()
     if writer is not None:
@@ -380,8 +380,11 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
     return summary
 
 
-def _checkpoint(path, step, model, optimizer, scheduler, source, totals, config, world_size, is_main) -> None:
+def _checkpoint(backend, path, step, model, optimizer, scheduler, source, totals, config, world_size, is_main) -> None:
     # Every rank contributes its data position and RNG state; rank 0 writes the file.
+    sync_to_host = getattr(backend, "sync_to_host", None)  # IPU: weights live on the device
+    if callable(sync_to_host):
+        sync_to_host()
     data_states = _gather(source.state_dict())
     rng_states = _gather(rng_state())
     if is_main:
