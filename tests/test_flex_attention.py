@@ -102,7 +102,8 @@ def test_block_mask_equals_create_block_mask(seq_len, block_size, seed):
     for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
     # Indices beyond each row's count are unused padding; compare the used prefixes.
-    for count_name, index_name in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+    for count_name, index_name in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                                   ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
         counts = getattr(ours, count_name)
         for idx in torch.nonzero(torch.ones_like(counts)):
             n = int(counts[tuple(idx)])
