@@ -180,8 +180,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the model (cuda.compile)")
     p.add_argument("--pool-size", type=int, default=16, help="distinct micro-batches generated up front")
     p.add_argument("--num-sequences", type=int, default=20000, help="generated sequences to pack (per run)")
-    # lp reaches 99.9 % efficiency at depth 3 (packing factor 2.0 on Wikipedia-512); lpfhp,
-    # the phase configs' default, only 89.5 % there (1.79): that would cap the ratio at 1.79x.
+    # lp reaches 99.9 % efficiency at depth 3 (packing factor 2.0 on Wikipedia-512); lpfhp
+    # only 89.5 % there (1.79), which would cap the ratio at 1.79x.
     p.add_argument("--packing-algorithm", default="lp", help="data.packing_algorithm for the packed runs (default: lp)")
     p.add_argument("--device", default=None, help="default: cuda (LOCAL_RANK); 'cpu' for a smoke test")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="extra config override")
