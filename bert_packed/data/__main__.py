@@ -99,7 +99,8 @@ def main(argv=None):
                   f"packs ({stats['algorithm']}, depth <= {stats['max_sequences_per_pack']}), "
                   f"packing factor {stats['packing_factor']:.3f}, efficiency "
                   f"{100 * stats['efficiency']:.2f} % (unpacked {100 * stats['unpacked_efficiency']:.2f} %), "
-                  f"speed-up {stats['speedup']:.3f}x")
+                  f"speed-up {stats['speedup']:.3f}x"
+                  + (f"; LP bound {stats['lp_bound_packs']} packs" if stats.get("lp_bound_packs") else ""))
         elif args.command == "stats":
             from .stats import dataset_stats, format_stats, plot_stats
             stats = dataset_stats(args.file)
