@@ -294,6 +294,8 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
             f"{micro_batches_per_step * world_size} x {t.micro_batch_size} packs "
             f"(S={config.data.max_sequence_length}, K={config.data.max_sequences_per_pack}, "
             f"{packing_factor:.2f} sequences/pack), output {output_dir}")
+    if is_main and show_progress and start_step > 0:
+        progress.write(f"resumed {config.name} from step {start_step} of {t.steps} ({checkpoint_path})")
     iterator = iter(source)
     first_line = last_line = None
     step = start_step
