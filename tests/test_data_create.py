@@ -235,3 +235,32 @@ def test_vocab_cli_writes_a_usable_vocabulary(synthetic, tmp_path):
     assert len(vocab) <= 300 and vocab["[CLS]"] == CLS
     with pytest.raises(DataError, match="too small"):
         train_vocab(corpus, 3, tmp_path / "tiny.txt")
+
+
+def test_whole_word_masking_masks_whole_words(synthetic, tmp_path):
+    _, corpus, _, _ = synthetic
+    vocab = tmp_path / "small_vocab.txt"
+    train_vocab(corpus, 60, vocab)  # small, so words split into pieces
+    output = tmp_path / "wwm.h5"
+    create_pretraining_file(corpus, vocab, output, max_seq_length=64, max_predictions=10,
+                            dupe_factor=1, seed=3, whole_word_mask=True)
+    arrays = read(output)
+    tokens = open(vocab).read().split("\n")
+    continuation = np.array([t.startswith("##") for t in tokens[:-1]])
+    original = arrays["input_ids"].copy()
+    used = arrays["masked_lm_positions"] != 0
+    original[np.nonzero(used)[0], arrays["masked_lm_positions"][used]] = arrays["masked_lm_ids"][used]
+    num_pieces = 0
+    for row in range(len(original)):
+        masked = set(arrays["masked_lm_positions"][row][used[row]].tolist())
+        for position in masked:
+            # A piece right after [CLS]/[SEP] lost its word start to truncation.
+            if continuation[original[row, position]] and original[row, position - 1] not in (CLS, SEP):
+                num_pieces += 1
+                assert position - 1 in masked  # the word's previous piece is masked too
+            if position + 1 < 64 and continuation[original[row, position + 1]] \
+                    and arrays["input_mask"][row, position + 1]:
+                # ... and the next piece of the same word, unless the budget ran out mid-word
+                # (the reference skips words that do not fit, so it never does).
+                assert position + 1 in masked
+    assert num_pieces > 20  # the synthetic words do split into pieces

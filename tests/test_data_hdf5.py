@@ -120,3 +120,20 @@ def test_smaller_file_dimensions_are_zero_padded(files):
     assert batch["mlm_positions"].shape == (8, 40)
     narrow = take(source(files[1]), 1)[0]
     np.testing.assert_array_equal(batch["mlm_labels"][:, :22], narrow["mlm_labels"])
+
+
+def test_nvidia_files_with_other_dtypes_and_label_shape_read_as_they_are(files, tmp_path):
+    """NVIDIA's tools write int64 (or int32) fields and sometimes [N, 1] labels."""
+    variant = tmp_path / "nvidia.h5"
+    with h5py.File(files[0], "r") as src, h5py.File(variant, "w") as dst:
+        for name in src:
+            data = src[name][:].astype(np.int64)
+            dst[name] = data.reshape(-1, 1) if name == "next_sentence_labels" else data
+    for a, b in zip(take(source(files[0]), 3), take(source(variant), 3)):
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+    uncached = take(source(variant, max_cache_bytes=0), 1)[0]
+    np.testing.assert_array_equal(uncached["nsp_labels"], take(source(files[0]), 1)[0]["nsp_labels"])
+    from bert_packed.data.pack import packed_digests, unpacked_digests
+    pack_file(variant, tmp_path / "packed.h5", show_progress=False)
+    assert packed_digests(tmp_path / "packed.h5") == unpacked_digests(files[0])
