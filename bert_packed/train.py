@@ -334,8 +334,8 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
                 timed["seconds"] += step_seconds
             if eval_source is not None and (step % t.eval_every == 0 or step == t.steps):
                 line.update(_evaluate(backend, eval_source, eval_start, t.eval_batches))
-                progress.write(f"step {step}: eval loss {line['eval_loss']:.4f} "
-                               f"mlm_acc {line['eval_mlm_accuracy']:.4f}")
+                progress.write(f"step {step}: eval loss {line['eval_loss']:.3f} mlm {line['eval_mlm_loss']:.3f} "
+                               f"nsp {line['eval_nsp_loss']:.3f} mlm_acc {line['eval_mlm_accuracy']:.3f}")
             first_line = first_line or line
             last_line = line
             if is_main and (step % t.log_every == 0 or step == t.steps):
