@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 import typing
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -76,7 +74,7 @@ class DataConfig:
 
     ``path: null`` means generated data: sequence lengths drawn from ``histogram``,
     packed with ``packing_algorithm`` at depth ``max_sequences_per_pack``, random tokens
-    from a fixed seeded Markov chain (so the MLM loss has something to learn), 15 % MLM,
+    from seeded Zipf-distributed word pairs (so the MLM loss has something to learn), 15 % MLM,
     random NSP labels. With ``path`` set, the HDF5 reader (bert_packed.data.hdf5) is used.
     """
 

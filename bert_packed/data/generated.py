@@ -25,7 +25,6 @@ micro-batch (see bert_packed.data).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Iterator
 
 import numpy as np
@@ -222,8 +221,3 @@ def _empty_batch(B: int, S: int, K: int, M: int) -> Batch:
     batch["nsp_weights"] = np.zeros((B, K), dtype=np.float32)
     return batch
 
-
-def real_counts(batch: Batch) -> Dict[str, int]:
-    """Real sequences and tokens of a micro-batch (what throughput is measured in)."""
-    return {"sequences": int(batch["nsp_weights"].sum()), "tokens": int((batch["sequence_ids"] > 0).sum()),
-            "packs": int(batch["input_ids"].shape[0])}
