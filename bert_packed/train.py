@@ -210,6 +210,15 @@ class _Progress:
 def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str] = None,
           resume: bool = False, show_progress: bool = True) -> Dict[str, Any]:
     """Train ``config`` on backend ``backend_name``; returns the summary (also in summary.json)."""
+    threads = torch.get_num_threads()
+    try:
+        return _train(config, backend_name, output_dir=output_dir, resume=resume, show_progress=show_progress)
+    finally:  # train.num_threads is for this run only (callers in the same process keep theirs)
+        torch.set_num_threads(threads)
+
+
+def _train(config: Config, backend_name: str, *, output_dir: Optional[str], resume: bool,
+           show_progress: bool) -> Dict[str, Any]:
     from backends import get_backend, get_backend_class
 
     t = config.train
@@ -227,7 +236,7 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
     if is_main:
         os.makedirs(output_dir, exist_ok=True)
 
-    if t.num_threads is not None:  # process-wide: run.py runs one training per process
+    if t.num_threads is not None:
         torch.set_num_threads(t.num_threads)
     random.seed(t.seed)
     np.random.seed(t.seed)
