@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 import typing
@@ -307,8 +308,10 @@ def _set_value(config: Config, section: str, key: str, value: Any, source: str) 
     obj = getattr(config, section)
     types = _section_types(type(obj))
     if key not in types:
+        close = difflib.get_close_matches(key, list(types), n=1)
+        hint = f"did you mean {section}.{close[0]}? " if close else ""
         raise ConfigError(
-            f"{source}: unknown key {section}.{key}; keys of {section}: {', '.join(sorted(types))}"
+            f"{source}: unknown key {section}.{key}; {hint}keys of {section}: {', '.join(sorted(types))}"
         )
     tp, choices = types[key]
     value = _coerce(value, tp, f"{source}: {section}.{key}")
