@@ -20,29 +20,80 @@ def _multiset_hashes(max_sequence_length):
     return rng.integers(0, 2**63, size=(2, max_sequence_length + 1), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
-def next_fit_pack_starts(lengths, max_sequence_length, depth):
-    """Start index of every pack when next-fit packs ``lengths`` in order. np.int64 [num_packs]."""
+def _next_pointers(lengths, max_sequence_length, depth):
+    """nxt[s]: where a next-fit pack starting at sequence s ends (exclusive)."""
     ends = np.cumsum(lengths)
-    begins = ends - lengths
-    # nxt[s]: where the pack starting at s ends (exclusive); limited by capacity and depth.
-    nxt = np.searchsorted(ends, begins + max_sequence_length, side="right")
+    nxt = np.searchsorted(ends, ends - lengths + max_sequence_length, side="right")
     if depth is not None:
         np.minimum(nxt, np.arange(lengths.size) + depth, out=nxt)
-    del ends, begins
-    starts = []
-    append, position, num_sequences = starts.append, 0, lengths.size
-    while position < num_sequences:  # one step per pack; the chain is inherently sequential
-        append(position)
-        position = nxt[position]
+    return nxt
+
+
+def next_fit_pack_starts_reference(lengths, max_sequence_length, depth):
+    """The obvious sequential next-fit: one Python step per pack (slow, for testing)."""
+    nxt = _next_pointers(lengths, max_sequence_length, depth)
+    starts, position = [], 0
+    while position < lengths.size:
+        starts.append(position)
+        position = int(nxt[position])
     return np.asarray(starts, dtype=np.int64)
+
+
+def next_fit_pack_starts(lengths, max_sequence_length, depth, block_size=2048):
+    """Start index of every pack when next-fit packs ``lengths`` in order. np.int64 [num_packs].
+
+    The chain of pack starts is sequential, but chains started at different points merge
+    after a few packs. So: split the stream into blocks, follow a chain from every block
+    boundary at once (vectorised over blocks), then repair each block from the true
+    entry point of the chain (the previous block's exit) until it meets the guessed chain;
+    from there on the two coincide. Same result as the sequential loop.
+    """
+    num_sequences = lengths.size
+    nxt = _next_pointers(lengths, max_sequence_length, depth)
+    nxt = np.append(nxt, num_sequences)  # sentinel: the end points to itself
+    block_starts = np.arange(0, num_sequences, block_size, dtype=np.int64)
+    block_ends = np.minimum(block_starts + block_size, num_sequences)
+    on_chain = np.zeros(num_sequences + 1, dtype=bool)
+    position = block_starts.copy()
+    active = np.arange(block_starts.size)
+    while active.size:
+        on_chain[position[active]] = True
+        position[active] = nxt[position[active]]
+        active = active[position[active] < block_ends[active]]
+    guessed_exit = position  # first chain node at or after each block's end
+    true_exit = int(guessed_exit[0])  # block 0's chain starts at 0: it is the true one
+    for block in range(1, block_starts.size):
+        start, end = int(block_starts[block]), int(block_ends[block])
+        guess, true = start, true_exit
+        while guess != true and guess < end and true < end:
+            if guess < true:  # a guessed node the true chain skips
+                on_chain[guess] = False
+                guess = int(nxt[guess])
+            else:
+                on_chain[true] = True
+                true = int(nxt[true])
+        if guess == true:
+            true_exit = int(guessed_exit[block])
+            continue
+        while guess < end:
+            on_chain[guess] = False
+            guess = int(nxt[guess])
+        while true < end:
+            on_chain[true] = True
+            true = int(nxt[true])
+        true_exit = true
+    return np.flatnonzero(on_chain[:num_sequences])
 
 
 def plan_arrays_from_packs(lengths, starts, max_sequence_length):
     """Group concrete packs (consecutive runs of ``lengths`` beginning at ``starts``) into
     distinct strategies. Returns CSR arrays (offsets, ascending lengths, repeats)."""
     table = _multiset_hashes(max_sequence_length)
-    keys = np.stack([np.add.reduceat(table[0][lengths], starts), np.add.reduceat(table[1][lengths], starts)], axis=1)
-    _, first, repeats = np.unique(keys, axis=0, return_index=True, return_counts=True)
+    key = np.add.reduceat(table[0][lengths], starts)
+    check = np.add.reduceat(table[1][lengths], starts)
+    _, first, inverse, repeats = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
+    if not np.array_equal(check[first][inverse], check):  # a 64-bit collision: group exactly by both
+        _, first, repeats = np.unique(np.stack([key, check], axis=1), axis=0, return_index=True, return_counts=True)
     sizes = np.diff(np.append(starts, lengths.size))[first]
     offsets = np.zeros(first.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])

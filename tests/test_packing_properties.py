@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from packing import ALGORITHMS, Histogram, assign, pack
 from packing.assign import _fill_by_strategy, _fill_vectorised, _group_by_length
+from packing.baselines import next_fit_pack_starts, next_fit_pack_starts_reference, plan_arrays_from_packs
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -180,3 +181,21 @@ def test_small_exhaustive_depth_cases():
         result = pack(Histogram.from_lengths(list(lengths), 6), "lp", 2)
         optimum = _optimal_num_packs(list(lengths), 6, 2)
         assert result.lp_bound_packs <= optimum <= result.num_packs <= optimum + 1
+
+
+@SETTINGS
+@given(L=st.integers(2, 40), data=st.data())
+def test_blocked_next_fit_equals_the_sequential_loop(L, data):
+    lengths = np.array(data.draw(st.lists(st.integers(1, L), min_size=1, max_size=400), label="lengths"))
+    depth = data.draw(st.one_of(st.none(), st.integers(1, 4)), label="depth")
+    block_size = data.draw(st.integers(1, 64), label="block_size")
+    expected = next_fit_pack_starts_reference(lengths, L, depth)
+    assert np.array_equal(next_fit_pack_starts(lengths, L, depth, block_size=block_size), expected)
+    # The plan groups those packs into strategies exactly (checked against plain Python).
+    offsets, slot_lengths, repeats = plan_arrays_from_packs(lengths, expected, L)
+    packs = {}
+    for start, stop in zip(expected, list(expected[1:]) + [lengths.size]):
+        key = tuple(sorted(lengths[start:stop].tolist()))
+        packs[key] = packs.get(key, 0) + 1
+    got = {tuple(slot_lengths[offsets[i]:offsets[i + 1]].tolist()): int(r) for i, r in enumerate(repeats)}
+    assert got == packs
