@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake as one line (exit 2), like every other error."""
 
     def error(self, message):
-        self.exit(2, f"error: {message} (see python -m packing {self.prog.split()[-1]} --help)\n")
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def _depth(text):
