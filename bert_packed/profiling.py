@@ -10,8 +10,9 @@ For every depth d in (1, 2, 3, 4, 8, 16) the report holds one row with
   (cpu: median wall time; cuda: CUDA events);
 - overhead = 1 - unpacked / packed: the paper's "percentage decrease in throughput"
   (packs/s) caused by the block-diagonal mask and the per-sequence loss unpacking. On
-  noisy backends packed and unpacked runs are interleaved and the overhead comes from
-  the median of the *paired* ratios, so drift of a shared machine cancels;
+  noisy backends packed and unpacked runs are interleaved (each packed run right after a
+  baseline run) and each side's cost is its fastest run, since other work on a shared
+  machine only adds time; the median of the paired ratios is kept in the JSON too;
 - packing factor (sequences per pack) and efficiency (real-token fraction) of the
   configured algorithm at depth d on the run's data: the length histogram of the
   generated data (``data.histogram``, mapped to S as the generator maps it) or the
@@ -204,8 +205,10 @@ def measure_costs(backend, model, batches: Dict[int, Dict[str, np.ndarray]], *, 
     """Cost of the unpacked batch (depth 1) and of every packed one, interleaved.
 
     Round r measures, for each depth d > 1, the baseline then depth d, so every packed
-    sample has a baseline sample taken right before it; the overhead is
-    1 - median(baseline / packed) over these pairs (the decrease in packs/s). A deterministic backend is measured once per shape.
+    sample has a baseline sample taken right before it. Costs are the minimum over a
+    depth's samples (interference only adds time) and overhead = 1 - unpacked / packed
+    (the decrease in packs/s); ``overhead_paired_median`` = 1 - median(baseline / packed)
+    over the pairs is reported too. A deterministic backend is measured once per shape.
     ``profile_kwargs`` go to every ``backend.profile`` call (ipu/mock: config, profile_dir).
     """
     kwargs = dict(profile_kwargs or {})
@@ -234,13 +237,17 @@ def measure_costs(backend, model, batches: Dict[int, Dict[str, np.ndarray]], *, 
             if progress is not None:
                 progress()
     all_baseline = [c for d in depths for c in samples[d]["baseline"]]
-    out = {1: {"unpacked_cost": statistics.median(all_baseline), "packed_cost": statistics.median(all_baseline),
-               "overhead": 0.0, "num_samples": len(all_baseline), "unit": unit,
+    out = {1: {"unpacked_cost": min(all_baseline), "packed_cost": min(all_baseline),
+               "overhead": 0.0, "overhead_paired_median": 0.0, "num_samples": len(all_baseline), "unit": unit,
                "breakdown": breakdowns.get(1), "raw": extras.get(1)}}
     for depth in depths:
         s = samples[depth]
-        out[depth] = {"unpacked_cost": statistics.median(s["baseline"]), "packed_cost": statistics.median(s["packed"]),
-                      "overhead": 1.0 - statistics.median(s["ratio"]), "num_samples": len(s["ratio"]),
+        # Other work on a shared machine only ever adds time, so the fastest of the
+        # interleaved runs is the least disturbed estimate of each side; the median of the
+        # paired ratios (robust to slow drift rather than to bursts) is kept alongside.
+        unpacked, packed = min(s["baseline"]), min(s["packed"])
+        out[depth] = {"unpacked_cost": unpacked, "packed_cost": packed, "overhead": 1.0 - unpacked / packed,
+                      "overhead_paired_median": 1.0 - statistics.median(s["ratio"]), "num_samples": len(s["ratio"]),
                       "unit": unit, "breakdown": breakdowns.get(depth), "raw": extras.get(depth)}
     return out
 
@@ -392,8 +399,8 @@ def format_markdown(report: Dict) -> str:
         lines += ["", report["cost_scope"]]
     if report.get("pva_cycles") is not None:
         lines += ["", f"PopVision (pva) total cycles of the profiled run: {report['pva_cycles']:.6g}"]
-    lines += ["", "overhead = 1 - unpacked / packed, the decrease in packs/s (median of paired, interleaved "
-                  "measurements on noisy backends); realized speed-up = packing factor x (1 - overhead); "
+    lines += ["", "overhead = 1 - unpacked / packed, the decrease in packs/s (on noisy backends: fastest of "
+                  "interleaved runs); realized speed-up = packing factor x (1 - overhead); "
                   "breakdown shares are of the packed step's cost.", ""]
     return "\n".join(lines)
 
