@@ -106,7 +106,7 @@ def _solve_master(columns, demand):
     cost[:num_columns] = 1.0
     # Interior point (with crossover) is the faster HiGHS solver on the wide masters that
     # enumeration produces; dual simplex wins on the narrow ones of later rounds.
-    method = "highs-ipm" if num_columns > 5000 else "highs-ds"
+    method = "highs-ipm" if num_columns > 15000 else "highs-ds"
     result = optimize.linprog(cost, A_ub=-matrix, b_ub=-demand, bounds=(0, None), method=method)
     if result.status != 0:
         raise RuntimeError(f"HiGHS failed on the packing LP: {result.message}")
@@ -155,23 +155,31 @@ class _Pricer:
 
     def candidates(self, values):
         """Best value V over all strategies, and for each item k the best strategy that
-        contains k (as (value, items)), best first."""
-        if self.depth is None:
-            table, choice = self._unbounded(values)
-            completion = lambda c: self._trace_unbounded(choice, c)  # noqa: E731
-            rest = table
+        contains k (as (value, items)), best first. ``values`` must be non-decreasing."""
+        # With values non-decreasing in length, an item is as good as the shortest item of
+        # equal value (same value, less room), so the DP needs only the first item of
+        # each value level; LP duals have few levels, which makes pricing much cheaper.
+        levels = np.flatnonzero(values > np.concatenate([[0.0], values[:-1]]))
+        weights, level_values = self.weights[levels], values[levels]
+        if levels.size == 0:
+            rest = np.zeros(self.capacity + 1)
+            completion = lambda c: []  # noqa: E731
+        elif self.depth is None:
+            rest, choice = self._unbounded(weights, level_values)
+            completion = lambda c: [int(levels[k]) for k in self._trace_unbounded(weights, choice, c)]  # noqa: E731
         else:
-            tables, choices = self._bounded(values)
-            completion = lambda c: self._trace_bounded(choices, self.depth - 1, c)  # noqa: E731
+            tables, choices = self._bounded(weights, level_values)
             rest = tables[self.depth - 1]
+            completion = lambda c: [  # noqa: E731
+                int(levels[k]) for k in self._trace_bounded(weights, choices, self.depth - 1, c)]
         item_values = values + rest[self.capacity - self.weights]
         order = np.argsort(-item_values, kind="stable")
         best = float(item_values[order[0]])
         return best, ((float(item_values[k]), [int(k)] + completion(self.capacity - int(self.weights[k])))
                       for k in order)
 
-    def _unbounded(self, values):
-        weights, capacity = self.weights, self.capacity
+    def _unbounded(self, weights, values):
+        capacity = self.capacity
         table = np.zeros(capacity + 1)
         choice = np.full(capacity + 1, -1, dtype=np.int64)
         num_fitting = np.searchsorted(weights, np.arange(capacity + 1), side="right")
@@ -184,7 +192,8 @@ class _Pricer:
                     table[c], choice[c] = options[best], best
         return table, choice
 
-    def _trace_unbounded(self, choice, c):
+    @staticmethod
+    def _trace_unbounded(weights, choice, c):
         items = []
         while c > 0:
             k = int(choice[c])
@@ -192,11 +201,11 @@ class _Pricer:
                 c -= 1
             else:
                 items.append(k)
-                c -= int(self.weights[k])
+                c -= int(weights[k])
         return items
 
-    def _bounded(self, values):
-        weights, capacity, depth = self.weights, self.capacity, self.depth
+    def _bounded(self, weights, values):
+        capacity, depth = self.capacity, self.depth
         capacities = np.arange(capacity + 1)
         tables = np.zeros((depth + 1, capacity + 1))
         choices = np.full((depth + 1, capacity + 1), -1, dtype=np.int64)
@@ -216,13 +225,14 @@ class _Pricer:
                 choice[better] = best[better] + start
         return tables, choices
 
-    def _trace_bounded(self, choices, j, c):
+    @staticmethod
+    def _trace_bounded(weights, choices, j, c):
         items = []
         while j > 0 and c > 0:
             k = int(choices[j, c])
             if k >= 0:
                 items.append(k)
-                c -= int(self.weights[k])
+                c -= int(weights[k])
             j -= 1
         return items
 
@@ -316,7 +326,7 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
     for k in range(num_items):  # singletons keep the master feasible
         columns.add([k])
     pricer = _Pricer(weights, max_sequence_length, depth)
-    max_new_columns = max_new_columns or max(100, num_items)
+    max_new_columns = max_new_columns or max(100, num_items // 4)
     max_master_columns = max_master_columns or 4 * max(100, num_items)
     bound, bound_duals, converged, rounds = 0.0, None, False, 0
     demand_float = demand.astype(np.float64)
