@@ -14,24 +14,31 @@ move slots from length ``l_k`` down to ``l_{k-1}``::
 This is exactly the packing problem once x is integral, so its optimum (the LP bound)
 is a lower bound on the number of packs of *every* plan with that depth.
 
-Column generation: the LP starts from the strategies of a heuristic plan and is solved
-with HiGHS (scipy.optimize.linprog). Its duals ``y_k`` (non-negative, non-decreasing in
-the length, by the transfer columns) price a strategy at ``1 - sum of y over its
-members``; the most negative one is a knapsack with a cardinality limit, solved exactly
-by dynamic programming over (members, capacity) in O(depth * L * n) (O(L * n) for
-unlimited depth). So the column set is never enumerated: L = 4096 and depth > 3 work.
+Column generation: the LP starts from every non-dominated strategy of up to three
+members (enumerated, about L^2/12 of them; at depth <= 3 that is the complete set, so
+one solve suffices) plus the strategies of a heuristic plan, and is solved with HiGHS
+(scipy.optimize.linprog). Its duals ``y_k`` (non-negative, non-decreasing in the length,
+by the transfer columns) price a strategy at ``1 - sum of y over its members``; the most
+negative one is a knapsack with a cardinality limit, solved exactly by dynamic
+programming over (members, capacity) in O(depth * L * levels) (O(L * levels) for
+unlimited depth), where ``levels`` is the number of distinct dual values. So the column
+set is never enumerated beyond depth 3: L = 4096 and depth > 3 work.
 
-Certificate: for any duals ``y >= 0`` (monotone) and ``V = max(1, best knapsack value)``,
-``y / V`` is dual feasible for the *full* column set, so ``b . y / V`` (Farley's bound)
-is a valid lower bound on the LP optimum over all strategies, hence on the packs of any
-integer plan. ``lp_bound_packs = ceil`` of that (minus a float-rounding margin). It is
-valid even if generation stops early (round or time limit); when pricing finds no
-improving column, it equals the LP optimum.
+Certificate (what ``lp_bound_packs`` certifies): no assignment of these sequences, kept
+whole, to packs of at most L tokens and at most ``depth`` sequences uses fewer packs.
+Proof: for any duals ``y >= 0`` (non-decreasing) and ``V = max(1, best knapsack value)``,
+``y / V`` is dual feasible for the LP over *all* strategies, so ``b . y / V`` (Farley's
+bound) bounds that LP's optimum, which bounds every integer plan. ``lp_bound_packs`` is
+its ceiling (less a float round-off margin), and ``details["lp_duals"]`` are the scaled
+duals, so anyone can re-check it. It is valid even if generation stops early (round or
+time limit; then it is weaker); when pricing finds no improving column it equals the
+ceiling of the LP optimum.
 
 Integer plan: floor the LP solution, fill its slots with sequences (longest sequences
-into the longest slots), re-solve the LP on what is left a few times, and pack the last
-few hundred sequences with the best heuristic. When the support is small enough, a MILP
-over the columns in use (HiGHS, time-limited) is tried too, and the better plan is kept.
+into the shortest slot that holds them), re-solve the LP on what is left a few times,
+and pack the last few hundred sequences with the best heuristic. On small datasets
+(<= 10,000 sequences, where a few packs matter), a time-limited MILP over the columns in
+use is tried too, and the better plan is kept.
 """
 import math
 import time
