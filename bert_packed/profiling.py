@@ -284,7 +284,9 @@ def measure_throughput(config, backend_name: str, packed_depth: int, *, num_step
     ``sequences_per_second`` = measured packs/s x the data's sequences per pack over its
     whole epoch: a step's cost does not depend on what the rows hold (fixed shapes), so
     this is the long-run rate; ``measured_sequences_per_second`` counts only the sequences
-    that were in the timed steps (noisier for few steps).
+    that were in the timed steps (noisier for few steps). ``speedup`` uses total times;
+    ``speedup_median_steps`` the median step time of each mode (robust to bursts of other
+    work on a shared machine).
     """
     import torch
 
@@ -307,13 +309,15 @@ def measure_throughput(config, backend_name: str, packed_depth: int, *, num_step
         it = iter(source)
         backend.train_step([next(it)])  # warm-up (compilation, allocators), not timed
         modes[name] = {"backend": backend, "iterator": it, "seconds": 0.0, "sequences": 0.0, "packs": 0,
-                       "depth": depth, "packing_factor": float(source.packing_factor)}
+                       "depth": depth, "packing_factor": float(source.packing_factor), "step_seconds": []}
     for _ in range(num_steps):
         for mode in modes.values():
             batch = next(mode["iterator"])
             start = time.perf_counter()
             mode["backend"].train_step([batch])
-            mode["seconds"] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            mode["seconds"] += elapsed
+            mode["step_seconds"].append(elapsed)
             mode["sequences"] += float(np.sum(batch["nsp_weights"]))
             mode["packs"] += int(batch["input_ids"].shape[0])
             if progress is not None:
@@ -327,10 +331,14 @@ def measure_throughput(config, backend_name: str, packed_depth: int, *, num_step
                         "packs_per_second": packs_per_second, "data_packing_factor": m["packing_factor"],
                         "sequences_per_second": packs_per_second * m["packing_factor"],
                         "measured_sequences": m["sequences"],
-                        "measured_sequences_per_second": m["sequences"] / m["seconds"]}
+                        "measured_sequences_per_second": m["sequences"] / m["seconds"],
+                        "median_step_seconds": statistics.median(m["step_seconds"])}
     result["speedup"] = result["packed"]["sequences_per_second"] / result["padded"]["sequences_per_second"]
     result["measured_speedup"] = (result["packed"]["measured_sequences_per_second"]
                                   / result["padded"]["measured_sequences_per_second"])
+    # Robust to bursts of other work on a shared machine: the typical step of each mode.
+    result["speedup_median_steps"] = (result["packed"]["data_packing_factor"] * result["padded"]["median_step_seconds"]
+                                      / result["padded"]["data_packing_factor"] / result["packed"]["median_step_seconds"])
     return result
 
 
@@ -395,6 +403,8 @@ def format_markdown(report: Dict) -> str:
         for name in ("padded", "packed"):
             lines.append(f"| {name} | {t[name]['sequences_per_second']:.4g} | {t[name]['packs_per_second']:.4g} |")
         lines += ["", f"Packed / padded sequences/s: **{t['speedup']:.3f}**"]
+        if "speedup_median_steps" in t:
+            lines[-1] += f" (from median step times: {t['speedup_median_steps']:.3f})"
     if report.get("cost_scope"):
         lines += ["", report["cost_scope"]]
     if report.get("pva_cycles") is not None:
@@ -448,7 +458,7 @@ _COST_NOTES = {
 
 
 def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[int] = DEPTHS,
-                num_repeats: int = 3, throughput: bool = True, throughput_steps: int = 6,
+                num_repeats: int = 3, throughput: bool = True, throughput_steps: int = 8,
                 report_reader: Optional[Callable[[str], Any]] = None, show_progress: bool = True,
                 execute: Optional[bool] = None) -> Dict:
     """Profile every depth on ``backend_name`` and write overhead.json/.md/.png to ``output_dir``.

@@ -147,6 +147,7 @@ def test_cpu_report_end_to_end(tmp_path):
         m = t[mode]
         assert m["sequences_per_second"] == pytest.approx(m["packs"] / m["seconds"] * m["data_packing_factor"])
     assert t["padded"]["measured_sequences"] == 2 * 2
+    assert t["speedup_median_steps"] > 0
     assert "| 3 |" in open(tmp_path / "overhead.md").read()
 
 
