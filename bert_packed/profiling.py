@@ -505,7 +505,8 @@ def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[
             device = "cuda" if backend_name == "cuda" else "cpu"
             breakdown = scope_breakdown(model, batches[depth], device=device)
         rows.append({"depth": depth, "algorithm": p["algorithm"], "unpacked_cost": c["unpacked_cost"],
-                     "packed_cost": c["packed_cost"], "overhead": c["overhead"], "num_samples": c["num_samples"],
+                     "packed_cost": c["packed_cost"], "overhead": c["overhead"],
+                     "overhead_paired_median": c.get("overhead_paired_median"), "num_samples": c["num_samples"],
                      "packing_factor": p["packing_factor"], "efficiency": p["efficiency"],
                      "realized_speedup": p["packing_factor"] * (1.0 - c["overhead"]),
                      "breakdown": _breakdown_in_unit(breakdown, c["packed_cost"]),
