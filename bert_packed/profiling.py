@@ -452,8 +452,8 @@ def plot_report(report: Dict, path: str) -> None:
 _COST_NOTES = {
     "mock": "GC200 cost-model estimate, not a measurement",
     "ipu": "IPU hardware cycle counter",
-    "cpu": "median wall time of forward+backward",
-    "cuda": "median CUDA-event time of forward+backward",
+    "cpu": "wall time of forward+backward, fastest of interleaved runs",
+    "cuda": "CUDA-event time of forward+backward, fastest of interleaved runs",
 }
 
 
