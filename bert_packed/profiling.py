@@ -87,9 +87,13 @@ def packing_statistics(config, depths: Sequence[int] = DEPTHS, lengths: Optional
     algorithm is not defined for (nnlshp beyond 3) is packed with lpfhp and labelled so. Returns
     ``{"source": str, "theoretical_speedup": float, "rows": {depth: {...}}}``.
     """
-    from packing import Histogram, PackingError, pack
+    from packing import Histogram, PackingError, get_algorithm, pack
 
     d = config.data
+    try:
+        max_depth = get_algorithm(d.packing_algorithm).max_depth  # unknown name: one-line error
+    except PackingError as error:
+        raise ProfilingError(f"data.packing_algorithm: {error}") from None
     if lengths is not None:
         hist = Histogram.from_lengths(np.asarray(lengths), max_sequence_length=d.max_sequence_length)
         source = "lengths of the run's data"
@@ -103,14 +107,14 @@ def packing_statistics(config, depths: Sequence[int] = DEPTHS, lengths: Optional
     for depth in depths:
         algorithm = "none" if depth == 1 else d.packing_algorithm
         label = algorithm
+        if depth > 1 and max_depth is not None and depth > max_depth:
+            # e.g. nnlshp is defined up to depth 3: keep the row, say which packer filled it.
+            algorithm = FALLBACK_ALGORITHM
+            label = f"{FALLBACK_ALGORITHM} ({d.packing_algorithm} not defined at depth {depth})"
         try:
             result = pack(hist, algorithm=algorithm, max_sequences_per_pack=depth, seed=config.train.seed)
         except PackingError as error:
-            if depth == 1 or algorithm == FALLBACK_ALGORITHM:
-                raise ProfilingError(f"packing with {algorithm} at depth {depth} failed: {error}") from None
-            # e.g. nnlshp is defined up to depth 3: keep the row, say which packer filled it.
-            result = pack(hist, algorithm=FALLBACK_ALGORITHM, max_sequences_per_pack=depth, seed=config.train.seed)
-            label = f"{FALLBACK_ALGORITHM} ({algorithm} not defined at depth {depth})"
+            raise ProfilingError(f"packing with {algorithm} at depth {depth} failed: {error}") from None
         stats = result.to_dict()
         rows[depth] = {"algorithm": label, "packing_factor": float(stats["packing_factor"]),
                        "efficiency": float(stats["efficiency"]), "num_packs": int(stats["num_packs"])}

@@ -49,6 +49,13 @@ def test_depths_the_algorithm_cannot_pack_fall_back_to_lpfhp_and_say_so():
     assert stats["rows"][4]["packing_factor"] == lpfhp["rows"][4]["packing_factor"]
 
 
+def test_an_unknown_algorithm_is_a_one_line_error_not_a_fallback():
+    config = load_config("phase2", ["data.packing_algorithm=bogus"])
+    with pytest.raises(profiling.ProfilingError, match="unknown packing algorithm 'bogus'"):
+        profiling.packing_statistics(config, depths=(1, 4))
+    assert issubclass(profiling.ProfilingError, ValueError)
+
+
 class DriftingBackend:
     """Cost = true cost of the batch's depth x a machine-speed factor that drifts 3x over the run."""
 
