@@ -139,22 +139,28 @@ def command_report(args):
 # -- bench ---------------------------------------------------------------------------------
 
 _ASSIGN_SCRIPT = r"""
-import json, resource, sys, time, tracemalloc
+import json, re, sys, time, tracemalloc
 import numpy as np
+
+def peak_rss_kib():
+    # VmHWM is this process's own peak; getrusage's ru_maxrss would carry the parent's
+    # peak across fork + exec on Linux.
+    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
+
 from packing import Histogram, assign, pack
 name, num_sequences, algorithm, depth = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 histogram = Histogram.load(name)
 lengths = histogram.sample_lengths(None if num_sequences == "all" else int(num_sequences), seed=0)
 plan = pack(Histogram.from_lengths(lengths, histogram.max_sequence_length), algorithm,
             None if depth == "max" else int(depth)).plan
-rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+rss_before = peak_rss_kib()
 tracemalloc.start()
 started = time.perf_counter()
 packs = assign(plan, lengths, seed=0)
 seconds = time.perf_counter() - started
 _, traced_peak = tracemalloc.get_traced_memory()
 tracemalloc.stop()
-rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+rss_peak = peak_rss_kib()
 print(json.dumps({"num_sequences": int(lengths.size), "num_packs": packs.num_packs, "seconds": seconds,
                   "peak_rss_bytes": rss_peak * 1024, "rss_before_bytes": rss_before * 1024,
                   "assign_traced_peak_bytes": traced_peak}))

@@ -116,10 +116,13 @@ def test_pack_streams_with_bounded_memory_and_shows_progress(tmp_path):
     """100 k sequences (the benchmark does 1 M): peak RSS of the whole process stays small."""
     source = tmp_path / "big.h5"
     write_synthetic_unpacked(source, 100_000, max_seq_length=128, max_predictions=20, seed=0)
-    code = ("import resource, sys\n"
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across fork + exec, so a
+    # child of a big pytest process would report its parent's peak.
+    code = ("import re, sys\n"
             "from bert_packed.data.__main__ import main\n"
             "status = main(sys.argv[1:])\n"
-            "print('peak_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+            "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
+            "print('peak_kib', hwm)\n"
             "sys.exit(status)\n")
     result = subprocess.run([sys.executable, "-c", code, "pack", "--input", source, "--output",
                              tmp_path / "big_packed.h5", "--chunk-packs", "4096", "--progress"],
