@@ -186,3 +186,31 @@ def test_assign_rejects_lengths_that_do_not_match_the_plan(wikipedia):
         assign(plan, lengths[:-1])
     with pytest.raises(PackingError, match="longer than max_sequence_length"):
         assign(plan, np.append(lengths, 600))
+
+
+def _martello_toth_l2(counts, capacity):
+    """Martello & Toth's L2 lower bound on the number of bins, written independently of
+    `packing` and valid at any depth: for each threshold k, items longer than capacity - k
+    each need a bin of their own, items in (capacity/2, capacity - k] need one each too,
+    and items in [k, capacity/2] must fit in the room those leave, or open new bins."""
+    counts = np.asarray(counts, dtype=np.int64)
+    lengths = np.arange(1, len(counts) + 1)
+    best = 0
+    for k in range(0, capacity // 2 + 1):
+        alone = lengths > capacity - k
+        big = (lengths > capacity / 2) & ~alone
+        small = (lengths >= k) & (lengths <= capacity / 2)
+        room = int(counts[big].sum()) * capacity - int((counts[big] * lengths[big]).sum())
+        overflow = int((counts[small] * lengths[small]).sum()) - room
+        best = max(best, int(counts[alone].sum() + counts[big].sum()) + max(0, -(-overflow // capacity)))
+    return best
+
+
+def test_unlimited_depth_minimum_is_certified_without_the_lp(lp_results, wikipedia):
+    # Issue 2 asked for <= 8,135,500 packs at unlimited depth. No packer can get there: the
+    # classic L2 bound alone already proves at least 8,135,727 packs are needed, and lp's
+    # own certificate agrees; lp's plan is within one pack of that minimum.
+    l2 = _martello_toth_l2(wikipedia.counts, L)
+    assert l2 > 8_135_500
+    assert lp_results[None].lp_bound_packs >= l2
+    assert l2 <= lp_results[None].num_packs <= l2 + 1
