@@ -33,3 +33,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if skip_ipu is not None and "ipu" in item.keywords:
             item.add_marker(skip_ipu)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models on the shared 2-core machine: one intra-op thread avoids OpenMP spin
+    stalls (several times faster than two); results are the same."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -13,13 +13,7 @@ from bert_packed.data import build_data_source
 from bert_packed.train import build_model, build_optimizer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matrices on a shared machine: one thread avoids OpenMP spin stalls; same results.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def _setup(config, seed=0):

@@ -16,6 +16,7 @@ from bert_packed.data import DataError
 from bert_packed.data.create import create_pretraining_file
 from bert_packed.data.kjv import kjv_available, kjv_documents, write_kjv_corpus
 from bert_packed.data.vocab import SPECIAL_TOKENS, load_vocab, train_vocab
+from helpers import assert_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_bible = pytest.mark.skipif(not kjv_available(),
@@ -198,12 +199,6 @@ def test_create_matches_reference_statistics_on_kjv(kjv):
 
 # -- bad input: one line, exit status 2 --------------------------------------------------
 
-def assert_one_line_error(result, *needles):
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def test_vocab_without_mask_token_is_refused(synthetic, tmp_path):

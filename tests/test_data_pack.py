@@ -14,6 +14,7 @@ from bert_packed.data import DataError
 from bert_packed.data.pack import pack_file, packed_digests, unpacked_digests, verify_packed_file
 from bert_packed.data.stats import dataset_stats
 from bert_packed.data.synthetic import write_synthetic_unpacked
+from helpers import assert_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,12 +24,6 @@ def run_cli(*args, env=None):
                           capture_output=True, text=True, cwd=ROOT, env=env)
 
 
-def assert_one_line_error(result, *needles):
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def sha256(path):
