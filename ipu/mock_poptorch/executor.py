@@ -64,18 +64,6 @@ def _flatten(obj, path="input"):
     return []
 
 
-def _map(obj, fn):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        return tuple(_map(o, fn) for o in obj)
-    if isinstance(obj, list):
-        return [_map(o, fn) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    return obj
-
-
 def _leaves(obj):
     if isinstance(obj, (list, tuple)):
         return [x for o in obj for x in _leaves(o)]
@@ -93,6 +81,18 @@ def _rebuild(obj, leaves):
     if isinstance(obj, dict):
         return {k: _rebuild(v, leaves) for k, v in obj.items()}
     return next(leaves)
+
+
+def _map(obj, fn):
+    """Same structure as ``obj`` with ``fn`` applied to every tensor (other leaves kept)."""
+    return _rebuild(obj, iter([fn(x) if isinstance(x, torch.Tensor) else x for x in _leaves(obj)]))
+
+
+def _batch_factor(options):
+    """Host rows per micro-batch row: one run carries device_iterations x (replicas / input
+    group size) x gradient_accumulation micro-batches."""
+    return (options.device_iterations * (options.replication_factor // options.input_group_size)
+            * options.Training.gradient_accumulation)
 
 
 def _graph_nodes(tensor):
@@ -220,14 +220,9 @@ class PoplarExecutor:
                 group.update(values)
 
     # -- batching ---------------------------------------------------------------------------
-    def _batch_factor(self):
-        o = self._options
-        return (o.device_iterations * (o.replication_factor // o.input_group_size)
-                * o.Training.gradient_accumulation)
-
     def _check_batch(self, args, kwargs):
         o = self._options
-        factor = self._batch_factor()
+        factor = _batch_factor(o)
         signature = []
         for path, tensor in _flatten(args, "args") + _flatten(kwargs, "kwargs"):
             if tensor.dim() == 0:
@@ -424,10 +419,13 @@ class PoplarExecutor:
         if len(recorder.losses) != self._num_loss_calls:
             raise Error("The model's graph changed since compilation (a different number of losses)")
         loss = recorder.losses[self._final_loss_index][1]
-        scale = float(getattr(self._optimizer, "loss_scaling", 1.0) or 1.0)
-        (loss * scale).backward(torch.ones_like(loss))
+        (loss * self._loss_scaling()).backward(torch.ones_like(loss))
         self._accumulate_gradients()
         return _map(out, torch.Tensor.detach)
+
+    def _loss_scaling(self):
+        """The optimizer's static loss scale: the loss is multiplied by it, the gradients divided."""
+        return float(getattr(self._optimizer, "loss_scaling", 1.0) or 1.0)
 
     def _accumulate_gradients(self):
         """Move this micro-batch's gradients into the accumulators, in the optimizer's
@@ -451,7 +449,7 @@ class PoplarExecutor:
 
     def _reduce_gradients(self, num_micro_batches):
         """Gradients summed over accumulation and replicas -> PopTorch's reduction, loss scale undone."""
-        scale = float(getattr(self._optimizer, "loss_scaling", 1.0) or 1.0)
+        scale = self._loss_scaling()
         if self._options.Training.accumulation_and_replication_reduction_type == ReductionType.Mean:
             scale *= num_micro_batches
         for param, accumulator in self._accumulators.items():
@@ -537,9 +535,7 @@ class DataLoader(torch.utils.data.DataLoader):
                  async_options=None, rebatched_worker_size=None, **kwargs):
         options._freeze()
         self._options = options
-        self.combinedBatchSize = (batch_size * options.device_iterations
-                                  * (options.replication_factor // options.input_group_size)
-                                  * options.Training.gradient_accumulation)
+        self.combinedBatchSize = batch_size * _batch_factor(options)
         num_processes = options.Distributed.num_distributed_processes
         if num_processes > 1 and auto_distributed_partitioning and hasattr(dataset, "__len__"):
             if shuffle and not options.exists("random_seed"):
