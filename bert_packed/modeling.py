@@ -266,11 +266,13 @@ class BertSelfAttention(nn.Module):
 
 
 class BertSelfOutput(nn.Module):
-    """Output projection, dropout, residual, post-LayerNorm."""
+    """Projection to hidden_size, dropout, residual, post-LayerNorm. The attention block
+    uses it as is; BertOutput (the feed-forward block) only changes the input width.
+    Attribute names are Hugging Face's, so state dicts load."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, in_features: Optional[int] = None):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(in_features or config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -302,16 +304,11 @@ class BertIntermediate(nn.Module):
         return self.activation(self.dense(hidden_states))
 
 
-class BertOutput(nn.Module):
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+class BertOutput(BertSelfOutput):
+    """The feed-forward block's output: intermediate_size -> hidden_size, residual, LayerNorm."""
 
-    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.dropout(self.dense(hidden_states))
-        return self.LayerNorm(hidden_states + input_tensor)
+    def __init__(self, config: BertConfig):
+        super().__init__(config, in_features=config.intermediate_size)
 
 
 class BertLayer(nn.Module):
