@@ -104,13 +104,18 @@ class _Columns:
         return sparse.hstack([block, transfers], format="csc")
 
 
-def _solve_master(columns, demand):
-    optimize, _ = _scipy()
-    num_items = demand.size
+def _master_problem(columns, num_items):
+    """(matrix, cost, num_columns) of the master: one pack per strategy, transfers free."""
     matrix = columns.matrix(num_items)
     num_columns = len(columns.items)
     cost = np.zeros(matrix.shape[1])
     cost[:num_columns] = 1.0
+    return matrix, cost, num_columns
+
+
+def _solve_master(columns, demand):
+    optimize, _ = _scipy()
+    matrix, cost, num_columns = _master_problem(columns, demand.size)
     # Interior point (with crossover) is the faster HiGHS solver on the wide masters that
     # enumeration produces; dual simplex wins on the narrow ones of later rounds.
     method = "highs-ipm" if num_columns > 15000 else "highs-ds"
@@ -299,8 +304,9 @@ def _fill_slots(columns, repeats, weights, demand):
 class LPSolution:
     """Column generation outcome: the columns, the LP solution and the certified bound."""
 
-    def __init__(self, columns, x, lp_value, bound, duals, num_rounds, converged):
+    def __init__(self, columns, x, lp_value, bound, bound_duals, duals, num_rounds, converged):
         self.columns, self.x, self.lp_value, self.bound = columns, x, lp_value, bound
+        self.bound_duals = bound_duals  # scaled: dual feasible for every strategy
         self.duals, self.num_rounds, self.converged = duals, num_rounds, converged
 
 
@@ -367,9 +373,7 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
             break
     if x is None or len(x) != len(columns.items):  # pruned on the last round: re-solve
         lp_value, x, _ = _solve_master(columns, demand_float)
-    solution = LPSolution(columns, x, lp_value, bound, duals, rounds, converged)
-    solution.bound_duals = bound_duals  # scaled: dual feasible for every strategy
-    return solution
+    return LPSolution(columns, x, lp_value, bound, bound_duals, duals, rounds, converged)
 
 
 def _ceil_bound(bound):
@@ -381,11 +385,7 @@ def _milp(columns, demand, time_limit):
     """Integer program over the given columns (transfers stay continuous: an integral x
     always admits integral transfers). Returns integer repeats or None."""
     optimize, _ = _scipy()
-    num_items = demand.size
-    matrix = columns.matrix(num_items)
-    num_columns = len(columns.items)
-    cost = np.zeros(matrix.shape[1])
-    cost[:num_columns] = 1.0
+    matrix, cost, num_columns = _master_problem(columns, demand.size)
     integrality = np.zeros(matrix.shape[1])
     integrality[:num_columns] = 1
     result = optimize.milp(cost, constraints=optimize.LinearConstraint(matrix, lb=demand.astype(np.float64)),
