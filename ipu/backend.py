@@ -35,9 +35,6 @@ from bert_packed.losses import add_step_normalizers, step_counts
 from ipu import options as ipu_options
 from ipu import pipeline
 
-_COUNT_METRICS = ("num_sequences", "num_mlm_tokens")
-
-
 def _bert_config(model):
     """The ``BertConfig`` of a (possibly wrapped) BERT model, or None."""
     for candidate in (model, getattr(model, "model", None)):
@@ -127,6 +124,14 @@ def stack_host_batch(micro_batches: List[Dict[str, np.ndarray]], *, num_steps: i
     return host
 
 
+def _annotate(model, ipu_config, poptorch):
+    """``model`` annotated for the pipeline, cast to the configured precision, in training mode."""
+    model = pipeline.parallelize(model, ipu_config, poptorch)
+    if ipu_config.half_precision:
+        model.half()
+    return model.train()
+
+
 class PopTorchBackend:
     """Backend protocol (backends/base.py) on PopTorch. Subclasses choose the ``poptorch`` module."""
 
@@ -176,10 +181,7 @@ class PopTorchBackend:
             raise ConfigError(f"train.steps={config.train.steps} is not a multiple of ipu.device_iterations="
                               f"{ipu.device_iterations} (one PopTorch call runs that many steps); change either")
         pipeline.check_pipeline_depth(ipu.layers_per_ipu, ga, ipu.device_iterations)
-        self.model = pipeline.parallelize(model, ipu, poptorch)
-        if ipu.half_precision:
-            self.model.half()
-        self.model.train()
+        self.model = _annotate(model, ipu, poptorch)
         self.optimizer = pipeline.build_optimizer(optimizer, poptorch, config)
         num_total = ipu_options.num_total_replicas(config, self.popdist)
         wrapper = pipeline.TrainingWrapper(self.model, poptorch, loss_multiplier=ga * num_total)
@@ -305,10 +307,7 @@ class PopTorchBackend:
         from bert_packed.config import Config
         config = config or self.config or Config()
         ipu = config.ipu
-        num_ipus = ipu.ipus_per_replica
-        # One forward stage per IPU plus the heads back on IPU 0 (when there is more than one IPU).
-        num_stages = num_ipus + 1 if num_ipus > 1 else 1
-        ga = 2 * num_stages - 1
+        ga = 2 * len(pipeline.forward_stage_ipus(ipu.layers_per_ipu)) - 1
         precision = "fp16" if ipu.half_precision else "fp32"
         on_meta = any(p.is_meta for p in model.parameters())
         result = {"unit": self.cost_unit}
@@ -325,10 +324,7 @@ class PopTorchBackend:
             result.update(cost=float(estimate["total"]), breakdown=estimate["breakdown"], cycle_count_logged=False)
             return result
         # A copy: the annotations and casts below must not leak into the caller's model.
-        model = pipeline.parallelize(copy.deepcopy(model), ipu, self.poptorch)
-        if ipu.half_precision:
-            model.half()
-        model.train()
+        model = _annotate(copy.deepcopy(model), ipu, self.poptorch)
         opts = ipu_options.build_options(self.poptorch, config, training=True, popdist=None, popart=self.popart,
                                          log_cycle_count=True, profile_dir=profile_dir, device_iterations=1,
                                          gradient_accumulation=ga, replication_factor=1)
