@@ -8,7 +8,7 @@ and the ranks' gradients are SUMMED (not averaged) with one all-reduce. The resu
 the same optimizer step a single process takes over the same global batch.
 
 The class is written to be subclassed (the cuda backend does): override the hooks
-``device``, ``dist_backend``, ``autocast``, ``backward``, ``optimizer_step``,
+``device``, ``dist_backend``, ``autocast``, ``backward``, ``optimizer_step``, ``start_timer``,
 ``wrap_model`` / ``forward_module``.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -57,6 +57,11 @@ class CPUBackend:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def start_timer(self) -> Callable[[], float]:
+        """Start timing device work; the returned function gives the seconds since (wall clock here)."""
+        start = time.perf_counter()
+        return lambda: time.perf_counter() - start
 
     def optimizer_step(self) -> None:
         """Clip (if configured), update, advance the schedule, clear gradients."""
@@ -137,18 +142,18 @@ class CPUBackend:
         return self._run([batch], train=False)
 
     def profile(self, model: torch.nn.Module, batch: Dict[str, np.ndarray], *, num_repeats: int = 5) -> Dict[str, Any]:
-        """Median wall-clock ms of one forward+backward of ``model`` on ``batch`` (after a warm-up)."""
+        """Median ms (``start_timer``) of one forward+backward of ``model`` on ``batch`` (after a warm-up)."""
         model = model.to(self.device).train()
         tensors = self.to_device(batch)
         times = []
         for i in range(num_repeats + 1):
             model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
+            elapsed = self.start_timer()
             with self.autocast():
                 loss = model(**tensors)["loss"]
             loss.backward()
-            elapsed = (time.perf_counter() - start) * 1e3
+            elapsed_ms = elapsed() * 1e3
             if i:  # the first call warms up allocators and caches
-                times.append(elapsed)
+                times.append(elapsed_ms)
         model.zero_grad(set_to_none=True)
         return {"cost": statistics.median(times), "unit": "ms", "breakdown": None}

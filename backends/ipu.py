@@ -23,8 +23,7 @@ def _import_poptorch():
 
 
 class IPUBackend(PopTorchBackend):
-    name = "ipu"
-    cost_unit = "cycles"
+    # name "ipu" and cost_unit "cycles" come from PopTorchBackend.
 
     @staticmethod
     def is_available() -> bool:
