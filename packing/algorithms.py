@@ -23,8 +23,11 @@ class Algorithm:
     name: str
     description: str
     function: Callable
-    max_depth: Optional[int] = None  # largest finite depth supported (None: any)
-    allows_unlimited: bool = True
+    max_depth: Optional[int] = None  # largest finite depth supported (None: any, and unlimited)
+
+    def supports(self, depth):
+        """Whether this algorithm is defined for ``depth`` (an int, or None = unlimited)."""
+        return self.max_depth is None or (depth is not None and depth <= self.max_depth)
 
 
 def _histogram_packer(function):
@@ -72,9 +75,9 @@ ALGORITHMS = {
         Algorithm("bfd", "best-fit decreasing, per sequence (replayed exactly on the histogram)",
                   _histogram_packer(heuristics.pack_bfd)),
         Algorithm("nnlshp", "non-negative least squares histogram packing (Krell et al.)",
-                  _histogram_packer(nnls.pack_nnlshp), max_depth=nnls.MAX_NNLS_DEPTH, allows_unlimited=False),
+                  _histogram_packer(nnls.pack_nnlshp), max_depth=nnls.MAX_NNLS_DEPTH),
         Algorithm("ennlshp", "extended NNLS with padding-token weights (Krell et al., slow)",
-                  _histogram_packer(nnls.pack_ennlshp), max_depth=nnls.MAX_NNLS_DEPTH, allows_unlimited=False),
+                  _histogram_packer(nnls.pack_ennlshp), max_depth=nnls.MAX_NNLS_DEPTH),
         Algorithm("lp", "linear program over strategies with column generation; certified bound (ours)", _run_lp),
     ]
 }
@@ -91,7 +94,7 @@ def check_algorithm_depth(name, max_sequences_per_pack):
     """Validate a (algorithm, depth) pair before any work; returns the depth (int or None)."""
     algorithm = get_algorithm(name)
     depth = check_depth(max_sequences_per_pack)
-    if algorithm.max_depth is not None and (depth is None or depth > algorithm.max_depth):
+    if not algorithm.supports(depth):
         asked = "unlimited depth" if depth is None else f"max_sequences_per_pack={depth}"
         raise PackingError(
             f"{name} is defined for max_sequences_per_pack <= {algorithm.max_depth} only (asked: {asked}); "

@@ -63,8 +63,7 @@ def _rows(args):
     rows = []
     for name in algorithms:
         for depth in ([1] if name in ("none", "sort") else depths):
-            if args.algorithm is None and ALGORITHMS[name].max_depth is not None and (
-                    depth is None or depth > ALGORITHMS[name].max_depth):
+            if args.algorithm is None and not ALGORITHMS[name].supports(depth):
                 continue  # not asked for by name: skip the depths it does not support
             check_algorithm_depth(name, depth)
             if (name, depth) not in rows:

@@ -22,7 +22,8 @@ def _descending_lengths(counts):
 
 def pack_none(counts, max_sequence_length, depth):
     """One sequence per pack: the unpacked baseline."""
-    return [(length,) for length, _ in _descending_lengths(counts)], [n for _, n in _descending_lengths(counts)]
+    bins = _descending_lengths(counts)
+    return [(length,) for length, _ in bins], [n for _, n in bins]
 
 
 class _OpenPacks:
@@ -34,7 +35,6 @@ class _OpenPacks:
     """
 
     def __init__(self, max_sequence_length, depth):
-        self.max_sequence_length = max_sequence_length
         self.depth = max_sequence_length if depth is None else depth
         self.groups = {}
         self.spaces = []
@@ -58,9 +58,6 @@ class _OpenPacks:
             del self.groups[space]
             self.spaces.pop(bisect.bisect_left(self.spaces, space))
         return count, pack
-
-    def push_back(self, count, pack, space):
-        self.add(pack, count, space)
 
     def worst_fit(self, length):
         """The largest space that fits ``length``, or None."""
@@ -96,7 +93,7 @@ def pack_spfhp(counts, max_sequence_length, depth):
                 break
             count, pack = packs.pop(space)
             if count > remaining:
-                packs.push_back(count - remaining, pack, space)
+                packs.add(pack, count - remaining, space)
             used = min(count, remaining)
             remaining -= used
             packs.add(pack + (length,), used, space - length)
@@ -111,8 +108,8 @@ def pack_lpfhp(counts, max_sequence_length, depth):
     fits, and a length that fits several times into the space (or into an empty pack) is
     added that many times at once (e.g. 256 + 256), splitting the count.
     """
-    depth_limit = max_sequence_length if depth is None else depth
     packs = _OpenPacks(max_sequence_length, depth)
+    depth_limit = packs.depth
     for length, remaining in _descending_lengths(counts):
         while remaining > 0:
             space = packs.best_fit(length)
@@ -129,7 +126,7 @@ def pack_lpfhp(counts, max_sequence_length, depth):
             repeat = min(space // length, depth_limit - len(pack), remaining)
             used = min(count, remaining // repeat)
             if count > used:
-                packs.push_back(count - used, pack, space)
+                packs.add(pack, count - used, space)
             remaining -= used * repeat
             packs.add(pack + (length,) * repeat, used, space - repeat * length)
     return packs.result()

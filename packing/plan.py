@@ -222,11 +222,9 @@ class PackingResult:
                 f"efficiency={self.efficiency:.4%})")
 
 
-def check_depth(max_sequences_per_pack, allow_unlimited=True, algorithm="this algorithm"):
+def check_depth(max_sequences_per_pack):
     """Validate ``max_sequences_per_pack`` (None = unlimited); return it as int or None."""
     if max_sequences_per_pack is None:
-        if not allow_unlimited:
-            raise PackingError(f"{algorithm} needs a finite max_sequences_per_pack")
         return None
     if isinstance(max_sequences_per_pack, bool):
         raise PackingError(f"max_sequences_per_pack must be a positive integer, got {max_sequences_per_pack!r}")
