@@ -50,6 +50,7 @@ class HDF5Source:
             self._handle.close()
             raise
         self._next_global_batch = self.rank
+        self._order_epoch = self._order = None
 
     def _open(self, max_cache_bytes):
         handle, path = self._handle, self.path
@@ -92,11 +93,11 @@ class HDF5Source:
 
     def _items(self, global_batch):
         epoch, index = divmod(global_batch, self.num_batches_per_epoch)
-        if self.shuffle:
-            order = _permutation(self.num_items, self.seed, epoch)
-        else:
-            order = np.arange(self.num_items)
-        return order[index * self.micro_batch_size:(index + 1) * self.micro_batch_size]
+        if self._order_epoch != epoch:  # one permutation per epoch, not per micro-batch
+            self._order = (_permutation(self.num_items, self.seed, epoch) if self.shuffle
+                           else np.arange(self.num_items))
+            self._order_epoch = epoch
+        return self._order[index * self.micro_batch_size:(index + 1) * self.micro_batch_size]
 
     def batch(self, global_batch):
         """Global micro-batch `global_batch` as a packed-batch dict (any rank may ask)."""
