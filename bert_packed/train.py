@@ -23,7 +23,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from bert_packed.config import Config, ConfigError, gradient_accumulation, validate
 from bert_packed.data import build_data_source
+from bert_packed.data.vocab import write_text_atomic
 
 METRICS_NAME, SUMMARY_NAME = "metrics.jsonl", "summary.json"
 
@@ -95,14 +95,6 @@ def build_optimizer(config: Config, model, betas):
     return optimizer, scheduler
 
 
-def _write_json_atomic(path: str, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def _truncate_metrics(path: str, last_step: int) -> None:
     """Keep only the lines of steps <= last_step (a resumed run rewrites the rest)."""
     if not os.path.exists(path):
@@ -116,10 +108,7 @@ def _truncate_metrics(path: str, last_step: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError):
             break  # a torn last line from the kill
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
-    with os.fdopen(fd, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))
 
 
 def _all_reduce_sum(values: List[float]) -> List[float]:
@@ -145,14 +134,12 @@ def _real_counts(micro_batches) -> List[float]:
             float(sum((b["sequence_ids"] > 0).sum() for b in micro_batches))]
 
 
-def _evaluate(backend, source, start_state: Dict[str, Any], num_batches: int) -> Dict[str, float]:
-    """Count-weighted means over the first ``num_batches`` micro-batches per rank (the same
-    held-out batches every time, so evaluations are comparable)."""
-    source.load_state_dict(start_state)
-    iterator = iter(source)
+def _evaluate(backend, micro_batches: List[Dict[str, Any]]) -> Dict[str, float]:
+    """Count-weighted means over the held-out ``micro_batches`` of this rank (the same
+    batches every time, so evaluations are comparable)."""
     totals = {"mlm": 0.0, "nsp": 0.0, "mlm_acc": 0.0, "nsp_acc": 0.0, "tokens": 0.0, "sequences": 0.0}
-    for _ in range(num_batches):
-        m = backend.eval_step(next(iterator))
+    for batch in micro_batches:
+        m = backend.eval_step(batch)
         totals["mlm"] += m["mlm_loss"] * m["num_mlm_tokens"]
         totals["mlm_acc"] += m["mlm_accuracy"] * m["num_mlm_tokens"]
         totals["nsp"] += m["nsp_loss"] * m["num_sequences"]
@@ -258,11 +245,12 @@ def _train(config: Config, backend_name: str, *, output_dir: Optional[str], resu
     micro_batches_per_step = getattr(backend, "micro_batches_per_step", accumulation)
     steps_per_call = getattr(backend, "steps_per_call", 1)
 
-    eval_source = eval_start = None
+    eval_batches = None  # the first train.eval_batches held-out micro-batches, built once
     if t.eval_every > 0:
         eval_source = build_data_source(config, split="eval", micro_batch_size=t.micro_batch_size, rank=rank,
                                         world_size=world_size)
-        eval_start = eval_source.state_dict()
+        eval_iterator = iter(eval_source)
+        eval_batches = [next(eval_iterator) for _ in range(t.eval_batches)]
 
     metrics_path = os.path.join(output_dir, METRICS_NAME)
     checkpoint_path = os.path.join(output_dir, CHECKPOINT_NAME)
@@ -340,8 +328,8 @@ def _train(config: Config, backend_name: str, *, output_dir: Optional[str], resu
                 timed["sequences"] += counts[0]
                 timed["tokens"] += counts[2]
                 timed["seconds"] += step_seconds
-            if eval_source is not None and (step % t.eval_every == 0 or step == t.steps):
-                line.update(_evaluate(backend, eval_source, eval_start, t.eval_batches))
+            if eval_batches is not None and (step % t.eval_every == 0 or step == t.steps):
+                line.update(_evaluate(backend, eval_batches))
                 progress.write(f"step {step}: eval loss {line['eval_loss']:.3f} mlm {line['eval_mlm_loss']:.3f} "
                                f"nsp {line['eval_nsp_loss']:.3f} mlm_acc {line['eval_mlm_accuracy']:.3f}")
             first_line = first_line or line
@@ -380,7 +368,7 @@ def _train(config: Config, backend_name: str, *, output_dir: Optional[str], resu
         "config_resolved": config.to_dict(),
     }
     if is_main:
-        _write_json_atomic(os.path.join(output_dir, SUMMARY_NAME), summary)
+        write_text_atomic(os.path.join(output_dir, SUMMARY_NAME), json.dumps(summary, indent=2) + "\n")
         if show_progress and first_line is not None:
             evaluated = f" (eval {last_line['eval_mlm_loss']:.3f})" if "eval_mlm_loss" in last_line else ""
             rate = f"{summary['sequences_per_second']:.0f}" if summary["sequences_per_second"] else "n/a"
