@@ -11,24 +11,14 @@ import argparse
 import os
 import sys
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backends.mock import MockBackend  # noqa: E402
 from bert_packed.config import ConfigError, load_config  # noqa: E402
+from bert_packed.data import empty_batch  # noqa: E402
 from bert_packed.train import build_model  # noqa: E402
-
-
-def shape_only_batch(micro_batch_size, sequence_length, max_sequences_per_pack, max_masked_tokens_per_pack):
-    """Zeros with the batch contract's shapes: the cost model reads shapes only."""
-    B, S, K, M = micro_batch_size, sequence_length, max_sequences_per_pack, max_masked_tokens_per_pack
-    batch = {n: np.zeros((B, S), np.int64) for n in ("input_ids", "segment_ids", "position_ids", "sequence_ids")}
-    batch.update({n: np.zeros((B, M), np.int64) for n in ("mlm_positions", "mlm_labels", "mlm_sequence_ids")})
-    batch.update({"cls_positions": np.zeros((B, K), np.int64), "nsp_labels": np.zeros((B, K), np.int64),
-                  "nsp_weights": np.zeros((B, K), np.float32)})
-    return batch
 
 
 def main(argv=None):
@@ -52,8 +42,8 @@ def main(argv=None):
         config.data.max_sequences_per_pack = depth
         with torch.device("meta"):
             model = build_model(config)
-        batch = shape_only_batch(t.micro_batch_size, d.max_sequence_length, depth,
-                                 d.max_masked_tokens + depth - 1)
+        # Zeros with the batch contract's shapes: the cost model reads shapes only.
+        batch = empty_batch(t.micro_batch_size, d.max_sequence_length, depth, d.max_masked_tokens_per_pack)
         result = backend.profile(model, batch, config=config)
         parts = ", ".join(f"{k} {v:,}" for k, v in (result["breakdown"] or {}).items())
         print(f"| {depth} | {result['cost']:,.0f} | {result['cost'] * t.gradient_accumulation:,.0f} | {parts} |")

@@ -39,14 +39,14 @@ from __future__ import annotations
 import copy
 import glob
 import json
-import math
 import os
 import statistics
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
+
+from bert_packed.data.vocab import atomic_path, write_text_atomic
 
 DEPTHS = (1, 2, 3, 4, 8, 16)
 CATEGORIES = ("mask", "attention", "loss_unpacking", "rest")
@@ -67,14 +67,11 @@ class ProfilingError(ValueError):
 
 def mapped_histogram_counts(counts: np.ndarray, source_length: int, max_sequence_length: int,
                             length_mapping: str = "scale") -> np.ndarray:
-    """Map a length histogram onto S the way the generated data maps sampled lengths.
+    """Map a length histogram onto S the way the generated data maps sampled lengths
+    (``bert_packed.data.generated.map_lengths``: scale or truncate, clipped to [3, S])."""
+    from bert_packed.data.generated import map_lengths
 
-    ``scale``: length l -> ceil(l * S / L); ``truncate``: min(l, S); both clipped to [3, S].
-    """
-    lengths = np.arange(1, source_length + 1)
-    if length_mapping == "scale":
-        lengths = np.ceil(lengths * (max_sequence_length / source_length)).astype(np.int64)
-    lengths = np.clip(lengths, 3, max_sequence_length)
+    lengths = map_lengths(np.arange(1, source_length + 1), source_length, max_sequence_length, length_mapping)
     mapped = np.zeros(max_sequence_length, dtype=np.int64)
     np.add.at(mapped, lengths - 1, np.asarray(counts, dtype=np.int64))
     return mapped
@@ -375,13 +372,6 @@ def _breakdown_in_unit(breakdown: Optional[Dict], cost: float) -> Dict[str, floa
     return {name: v * cost / total for name, v in values.items()}
 
 
-def _atomic_write(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def format_markdown(report: Dict) -> str:
     """The report as a Markdown table (the paper's Table 1 columns plus costs and breakdown)."""
     unit = report["unit"]
@@ -446,11 +436,9 @@ def plot_report(report: Dict, path: str) -> None:
         ax.minorticks_off()
     fig.suptitle(f"{report['backend']}: {report['model']}, algorithm {report['algorithm']}")
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=110, format="png")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 _COST_NOTES = {
@@ -551,7 +539,7 @@ def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[
                                                       num_steps=throughput_steps, progress=tbar.update)
             tbar.close()
 
-    _atomic_write(os.path.join(output_dir, "overhead.json"), json.dumps(report, indent=2, default=float) + "\n")
-    _atomic_write(os.path.join(output_dir, "overhead.md"), format_markdown(report))
+    write_text_atomic(os.path.join(output_dir, "overhead.json"), json.dumps(report, indent=2, default=float) + "\n")
+    write_text_atomic(os.path.join(output_dir, "overhead.md"), format_markdown(report))
     plot_report(report, os.path.join(output_dir, "overhead.png"))
     return report

@@ -36,6 +36,18 @@ class DataError(ValueError):
     """A user mistake about data (missing file, wrong fields or shapes): one line."""
 
 
+def empty_batch(micro_batch_size: int, max_sequence_length: int, max_sequences_per_pack: int,
+                max_masked_tokens_per_pack: int) -> Batch:
+    """All-zero micro-batch with the contract's fields, shapes [B, S|M|K] and dtypes (all
+    padding: no sequences)."""
+    B, S, K, M = micro_batch_size, max_sequence_length, max_sequences_per_pack, max_masked_tokens_per_pack
+    batch = {name: np.zeros((B, S), dtype=np.int64) for name in ("input_ids", "segment_ids", "position_ids", "sequence_ids")}
+    batch.update({name: np.zeros((B, M), dtype=np.int64) for name in ("mlm_positions", "mlm_labels", "mlm_sequence_ids")})
+    batch.update({name: np.zeros((B, K), dtype=np.int64) for name in ("cls_positions", "nsp_labels")})
+    batch["nsp_weights"] = np.zeros((B, K), dtype=np.float32)
+    return batch
+
+
 @runtime_checkable
 class DataSource(Protocol):
     packing_factor: float

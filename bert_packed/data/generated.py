@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator
 
 import numpy as np
 
-from bert_packed.data import Batch, DataError
+from bert_packed.data import Batch, DataError, empty_batch
 
 PAD_ID, CLS_ID, SEP_ID, MASK_ID = 0, 101, 102, 103
 SPECIAL_IDS = (0, 100, 101, 102, 103)  # [PAD], [UNK], [CLS], [SEP], [MASK] in BERT's vocabulary
@@ -49,11 +49,19 @@ def sample_lengths(config, split: str, seed: int) -> np.ndarray:
     rng = np.random.default_rng([seed, _SPLITS[split], 0])
     probabilities = hist.counts / hist.counts.sum()
     lengths = rng.choice(np.arange(1, hist.max_sequence_length + 1), size=num, p=probabilities)
-    S = d.max_sequence_length
-    if d.length_mapping == "scale":
-        lengths = np.ceil(lengths * (S / hist.max_sequence_length)).astype(np.int64)
-    lengths = np.clip(lengths, 3, S)
-    return lengths.astype(np.int64)
+    return map_lengths(lengths, hist.max_sequence_length, d.max_sequence_length, d.length_mapping)
+
+
+def map_lengths(lengths: np.ndarray, source_length: int, max_sequence_length: int,
+                length_mapping: str = "scale") -> np.ndarray:
+    """Histogram lengths (1..source_length) onto S = ``max_sequence_length`` (int64).
+
+    ``scale``: l -> ceil(l * S / source_length); ``truncate``: min(l, S); both clipped to [3, S].
+    """
+    lengths = np.asarray(lengths)
+    if length_mapping == "scale":
+        lengths = np.ceil(lengths * (max_sequence_length / source_length))
+    return np.clip(lengths, 3, max_sequence_length).astype(np.int64)
 
 
 def pack_lengths(lengths: np.ndarray, config, seed: int):
@@ -161,7 +169,7 @@ class GeneratedSource:
         epoch = epoch if self.split == "train" else 0
         order = self._pack_order(epoch)
         B = self.micro_batch_size
-        batch = _empty_batch(B, self.S, self.K, self.M)
+        batch = empty_batch(B, self.S, self.K, self.M)
         for row, pack_id in enumerate(order[index * B:(index + 1) * B]):
             self._fill_pack(batch, row, int(pack_id), epoch)
         return batch
@@ -212,12 +220,3 @@ class GeneratedSource:
             batch["nsp_weights"][row, k] = 1.0
             offset += length
             num_masked += chosen.size
-
-
-def _empty_batch(B: int, S: int, K: int, M: int) -> Batch:
-    batch = {name: np.zeros((B, S), dtype=np.int64) for name in ("input_ids", "segment_ids", "position_ids", "sequence_ids")}
-    batch.update({name: np.zeros((B, M), dtype=np.int64) for name in ("mlm_positions", "mlm_labels", "mlm_sequence_ids")})
-    batch.update({name: np.zeros((B, K), dtype=np.int64) for name in ("cls_positions", "nsp_labels")})
-    batch["nsp_weights"] = np.zeros((B, K), dtype=np.float32)
-    return batch
-
