@@ -32,12 +32,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from scipy import integrate, optimize, stats
+
+from bert_packed.data.vocab import atomic_path, write_text_atomic
 
 PAPER_ALPHA_8 = 1.6038
 PAPER_BETA_8 = 0.1288
@@ -129,18 +130,6 @@ def scaling_table(fit: GumbelFit, device_counts: Sequence[int], packing_speedup:
     return rows
 
 
-def _atomic_savefig(fig, path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def plot(rows: List[Dict], fit: GumbelFit, path: str) -> None:
     """Speed-up against cluster size (log x), un-padding falling, packing flat."""
     import matplotlib
@@ -158,7 +147,8 @@ def plot(rows: List[Dict], fit: GumbelFit, path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    _atomic_savefig(fig, path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -205,11 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{row['packing_over_unpadding']:>19.3f}")
     if args.output_dir:
         os.makedirs(args.output_dir, exist_ok=True)
-        path = os.path.join(args.output_dir, "scaling.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=2)
-        os.replace(tmp, path)
+        write_text_atomic(os.path.join(args.output_dir, "scaling.json"), json.dumps(report, indent=2))
         plot(rows, fit, os.path.join(args.output_dir, "scaling.png"))
     return 0
 

@@ -18,12 +18,11 @@ B = number of packs (see `PACKED_FIELDS`), and the packing statistics as attribu
 """
 import contextlib
 import os
-import tempfile
 
 import numpy as np
 
 from .errors import DataError
-from .vocab import publish
+from .vocab import atomic_path
 
 UNPACKED_FIELDS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions",
                    "masked_lm_ids", "next_sentence_labels")
@@ -54,7 +53,7 @@ def is_packed(handle):
     return "sequence_ids" in handle
 
 
-def check_unpacked(handle, path, max_sequence_length=None):
+def check_unpacked(handle, path):
     """Validate the NVIDIA layout; return (num_sequences, S, P). Raises DataError."""
     missing = [name for name in UNPACKED_FIELDS if name not in handle]
     if missing:
@@ -73,9 +72,6 @@ def check_unpacked(handle, path, max_sequence_length=None):
     labels = handle["next_sentence_labels"].shape
     if labels not in ((num_sequences,), (num_sequences, 1)):
         raise DataError(f"{path}: next_sentence_labels has shape {labels}, expected ({num_sequences},)")
-    if max_sequence_length is not None and seq_len > max_sequence_length:
-        raise DataError(f"{path}: sequences are {seq_len} tokens long but the configured maximum "
-                        f"sequence length is {max_sequence_length}; raise it or re-create the data")
     return num_sequences, seq_len, num_predictions
 
 
@@ -121,19 +117,10 @@ def atomic_h5(path):
     """
     import h5py
 
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".h5")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         # track_order off and no timestamps: the same inputs give byte-identical files.
         with h5py.File(tmp, "w", libver=("earliest", "v110")) as handle:
             yield handle
-        publish(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def create_dataset(handle, name, data=None, *, shape=None, dtype=None, compression="gzip",

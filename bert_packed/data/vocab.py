@@ -11,7 +11,6 @@ from .errors import DataError
 # The order matters only for ids: [PAD] = 0 because the packed layout reads token 0 as
 # padding; the rest follow the Hugging Face convention.
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-REQUIRED_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 def train_vocab(input_paths, vocab_size, output_path, *, lowercase=True, min_frequency=2,
@@ -70,7 +69,7 @@ def load_vocab(path):
     vocab = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
-    missing = [token for token in REQUIRED_TOKENS if token not in vocab]
+    missing = [token for token in SPECIAL_TOKENS if token not in vocab]
     if missing:
         raise DataError(f"{path}: the vocabulary lacks {' '.join(missing)}; "
                         "BERT pre-training needs [PAD] [UNK] [CLS] [SEP] [MASK]")
