@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from bert_packed.config import ConfigError, load_config, validate
+from bert_packed.config import load_config, validate
 
 
 def parse_args(argv=None):
@@ -35,10 +35,8 @@ def main(argv=None) -> int:
     try:
         config = load_config(args.config, overrides)
         if args.profile:
-            try:
-                from bert_packed.profiling import run_profile
-            except ImportError:
-                raise ConfigError("--profile needs bert_packed/profiling.py, which is not in this tree") from None
+            from bert_packed.profiling import run_profile
+
             for warning in validate(config, args.backend):
                 print(f"warning: {warning}", file=sys.stderr)
             output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
