@@ -149,10 +149,10 @@ def plot(results, output_path, title):
         axis.legend(fontsize=8)
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    tmp = output_path + ".tmp.png"
-    figure.savefig(tmp, dpi=110)
-    os.replace(tmp, output_path)
+    from bert_packed.data.vocab import atomic_path
+
+    with atomic_path(output_path) as tmp:
+        figure.savefig(tmp, dpi=110, format="png")
 
 
 def main():

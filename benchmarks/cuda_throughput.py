@@ -26,7 +26,6 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bert_packed.config import ConfigError, load_config  # noqa: E402
+from bert_packed.data.vocab import write_text_atomic  # noqa: E402
 
 DEFAULT_ATTENTIONS = ("dense", "sdpa", "flex")
 LAYOUTS = (("padded", 1), ("packed", 3))
@@ -133,15 +133,6 @@ def tile_fractions(args):
     return results
 
 
-def write_json_atomic(path, obj):
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-
-
 def markdown(results):
     lines = ["| model | attention | padded seq/s | packed seq/s | packed / padded | padded mem GiB | packed mem GiB |",
              "|---|---|---:|---:|---:|---:|---:|"]
@@ -216,7 +207,7 @@ def main(argv=None):
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.output:
-        write_json_atomic(args.output, results)
+        write_text_atomic(args.output, json.dumps(results, indent=1))
     print(table)
     return 0
 
