@@ -65,13 +65,17 @@ class CPUBackend:
 
     def optimizer_step(self) -> None:
         """Clip (if configured), update, advance the schedule, clear gradients."""
-        max_norm = self.config.optimizer.max_grad_norm if self.config is not None else None
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.clip_gradients()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_gradients(self) -> None:
+        """Clip the global gradient norm to ``optimizer.max_grad_norm`` when configured."""
+        max_norm = self.config.optimizer.max_grad_norm if self.config is not None else None
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     # -- collectives -------------------------------------------------------------------------
 

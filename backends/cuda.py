@@ -152,9 +152,7 @@ class CUDABackend(CPUBackend):
         # and after the all-reduce every rank sees the same inf/nan), so all ranks skip
         # or take the step together.
         self.scaler.unscale_(self.optimizer)
-        max_norm = self.config.optimizer.max_grad_norm
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.clip_gradients()
         scale = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
         self.scaler.update()
