@@ -8,7 +8,8 @@ import types
 
 from ipu import mock_poptorch
 
-_state = {"set": False, "num_instances": 1, "instance_index": 0, "num_local_replicas": 1, "ipus_per_replica": 1}
+_DEFAULTS = {"set": False, "num_instances": 1, "instance_index": 0, "num_local_replicas": 1, "ipus_per_replica": 1}
+_state = dict(_DEFAULTS)
 
 
 def configure(*, num_instances, instance_index, num_local_replicas, ipus_per_replica):
@@ -17,7 +18,7 @@ def configure(*, num_instances, instance_index, num_local_replicas, ipus_per_rep
 
 
 def reset():
-    _state.update(set=False, num_instances=1, instance_index=0, num_local_replicas=1, ipus_per_replica=1)
+    _state.update(_DEFAULTS)
 
 
 def isPopdistEnvSet():
