@@ -36,15 +36,7 @@ class Plan:
         Strategies are sorted, strategies with a zero repeat are dropped and equal
         strategies are merged (so ``num_strategies`` counts distinct packs).
         """
-        merged = {}
-        for strategy, repeat in zip(strategies, repeats):
-            repeat = int(repeat)
-            if repeat < 0:
-                raise ValueError(f"negative repeat count {repeat} for strategy {strategy}")
-            if repeat == 0 or len(strategy) == 0:
-                continue
-            key = tuple(sorted(int(length) for length in strategy))
-            merged[key] = merged.get(key, 0) + repeat
+        merged = _merged(strategies, repeats)
         keys = sorted(merged, key=lambda key: (-len(key), key))
         sizes = np.array([len(key) for key in keys], dtype=np.int64)
         offsets = np.zeros(len(keys) + 1, dtype=np.int64)
@@ -105,6 +97,21 @@ class Plan:
         return f"Plan(num_strategies={self.num_strategies}, num_packs={self.num_packs}, max_depth={self.max_depth})"
 
 
+def _merged(strategies, repeats):
+    """{ascending length tuple: total repeat}: equal strategies merged, empty strategies and
+    zero repeats dropped; ValueError on a negative repeat."""
+    merged = {}
+    for strategy, repeat in zip(strategies, repeats):
+        repeat = int(repeat)
+        if repeat < 0:
+            raise ValueError(f"negative repeat count {repeat} for strategy {strategy}")
+        if repeat == 0 or len(strategy) == 0:
+            continue
+        key = tuple(sorted(int(length) for length in strategy))
+        merged[key] = merged.get(key, 0) + repeat
+    return merged
+
+
 def exact_plan(strategies, repeats, counts, max_sequence_length):
     """Turn a covering plan (every length has at least as many slots as sequences) into an
     exact one by deleting the surplus slots; a deleted slot becomes padding, so the number
@@ -114,12 +121,7 @@ def exact_plan(strategies, repeats, counts, max_sequence_length):
     Raises RuntimeError if some length has fewer slots than sequences (an algorithm bug).
     """
     counts = np.asarray(counts, dtype=np.int64)
-    table = {}
-    for strategy, repeat in zip(strategies, repeats):
-        repeat = int(repeat)
-        if repeat > 0 and len(strategy):
-            key = tuple(sorted(int(length) for length in strategy))
-            table[key] = table.get(key, 0) + repeat
+    table = _merged(strategies, repeats)
     slots = np.zeros(max_sequence_length + 1, dtype=np.int64)
     for key, repeat in table.items():
         for length in key:
