@@ -34,6 +34,7 @@ from bert_packed.config import ConfigError
 from bert_packed.losses import add_step_normalizers, step_counts
 from ipu import options as ipu_options
 from ipu import pipeline
+from ipu.cost_model import estimate_cycles
 
 def _bert_config(model):
     """The ``BertConfig`` of a (possibly wrapped) BERT model, or None."""
@@ -54,8 +55,6 @@ def estimate_run_cycles(info: Dict[str, Any]) -> Dict[str, Any]:
     the pipeline, so it is that many times one (steady state: pipeline ramp-up and the weight
     update are not modelled). Returns {"total", "per_micro_batch", "breakdown", "unit"}.
     """
-    from ipu.cost_model import estimate_cycles  # profiling helper's model (no import cycle at module load)
-
     config = _bert_config(info["model"])
     if config is None:
         raise ConfigError("the cycle estimate knows BERT only: the model has no BERT config")

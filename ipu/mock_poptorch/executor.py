@@ -30,7 +30,7 @@ from .options import Options, PipelinedExecution
 # for more IPUs fails at compile time as it would on the real system.
 DEFAULT_NUM_AVAILABLE_IPUS = 16
 
-_cycle_estimator = None  # fn(info dict) -> int; set by set_cycle_estimator (see cycles.py)
+_cycle_estimator = None  # fn(info dict) -> int; set by set_cycle_estimator (see ipu/backend.py)
 
 
 def set_cycle_estimator(fn):
