@@ -63,7 +63,7 @@ def build_run(model_name, depth, attention, args):
     pool = list(itertools.islice(iter(source), args.pool_size))
     torch.manual_seed(0)
     model = build_model(config)
-    optimizer, scheduler = build_optimizer(config, model, (config.optimizer.beta1, config.optimizer.beta2))
+    optimizer, scheduler = build_optimizer(config, model)
     backend = CUDABackend(device=args.device)
     backend.prepare(model, optimizer, config, scheduler=scheduler)
     return backend, pool

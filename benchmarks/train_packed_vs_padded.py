@@ -31,7 +31,7 @@ def _variant(config_name, depth, overrides, backend_name):
         torch.set_num_threads(config.train.num_threads)
     torch.manual_seed(config.train.seed)
     model = build_model(config)
-    optimizer, scheduler = build_optimizer(config, model, (config.optimizer.beta1, config.optimizer.beta2))
+    optimizer, scheduler = build_optimizer(config, model)
     backend = get_backend(backend_name)
     backend.prepare(model, optimizer, config, scheduler=scheduler)
     source = build_data_source(config, micro_batch_size=config.train.micro_batch_size)

@@ -304,7 +304,7 @@ def measure_throughput(config, backend_name: str, packed_depth: int, *, num_step
         source = GeneratedSource(cfg, split="train", micro_batch_size=B, seed=config.train.seed)
         torch.manual_seed(config.train.seed)
         model = build_model(cfg)
-        optimizer, scheduler = build_optimizer(cfg, model, (cfg.optimizer.beta1, cfg.optimizer.beta2))
+        optimizer, scheduler = build_optimizer(cfg, model)
         backend = get_backend(backend_name)
         backend.prepare(model, optimizer, cfg, scheduler=scheduler)
         it = iter(source)

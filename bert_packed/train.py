@@ -84,10 +84,12 @@ def adjust_for_packing(config: Config, packing_factor: float, base_accumulation:
     )
 
 
-def build_optimizer(config: Config, model, betas):
+def build_optimizer(config: Config, model, betas=None):
+    """(optimizer, schedule) of the optimizer section; ``betas`` default to its beta1, beta2."""
     from bert_packed import optim
 
     o = config.optimizer
+    betas = (o.beta1, o.beta2) if betas is None else betas
     optimizer = optim.build_optimizer(model, o.name, lr=o.learning_rate, betas=betas, eps=o.eps,
                                       weight_decay=o.weight_decay)
     scheduler = optim.build_schedule(optimizer, o.schedule, warmup_fraction=o.warmup_fraction,
@@ -240,7 +242,7 @@ def _train(config: Config, backend_name: str, *, output_dir: Optional[str], resu
     config.optimizer.beta1, config.optimizer.beta2 = betas
 
     model = build_model(config)
-    optimizer, scheduler = build_optimizer(config, model, betas)
+    optimizer, scheduler = build_optimizer(config, model)  # the adjusted betas, set above
     backend.prepare(model, optimizer, config, scheduler=scheduler)
     micro_batches_per_step = getattr(backend, "micro_batches_per_step", accumulation)
     steps_per_call = getattr(backend, "steps_per_call", 1)
