@@ -60,7 +60,7 @@ def _scipy():
 class _Columns:
     """The restricted master problem's strategies as tuples of item indices (ascending).
 
-    ``matrix`` is cached and extended with only the columns added since the last call,
+    The strategy block is cached and extended with only the columns added since the last call,
     so wide masters are not rebuilt from Python lists every round.
     """
 
@@ -85,9 +85,8 @@ class _Columns:
         cols = np.repeat(np.arange(len(new)), sizes)
         return sparse.csc_matrix((np.ones(rows.size), (rows, cols)), shape=(num_items, len(new)))
 
-    def matrix(self, num_items):
-        """Sparse [num_items, num_columns + num_items - 1]: strategies, then transfers
-        (z_k moves one slot of item k down to item k - 1: +1 in row k-1, -1 in row k)."""
+    def strategy_matrix(self, num_items):
+        """Sparse [num_items, num_columns]: how often each strategy holds each item."""
         _, sparse = _scipy()
         built = self._built
         if built is None or built[0] != num_items or built[1] > len(self.items):
@@ -97,11 +96,17 @@ class _Columns:
         else:
             block = built[2]
         self._built = (num_items, len(self.items), block)
+        return block
+
+    def matrix(self, num_items):
+        """Sparse [num_items, num_columns + num_items - 1]: strategies, then transfers
+        (z_k moves one slot of item k down to item k - 1: +1 in row k-1, -1 in row k)."""
+        _, sparse = _scipy()
         k = np.arange(1, num_items)
         transfers = sparse.csc_matrix(
             (np.concatenate([np.ones(k.size), -np.ones(k.size)]), (np.concatenate([k - 1, k]), np.tile(k - 1, 2))),
             shape=(num_items, max(0, num_items - 1)))
-        return sparse.hstack([block, transfers], format="csc")
+        return sparse.hstack([self.strategy_matrix(num_items), transfers], format="csc")
 
 
 def _master_problem(columns, num_items):
@@ -314,9 +319,7 @@ def _prune(columns, x, duals, keep_reduced_cost, max_kept=None):
     """Keep the columns in use and the cheapest others (reduced cost below
     ``keep_reduced_cost``, at most ``max_kept`` of them), so re-solves stay small; dropped
     columns can be generated again, so nothing is lost for the bound."""
-    num_columns = len(columns.items)
-    usage = columns.matrix(duals.size)[:, :num_columns]
-    reduced = 1.0 - usage.T @ duals
+    reduced = 1.0 - columns.strategy_matrix(duals.size).T @ duals
     in_use = x > 1e-9
     cheap = np.flatnonzero(~in_use & (reduced < keep_reduced_cost))
     if max_kept is not None and cheap.size > max_kept:
