@@ -50,8 +50,9 @@ def _run_sort(histogram, depth, seed, batch_size=32):
 
 
 def _run_greedy(histogram, depth, seed, lengths=None):
-    offsets, lengths, repeats = baselines.pack_greedy(histogram.counts, histogram.max_sequence_length, depth,
-                                                      seed=seed, lengths=lengths)
+    if lengths is None:
+        lengths = histogram.sample_lengths(seed=seed)  # the histogram's sequences, shuffled
+    offsets, lengths, repeats = baselines.pack_greedy(lengths, histogram.max_sequence_length, depth)
     return Plan(offsets, lengths, repeats, histogram.max_sequence_length), {}
 
 

@@ -104,13 +104,8 @@ def plan_arrays_from_packs(lengths, starts, max_sequence_length):
     return offsets, slot_lengths[order], repeats.astype(np.int64)
 
 
-def pack_greedy(counts, max_sequence_length, depth, seed=0, lengths=None):
-    """Next-fit in stream order after a seeded shuffle of the histogram's sequences
-    (or of ``lengths`` itself, in its given order, when given)."""
-    if lengths is None:
-        rng = np.random.default_rng(seed)
-        lengths = np.repeat(np.arange(1, max_sequence_length + 1, dtype=np.int64), counts)
-        rng.shuffle(lengths)
+def pack_greedy(lengths, max_sequence_length, depth):
+    """Next-fit over ``lengths`` (np.int64 [n]) in the given order; the caller shuffles."""
     starts = next_fit_pack_starts(lengths, max_sequence_length, depth)
     return plan_arrays_from_packs(lengths, starts, max_sequence_length)
 
