@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert_packed.losses import add_step_normalizers, step_counts
+from bert_packed.losses import add_step_normalizers
 
 # Summed over micro-batches and ranks (each is already normalised by the global count).
 _NORMALISED = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
@@ -113,10 +113,8 @@ class CPUBackend:
 
     def _normalise(self, micro_batches: List[Dict[str, np.ndarray]]) -> List[Dict[str, np.ndarray]]:
         """Copy the batches and give every pack the step's global counts (all ranks)."""
-        micro_batches = [dict(b) for b in micro_batches]
-        counts = torch.tensor(step_counts(micro_batches, self.model.config.mlm_loss_normalization), dtype=torch.float64)
-        self.all_reduce_(counts)
-        return add_step_normalizers(micro_batches, totals=(float(counts[0]), float(counts[1])))
+        return add_step_normalizers([dict(b) for b in micro_batches], self.model.config.mlm_loss_normalization,
+                                    all_reduce=self.all_reduce_)
 
     def _run(self, micro_batches: List[Dict[str, np.ndarray]], train: bool) -> Dict[str, float]:
         # Accumulate on the device and copy once: a .cpu() per micro-batch would stall a GPU.

@@ -21,7 +21,7 @@ No Python loop over sequences and no data-dependent shapes: sequences are select
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -166,16 +166,24 @@ def add_step_normalizers(
     normalization: str = "token",
     *,
     totals: Optional[Tuple[float, float]] = None,
+    all_reduce: Optional[Callable[[torch.Tensor], object]] = None,
 ) -> List[MutableMapping[str, object]]:
     """Set ``mlm_normalizer`` and ``nsp_normalizer`` (float32 ``[B]``) in every micro-batch.
 
     All packs of the step get the same value: the step's global count (``totals`` =
-    ``(mlm_count, nsp_count)`` if given, e.g. summed across ranks with an all-reduce, else
-    ``step_counts(micro_batches, normalization)``).
+    ``(mlm_count, nsp_count)`` if given, else ``step_counts(micro_batches, normalization)``
+    of these micro-batches, summed over processes by ``all_reduce`` when given: a function
+    that sums a float64 tensor in place across data-parallel ranks / replicas' hosts).
     The fields take the type of ``input_ids`` (torch tensor on its device, or numpy).
     Modifies the dicts in place and returns the list.
     """
-    mlm_count, nsp_count = totals if totals is not None else step_counts(micro_batches, normalization)
+    if totals is None:
+        totals = step_counts(micro_batches, normalization)
+        if all_reduce is not None:
+            counts = torch.tensor(totals, dtype=torch.float64)
+            all_reduce(counts)
+            totals = (float(counts[0]), float(counts[1]))
+    mlm_count, nsp_count = totals
     for batch in micro_batches:
         reference = batch["input_ids"]
         num_packs = int(reference.shape[0])

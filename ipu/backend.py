@@ -31,7 +31,7 @@ import torch
 
 from bert_packed import attention as attention_registry
 from bert_packed.config import ConfigError
-from bert_packed.losses import add_step_normalizers, step_counts
+from bert_packed.losses import add_step_normalizers
 from ipu import options as ipu_options
 from ipu import pipeline
 from ipu.cost_model import estimate_cycles
@@ -206,12 +206,10 @@ class PopTorchBackend:
         """The step's global counts in every pack (kept if the loop already filled them)."""
         if all("mlm_normalizer" in b and "nsp_normalizer" in b for b in step_batches):
             return step_batches
-        step_batches = [dict(b) for b in step_batches]
-        normalization = (model or self.model).config.mlm_loss_normalization
-        counts = torch.tensor(step_counts(step_batches, normalization), dtype=torch.float64)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(counts)  # PopRun instances: counts over all of them
-        return add_step_normalizers(step_batches, totals=(float(counts[0]), float(counts[1])))
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        # Under PopRun the counts are summed over all instances.
+        return add_step_normalizers([dict(b) for b in step_batches], (model or self.model).config.mlm_loss_normalization,
+                                    all_reduce=torch.distributed.all_reduce if distributed else None)
 
     def _switch_to(self, executor, other) -> None:
         """Only one executable holds the IPUs: detach the other one (weights go to the host)."""
