@@ -29,6 +29,8 @@ from typing import Any, Dict, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
+from bert_packed.collate import MLM_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS
+
 Batch = Dict[str, np.ndarray]
 
 
@@ -41,9 +43,9 @@ def empty_batch(micro_batch_size: int, max_sequence_length: int, max_sequences_p
     """All-zero micro-batch with the contract's fields, shapes [B, S|M|K] and dtypes (all
     padding: no sequences)."""
     B, S, K, M = micro_batch_size, max_sequence_length, max_sequences_per_pack, max_masked_tokens_per_pack
-    batch = {name: np.zeros((B, S), dtype=np.int64) for name in ("input_ids", "segment_ids", "position_ids", "sequence_ids")}
-    batch.update({name: np.zeros((B, M), dtype=np.int64) for name in ("mlm_positions", "mlm_labels", "mlm_sequence_ids")})
-    batch.update({name: np.zeros((B, K), dtype=np.int64) for name in ("cls_positions", "nsp_labels")})
+    batch = {}
+    for names, width in ((TOKEN_FIELDS, S), (MLM_FIELDS, M), (SEQUENCE_FIELDS, K)):
+        batch.update({name: np.zeros((B, width), dtype=np.int64) for name in names})
     batch["nsp_weights"] = np.zeros((B, K), dtype=np.float32)
     return batch
 

@@ -21,15 +21,15 @@ import os
 
 import numpy as np
 
+from ..collate import MLM_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS
 from .errors import DataError
 from .vocab import atomic_path
 
 UNPACKED_FIELDS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions",
                    "masked_lm_ids", "next_sentence_labels")
 # field -> which second dimension it has: S (sequence), M (masked slots), K (sequences/pack).
-PACKED_FIELDS = {"input_ids": "S", "segment_ids": "S", "position_ids": "S", "sequence_ids": "S",
-                 "mlm_positions": "M", "mlm_labels": "M", "mlm_sequence_ids": "M",
-                 "cls_positions": "K", "nsp_labels": "K", "nsp_weights": "K"}
+PACKED_FIELDS = {**dict.fromkeys(TOKEN_FIELDS, "S"), **dict.fromkeys(MLM_FIELDS, "M"),
+                 **dict.fromkeys(SEQUENCE_FIELDS, "K")}
 PACKED_FORMAT = "packed-bert/packed-v1"
 
 

@@ -19,8 +19,7 @@ import numpy as np
 from . import h5io
 from .errors import DataError
 
-INT_FIELDS = ("input_ids", "segment_ids", "position_ids", "sequence_ids", "mlm_positions",
-              "mlm_labels", "mlm_sequence_ids", "cls_positions", "nsp_labels")
+INT_FIELDS = tuple(name for name in h5io.PACKED_FIELDS if name != "nsp_weights")
 
 
 class HDF5Source:
