@@ -37,8 +37,7 @@ def _histogram_packer(function):
     return run
 
 
-def _run_none(histogram, depth, seed):
-    return _histogram_packer(heuristics.pack_none)(histogram, 1, seed)
+_run_none = _histogram_packer(heuristics.pack_none)  # pack() passes depth 1 to none and sort
 
 
 def _run_sort(histogram, depth, seed, batch_size=32):

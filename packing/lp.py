@@ -374,7 +374,7 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
         if added == 0:
             converged = True
             break
-    if x is None or len(x) != len(columns.items):  # pruned on the last round: re-solve
+    if x is None:  # pruned on the last round: re-solve
         lp_value, x, _ = _solve_master(columns, demand_float)
     return LPSolution(columns, x, lp_value, bound, bound_duals, duals, rounds, converged)
 
