@@ -207,15 +207,8 @@ def _mask_tokens(tokens, masked_lm_prob, max_predictions, special_ids, replaceme
 
 def instances_to_arrays(instances, max_seq_length, max_predictions):
     """Instances -> dict of NVIDIA-layout numpy arrays (padded with zeros)."""
-    num = len(instances)
-    arrays = {
-        "input_ids": np.zeros((num, max_seq_length), np.int32),
-        "input_mask": np.zeros((num, max_seq_length), np.int8),
-        "segment_ids": np.zeros((num, max_seq_length), np.int8),
-        "masked_lm_positions": np.zeros((num, max_predictions), np.int32),
-        "masked_lm_ids": np.zeros((num, max_predictions), np.int32),
-        "next_sentence_labels": np.zeros((num,), np.int8),
-    }
+    arrays = {name: np.zeros(shape, dtype) for name, (shape, dtype)
+              in h5io.unpacked_shapes(len(instances), max_seq_length, max_predictions).items()}
     for row, instance in enumerate(instances):
         length, num_masked = len(instance.tokens), len(instance.masked_positions)
         arrays["input_ids"][row, :length] = instance.tokens

@@ -25,8 +25,11 @@ from ..collate import MLM_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS
 from .errors import DataError
 from .vocab import atomic_path
 
-UNPACKED_FIELDS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions",
-                   "masked_lm_ids", "next_sentence_labels")
+# field -> (second dimension: S tokens, P masked slots, None for [N]; dtype written).
+UNPACKED_LAYOUT = {"input_ids": ("S", np.int32), "input_mask": ("S", np.int8), "segment_ids": ("S", np.int8),
+                   "masked_lm_positions": ("P", np.int32), "masked_lm_ids": ("P", np.int32),
+                   "next_sentence_labels": (None, np.int8)}
+UNPACKED_FIELDS = tuple(UNPACKED_LAYOUT)
 # field -> which second dimension it has: S (sequence), M (masked slots), K (sequences/pack).
 PACKED_FIELDS = {**dict.fromkeys(TOKEN_FIELDS, "S"), **dict.fromkeys(MLM_FIELDS, "M"),
                  **dict.fromkeys(SEQUENCE_FIELDS, "K")}
@@ -51,6 +54,12 @@ def open_h5(path):
 def is_packed(handle):
     """True for files written by `pack` (they have `sequence_ids`)."""
     return "sequence_ids" in handle
+
+
+def unpacked_shapes(num_sequences, max_seq_length, max_predictions):
+    """field -> (shape, dtype) of an unpacked file we write, in `UNPACKED_FIELDS` order."""
+    widths = {"S": (max_seq_length,), "P": (max_predictions,), None: ()}
+    return {name: ((num_sequences,) + widths[dim], dtype) for name, (dim, dtype) in UNPACKED_LAYOUT.items()}
 
 
 def check_unpacked(handle, path):

@@ -74,11 +74,9 @@ def plan_packs(lengths, max_sequence_length, algorithm, max_sequences_per_pack, 
 
 
 def _record_dtype(seq_len, num_predictions):
-    return np.dtype([("input_ids", np.int32, (seq_len,)), ("input_mask", np.int8, (seq_len,)),
-                     ("segment_ids", np.int8, (seq_len,)),
-                     ("masked_lm_positions", np.int32, (num_predictions,)),
-                     ("masked_lm_ids", np.int32, (num_predictions,)),
-                     ("next_sentence_labels", np.int8)])
+    """One unpacked sequence as a structured record (the file's fields and dtypes)."""
+    return np.dtype([(name, dtype, shape[1:]) for name, (shape, dtype)
+                     in h5io.unpacked_shapes(0, seq_len, num_predictions).items()])
 
 
 def _scatter_to_pack_order(handle, destination, record_dtype, tmp_path, *, read_rows,

@@ -30,12 +30,7 @@ def write_synthetic_unpacked(path, num_sequences, *, max_seq_length=128, max_pre
     lengths = synthetic_lengths(num_sequences, max_seq_length, seed)
     columns = np.arange(max_seq_length)
     with h5io.atomic_h5(path) as handle:
-        shapes = {"input_ids": ((num_sequences, max_seq_length), np.int32),
-                  "input_mask": ((num_sequences, max_seq_length), np.int8),
-                  "segment_ids": ((num_sequences, max_seq_length), np.int8),
-                  "masked_lm_positions": ((num_sequences, max_predictions), np.int32),
-                  "masked_lm_ids": ((num_sequences, max_predictions), np.int32),
-                  "next_sentence_labels": ((num_sequences,), np.int8)}
+        shapes = h5io.unpacked_shapes(num_sequences, max_seq_length, max_predictions)
         datasets = {name: h5io.create_dataset(handle, name, shape=shape, dtype=dtype)
                     for name, (shape, dtype) in shapes.items()}
         for start in tqdm(range(0, num_sequences, chunk_rows), desc="synthetic", unit=" chunks",
