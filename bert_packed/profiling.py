@@ -16,7 +16,7 @@ For every depth d in (1, 2, 3, 4, 8, 16) the report holds one row with
 - packing factor (sequences per pack) and efficiency (real-token fraction) of the
   configured algorithm at depth d on the run's data: the length histogram of the
   generated data (``data.histogram``, mapped to S as the generator maps it) or the
-  lengths of the HDF5 data when the source exposes them;
+  lengths of the HDF5 data (``data.path``);
 - realized speed-up = packing factor x (1 - overhead) = sequences/s packed over padded,
   the paper's Table 1 column;
 - a breakdown of the packed step's cost: ``mask`` (mask construction), ``attention``
@@ -75,6 +75,19 @@ def mapped_histogram_counts(counts: np.ndarray, source_length: int, max_sequence
     mapped = np.zeros(max_sequence_length, dtype=np.int64)
     np.add.at(mapped, lengths - 1, np.asarray(counts, dtype=np.int64))
     return mapped
+
+
+def data_lengths(config) -> Optional[np.ndarray]:
+    """Sequence lengths of the run's HDF5 data (``data.path``), or None for generated data.
+
+    Read block by block through the stats reader, not a data source, which would load the
+    token arrays only to throw them away."""
+    if config.data.path is None:
+        return None
+    from bert_packed.data.stats import dataset_stats
+
+    counts = dataset_stats(config.data.path)["length_counts"]
+    return np.repeat(np.arange(1, len(counts) + 1), counts)
 
 
 def packing_statistics(config, depths: Sequence[int] = DEPTHS, lengths: Optional[np.ndarray] = None) -> Dict:
@@ -467,11 +480,7 @@ def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[
         raise ProfilingError(f"packing depths must be >= 1, got {depths}")
     os.makedirs(output_dir, exist_ok=True)
     B, S = config.train.micro_batch_size, config.data.max_sequence_length
-    lengths = None
-    if config.data.path is not None:
-        from bert_packed.data import build_data_source
-        lengths = getattr(build_data_source(config, micro_batch_size=B), "lengths", None)
-    packing = packing_statistics(config, depths, lengths)
+    packing = packing_statistics(config, depths, data_lengths(config))
 
     backend = get_backend(backend_name)
     model = build_profile_model(config, backend_name, execute)

@@ -41,6 +41,25 @@ def test_packing_statistics_match_the_packing_library():
     assert stats["theoretical_speedup"] == pytest.approx(2.0013, abs=1e-4)
 
 
+def test_hdf5_runs_are_profiled_on_their_own_lengths(tmp_path):
+    import h5py
+
+    from bert_packed.data.synthetic import write_synthetic_unpacked
+    from packing import Histogram, pack
+
+    path = tmp_path / "train.h5"
+    write_synthetic_unpacked(path, 500, max_seq_length=128, max_predictions=20, seed=3)
+    with h5py.File(path, "r") as handle:  # lengths straight from the NVIDIA layout's input_mask
+        lengths = handle["input_mask"][:].sum(axis=1)
+    config = load_config("tiny", [f"data.path={path}", "data.max_sequence_length=128",
+                                  "data.packing_algorithm=lpfhp"])
+    assert np.array_equal(np.sort(profiling.data_lengths(config)), np.sort(lengths))
+    stats = profiling.packing_statistics(config, depths=(1, 3), lengths=profiling.data_lengths(config))
+    direct = pack(Histogram.from_lengths(lengths, 128), algorithm="lpfhp", max_sequences_per_pack=3)
+    assert stats["rows"][3]["packing_factor"] == pytest.approx(direct.to_dict()["packing_factor"], rel=1e-12)
+    assert profiling.data_lengths(load_config("tiny")) is None  # generated data: the histogram
+
+
 def test_depths_the_algorithm_cannot_pack_fall_back_to_lpfhp_and_say_so():
     config = load_config("phase2", ["data.packing_algorithm=nnlshp"])
     stats = profiling.packing_statistics(config, depths=(1, 4))  # nnlshp stops at depth 3
