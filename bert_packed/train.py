@@ -18,6 +18,7 @@ owns the step (see backends/base.py); this module owns everything around it:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -200,6 +201,9 @@ def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str
           resume: bool = False, show_progress: bool = True) -> Dict[str, Any]:
     """Train ``config`` on backend ``backend_name``; returns the summary (also in summary.json)."""
     threads = torch.get_num_threads()
+    # The run writes its effective (packing-adjusted) accumulation and betas into the config
+    # it works on; a copy keeps the caller's config as given, so a second run adjusts once.
+    config = copy.deepcopy(config)
     try:
         return _train(config, backend_name, output_dir=output_dir, resume=resume, show_progress=show_progress)
     finally:  # train.num_threads is for this run only (callers in the same process keep theirs)

@@ -55,6 +55,17 @@ def test_packing_adjustment_divides_gradient_accumulation(tmp_path):
     assert summary["packs_per_step"] == round(8 / p) * 8
 
 
+def test_train_leaves_the_callers_config_as_given(tmp_path):
+    # The packing adjustment is applied to the run's copy: training twice from one config
+    # object must not divide the accumulation twice.
+    config = load_config("tiny", ["train.steps=1", "train.gradient_accumulation=8",
+                                  "train.packing_adjustment=gradient_accumulation"])
+    first = train(config, "cpu", output_dir=str(tmp_path / "a"), show_progress=False)
+    assert config.train.gradient_accumulation == 8
+    second = train(config, "cpu", output_dir=str(tmp_path / "b"), show_progress=False)
+    assert second["gradient_accumulation"] == first["gradient_accumulation"] < 8
+
+
 def _run_py(*args, output_dir, **kwargs):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py"), "--no-progress",
                              "--output-dir", str(output_dir), *args], cwd=ROOT, env=ENV,
