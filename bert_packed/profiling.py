@@ -101,7 +101,7 @@ def packing_statistics(config, depths: Sequence[int] = DEPTHS, lengths: Optional
 
     d = config.data
     try:
-        max_depth = get_algorithm(d.packing_algorithm).max_depth  # unknown name: one-line error
+        configured = get_algorithm(d.packing_algorithm)  # unknown name: one-line error
     except PackingError as error:
         raise ProfilingError(f"data.packing_algorithm: {error}") from None
     if lengths is not None:
@@ -117,7 +117,7 @@ def packing_statistics(config, depths: Sequence[int] = DEPTHS, lengths: Optional
     for depth in depths:
         algorithm = "none" if depth == 1 else d.packing_algorithm
         label = algorithm
-        if depth > 1 and max_depth is not None and depth > max_depth:
+        if depth > 1 and not configured.supports(depth):
             # e.g. nnlshp is defined up to depth 3: keep the row, say which packer filled it.
             algorithm = FALLBACK_ALGORITHM
             label = f"{FALLBACK_ALGORITHM} ({d.packing_algorithm} not defined at depth {depth})"
