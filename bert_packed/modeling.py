@@ -28,7 +28,6 @@ every shape is static: gathers take index tensors, masks replace boolean indexin
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 

@@ -15,7 +15,6 @@ We cannot install torch 2.0.1 here (a 600 MB wheel), so two checks run on the in
 import ast
 import os
 
-import torch
 from torch.overrides import TorchFunctionMode
 
 from backends.mock import MockBackend
