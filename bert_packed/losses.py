@@ -31,6 +31,7 @@ __all__ = [
     "MLM_LOSS_NORMALIZATIONS",
     "mlm_loss_terms",
     "nsp_loss_terms",
+    "span_loss_terms",
     "normalize",
     "step_counts",
     "add_step_normalizers",
@@ -112,6 +113,52 @@ def nsp_loss_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
     nll = nll.view(num_packs, num_slots) * weights
     correct = (logits.argmax(dim=-1) == labels).float() * weights
     return {"loss_sum": nll.sum(dim=1), "correct_sum": correct.sum(dim=1), "count": weights.sum(dim=1)}
+
+
+def span_loss_terms(
+    start_logits: torch.Tensor,
+    end_logits: torch.Tensor,
+    sequence_ids: torch.Tensor,
+    start_positions: torch.Tensor,
+    end_positions: torch.Tensor,
+    weights: torch.Tensor,
+) -> Dict[str, torch.Tensor]:
+    """Per-pack span-extraction (question answering) numerators and counts.
+
+    Every sequence k of a pack gets its own softmax over ITS OWN tokens only (other
+    sequences and padding are masked out), so no span can start in one sequence and end in
+    another and a packed sequence's loss is the one it has alone. Its loss is Hugging
+    Face's ``(CE(start) + CE(end)) / 2``; ``correct`` means start and end both right.
+
+    Args:
+        start_logits, end_logits: ``[B, S]`` one score per token.
+        sequence_ids: ``[B, S]`` 1..K, 0 = padding.
+        start_positions, end_positions: ``[B, K]`` answer columns in the pack (any valid
+            column in empty slots).
+        weights: ``[B, K]`` 1.0 where sequence k exists.
+
+    Returns ``[B]`` float tensors ``loss_sum``, ``correct_sum``, ``count`` (sequences), and
+    ``[B, K, S]`` ``start_scores`` / ``end_scores`` (the logits with other sequences' tokens
+    at a large negative value: each slot's own distribution).
+    """
+    num_slots = weights.shape[1]
+    slots = torch.arange(1, num_slots + 1, device=sequence_ids.device)
+    own = sequence_ids[:, None, :] == slots[None, :, None]  # [B, K, S]
+    # A finite mask value (not -inf) keeps empty slots' softmax finite; their weight is 0.
+    masked = torch.full_like(own, -1e4, dtype=torch.float32)
+    zeros = torch.zeros_like(masked)
+    bias = torch.where(own, zeros, masked)
+    weights = weights.float()
+    terms = []
+    for logits, positions in ((start_logits, start_positions), (end_logits, end_positions)):
+        scores = logits.float()[:, None, :] + bias  # [B, K, S]
+        nll = F.cross_entropy(scores.reshape(-1, scores.shape[-1]), positions.reshape(-1), reduction="none")
+        terms.append((scores, nll.view(positions.shape), scores.argmax(dim=-1) == positions))
+    (start_scores, start_nll, start_ok), (end_scores, end_nll, end_ok) = terms
+    loss = (start_nll + end_nll) * 0.5 * weights
+    correct = (start_ok & end_ok).float() * weights
+    return {"loss_sum": loss.sum(dim=1), "correct_sum": correct.sum(dim=1), "count": weights.sum(dim=1),
+            "start_scores": start_scores, "end_scores": end_scores}
 
 
 def normalize(per_pack_sum: torch.Tensor, count: torch.Tensor, normalizer: Optional[torch.Tensor]) -> torch.Tensor:

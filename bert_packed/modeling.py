@@ -37,7 +37,7 @@ from torch import nn
 
 from bert_packed import attention as attention_registry
 from bert_packed.attention import profiler_scope
-from bert_packed.losses import MLM_LOSS_NORMALIZATIONS, mlm_loss_terms, normalize, nsp_loss_terms
+from bert_packed.losses import MLM_LOSS_NORMALIZATIONS, mlm_loss_terms, normalize, nsp_loss_terms, span_loss_terms
 
 __all__ = [
     "ModelConfigError",
@@ -50,6 +50,7 @@ __all__ = [
     "BertModel",
     "BertForPreTraining",
     "BertForSequenceClassification",
+    "BertForQuestionAnswering",
     "PRETRAINING_FIELDS",
     "CLASSIFICATION_FIELDS",
     "hf_state_dict",
@@ -382,15 +383,16 @@ class BertModel(BertPreTrainedModel):
     """The encoder: ``forward(input_ids, segment_ids, position_ids, sequence_ids) -> [B,S,H]``.
 
     ``pooler`` is kept here (as in Hugging Face, for the parameter names) but applied by the
-    heads, on the [CLS] vectors gathered per sequence (``pool``).
+    heads, on the [CLS] vectors gathered per sequence (``pool``). ``add_pooling_layer=False``
+    leaves it out, as Hugging Face's question-answering model does (its checkpoints have none).
     """
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
         super().__init__()
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
         self.apply(self._init_weights)
 
     def forward(
@@ -419,6 +421,8 @@ class BertModel(BertPreTrainedModel):
 
     def pool(self, sequence_output: torch.Tensor, cls_positions: torch.Tensor) -> torch.Tensor:
         """Pooled [CLS] vector of every sequence slot: ``[B,S,H]``, ``[B,K]`` -> ``[B,K,H]``."""
+        if self.pooler is None:
+            raise ModelConfigError("this encoder was built without a pooler (add_pooling_layer=False)")
         return self.pooler(gather_rows(sequence_output, cls_positions))
 
 
@@ -585,6 +589,61 @@ class BertForSequenceClassification(BertPreTrainedModel):
             label_weights = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
         with profiler_scope("packing/loss_unpacking"):
             terms = nsp_loss_terms(logits, labels, label_weights)
+            outputs["loss"] = normalize(terms["loss_sum"], terms["count"], normalizer)
+            outputs["accuracy"] = normalize(terms["correct_sum"], terms["count"], normalizer)
+            outputs["num_sequences"] = terms["count"].sum()
+        return outputs
+
+
+class BertForQuestionAnswering(BertPreTrainedModel):
+    """Packed extractive question answering (SQuAD): a start and an end score per token.
+
+    Hugging Face's ``BertForQuestionAnswering`` layout (``bert`` without pooler,
+    ``qa_outputs`` Linear(H, 2)), so its checkpoints load and ours export. Each packed
+    feature (question + context window, with its own [CLS]) is scored on its own tokens
+    only: ``model(**batch)`` with ``input_ids, segment_ids, position_ids, sequence_ids``
+    ``[B,S]`` returns ``start_logits`` / ``end_logits`` ``[B,S]`` (per token, as in the
+    pack); with ``start_positions`` / ``end_positions`` ``[B,K]`` (answer columns in the
+    pack; a feature without the answer points at its [CLS]) and ``label_weights`` ``[B,K]``
+    (1.0 where slot k holds a feature) it also returns ``loss``: the mean over features of
+    ``(CE(start) + CE(end)) / 2``, each softmax over that feature's own tokens, divided by
+    ``normalizer`` ``[B]`` (the step's feature count, as for NSP) when given, and
+    ``accuracy`` (start and end both right) and ``num_sequences``.
+
+    Unlike Hugging Face's padded model, padding positions never enter the softmax, so the
+    loss of a feature does not depend on how much padding its row has (the logits of real
+    tokens are identical to Hugging Face's).
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.qa_outputs.apply(self._init_weights)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        sequence_ids: torch.Tensor,
+        cls_positions: Optional[torch.Tensor] = None,  # part of the packed batch; the head needs no [CLS] gather
+        start_positions: Optional[torch.Tensor] = None,
+        end_positions: Optional[torch.Tensor] = None,
+        label_weights: Optional[torch.Tensor] = None,
+        normalizer: Optional[torch.Tensor] = None,
+    ) -> Dict[str, torch.Tensor]:
+        sequence_output = self.bert(input_ids, segment_ids, position_ids, sequence_ids)
+        logits = self.qa_outputs(sequence_output)  # [B,S,2]
+        start_logits, end_logits = logits[..., 0], logits[..., 1]
+        outputs: Dict[str, torch.Tensor] = {"start_logits": start_logits, "end_logits": end_logits}
+        if start_positions is None or end_positions is None:
+            return outputs
+        if label_weights is None:
+            label_weights = torch.ones(start_positions.shape, dtype=torch.float32, device=start_positions.device)
+        with profiler_scope("packing/loss_unpacking"):
+            terms = span_loss_terms(start_logits, end_logits, sequence_ids, start_positions, end_positions, label_weights)
             outputs["loss"] = normalize(terms["loss_sum"], terms["count"], normalizer)
             outputs["accuracy"] = normalize(terms["correct_sum"], terms["count"], normalizer)
             outputs["num_sequences"] = terms["count"].sum()
