@@ -22,12 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert_packed.losses import add_step_normalizers
-
-# Summed over micro-batches and ranks (each is already normalised by the global count).
-_NORMALISED = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
-_COUNTS = ("num_sequences", "num_mlm_tokens")
-
+from bert_packed.losses import metric_keys, step_normalizers
 
 class CPUBackend:
     name = "cpu"
@@ -113,21 +108,21 @@ class CPUBackend:
 
     def _normalise(self, micro_batches: List[Dict[str, np.ndarray]]) -> List[Dict[str, np.ndarray]]:
         """Copy the batches and give every pack the step's global counts (all ranks)."""
-        return add_step_normalizers([dict(b) for b in micro_batches], self.model.config.mlm_loss_normalization,
-                                    all_reduce=self.all_reduce_)
+        return step_normalizers(self.model, micro_batches, all_reduce=self.all_reduce_)
 
     def _run(self, micro_batches: List[Dict[str, np.ndarray]], train: bool) -> Dict[str, float]:
+        keys = metric_keys(self.model)
         # Accumulate on the device and copy once: a .cpu() per micro-batch would stall a GPU.
-        sums = torch.zeros(len(_NORMALISED) + len(_COUNTS), dtype=torch.float64, device=self.device)
+        sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         for batch in self._normalise(micro_batches):
             with self.autocast():
                 out = self.forward_module(**self.to_device(batch))
             if train:
                 self.backward(out["loss"])
-            sums += torch.stack([out[k].detach().double() for k in _NORMALISED + _COUNTS])
+            sums += torch.stack([out[k].detach().double() for k in keys])
         sums = sums.cpu()
         self.all_reduce_(sums)
-        return dict(zip(_NORMALISED + _COUNTS, sums.tolist()))
+        return dict(zip(keys, sums.tolist()))
 
     def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> Dict[str, float]:
         self.model.train()
@@ -142,6 +137,15 @@ class CPUBackend:
     def eval_step(self, batch: Dict[str, np.ndarray]) -> Dict[str, float]:
         self.model.eval()
         return self._run([batch], train=False)
+
+    @torch.no_grad()
+    def predict_step(self, batch: Dict[str, np.ndarray], names=("logits",)) -> Dict[str, np.ndarray]:
+        """The model's ``names`` outputs (e.g. per-sequence ``logits`` [B,K,C]) for ``batch``, as
+        float32 numpy arrays, in eval mode; no labels needed."""
+        self.model.eval()
+        with self.autocast():
+            out = self.forward_module(**self.to_device(batch))
+        return {name: out[name].detach().float().cpu().numpy() for name in names}
 
     def profile(self, model: torch.nn.Module, batch: Dict[str, np.ndarray], *, num_repeats: int = 5) -> Dict[str, Any]:
         """Median ms (``start_timer``) of one forward+backward of ``model`` on ``batch`` (after a warm-up)."""

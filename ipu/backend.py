@@ -31,7 +31,7 @@ import torch
 
 from bert_packed import attention as attention_registry
 from bert_packed.config import ConfigError
-from bert_packed.losses import add_step_normalizers
+from bert_packed.losses import step_normalizers
 from ipu import options as ipu_options
 from ipu import pipeline
 from ipu.cost_model import estimate_cycles
@@ -204,12 +204,13 @@ class PopTorchBackend:
     # -- training -----------------------------------------------------------------------------
     def _normalise(self, step_batches, model=None):
         """The step's global counts in every pack (kept if the loop already filled them)."""
-        if all("mlm_normalizer" in b and "nsp_normalizer" in b for b in step_batches):
+        model = model or self.model
+        fields = getattr(model, "normalizer_fields", ("mlm_normalizer", "nsp_normalizer"))
+        if all(all(name in b for name in fields) for b in step_batches):
             return step_batches
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         # Under PopRun the counts are summed over all instances.
-        return add_step_normalizers([dict(b) for b in step_batches], (model or self.model).config.mlm_loss_normalization,
-                                    all_reduce=torch.distributed.all_reduce if distributed else None)
+        return step_normalizers(model, step_batches, all_reduce=torch.distributed.all_reduce if distributed else None)
 
     def _switch_to(self, executor, other) -> None:
         """Only one executable holds the IPUs: detach the other one (weights go to the host)."""
@@ -255,7 +256,7 @@ class PopTorchBackend:
         several steps per call their mean is reported for each (the split is not returned).
         """
         values = {}
-        for name, tensor in zip(pipeline.METRIC_NAMES, outputs):
+        for name, tensor in zip(pipeline.metric_names(self.model), outputs):
             flat = tensor.detach().double().reshape(-1)
             if self.config.ipu.output_mode == "all":
                 values[name] = flat.reshape(num_steps, -1).sum(dim=1).tolist()
@@ -288,7 +289,35 @@ class PopTorchBackend:
                 outputs = self.inference_model(**host)
         finally:
             self.model.train(was_training)
-        return {name: float(t.double().sum()) for name, t in zip(pipeline.METRIC_NAMES, outputs)}
+        return {name: float(t.double().sum()) for name, t in zip(pipeline.metric_names(self.model), outputs)}
+
+    @torch.no_grad()
+    def predict_step(self, batch, names=("logits",)):
+        """The model's ``names`` outputs for one micro-batch (e.g. per-sequence logits), as float32
+        numpy arrays: forward only on one replica, an executable of its own per set of names."""
+        poptorch = self.poptorch
+        executors = self.__dict__.setdefault("_predict_models", {})
+        names = tuple(names)
+        if names not in executors:
+            opts = ipu_options.build_options(poptorch, self.config, training=False, popdist=None, popart=self.popart,
+                                             device_iterations=1, replication_factor=1)
+            opts.setExecutionStrategy(poptorch.ShardedExecution(poptorch.AutoStage.AutoIncrement))
+            opts.outputMode(poptorch.OutputMode.All)
+            executors[names] = poptorch.inferenceModel(pipeline.PredictWrapper(self.model, names), opts)
+        executor = executors[names]
+        host = stack_host_batch([batch], num_steps=1, gradient_accumulation=1, num_replicas=1)
+        self._switch_to(executor, self.training_model)
+        self._switch_to(executor, self.inference_model)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with no_profiler_scopes():
+                outputs = executor(**host)
+        finally:
+            self.model.train(was_training)
+            if executor.isAttachedToDevice():  # free the IPUs: training re-attaches its own executable
+                executor.detachFromDevice()
+        return {name: t.detach().float().numpy() for name, t in zip(names, outputs)}
 
     # -- profiling ----------------------------------------------------------------------------
     def profile(self, model, batch, *, num_repeats: int = 5, profile_dir: Optional[str] = None,

@@ -223,12 +223,13 @@ class SquadFeatures(NamedTuple):
     def lengths(self) -> np.ndarray:
         return self.input_mask.sum(axis=1).astype(np.int64)
 
-    def __len__(self) -> int:  # NamedTuple's len would be the field count
-        return int(self.input_ids.shape[0])
-
     @property
     def num_features(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def select(self, indices) -> "SquadFeatures":
+        """The features at ``indices`` (an index array, slice or boolean mask)."""
+        return SquadFeatures(*(np.asarray(array)[indices] for array in self))
 
     def samples(self) -> Dict[str, np.ndarray]:
         """The per-feature arrays ``collate_question_answering`` reads."""
