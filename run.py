@@ -1,10 +1,11 @@
-"""Packed BERT pre-training: the one entry point.
+"""Packed BERT pre-training and fine-tuning: the one entry point.
 
     python run.py                                        # the demo: small model, generated data, cpu
     python run.py --backend ipu --config phase2          # BERT-Large phase 2 on an IPU-M2000 POD16
     python run.py --backend cpu --config phase2 --set model.num_hidden_layers=2 --steps 5
     torchrun --nproc_per_node 2 run.py --backend cpu --config demo    # data parallel (gloo)
     python run.py --config phase2 --backend mock --profile           # packing overhead report
+    python run.py --config finetune_classification --init-checkpoint DIR --set finetune.train_file=train.csv ...
 
 Configs: configs/NAME[.yaml] or a path; `python -m bert_packed.config NAME` prints one resolved.
 """
@@ -21,6 +22,8 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="cpu", help="cpu | cuda | ipu | mock (default: cpu)")
     p.add_argument("--config", default="demo", help="configs/NAME[.yaml] or a YAML path (default: demo)")
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
+    p.add_argument("--init-checkpoint", metavar="DIR", help="start from a Hugging Face BERT directory or a checkpoint "
+                   "of this project (shorthand for --set model.init_checkpoint=DIR)")
     p.add_argument("--output-dir", help="where metrics.jsonl, summary.json, checkpoints go (default: runs/NAME)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set train.micro_batch_size=4 (repeatable)")
@@ -33,6 +36,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     overrides = args.overrides + ([f"train.steps={args.steps}"] if args.steps is not None else [])
+    overrides += [f"model.init_checkpoint={args.init_checkpoint}"] if args.init_checkpoint else []
     try:
         config = load_config(args.config, overrides)
         # Config mistakes first, the same way whether or not the backend can run here.

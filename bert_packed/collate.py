@@ -163,8 +163,11 @@ def _pack_tokens(samples, assignment, S: int, K: int):
 
 
 def _per_sequence(layout: _Layout, values, K: int, dtype) -> np.ndarray:
-    out = np.zeros((len(layout.offsets) - 1, K), dtype=dtype)
-    out[layout.pack_of, layout.slot] = np.asarray(values).reshape(-1)[layout.order]
+    """``[P, K, ...]``: each sequence's value (a scalar or a row, e.g. multi-hot labels) in its slot."""
+    values = np.asarray(values)
+    values = values.reshape(-1) if values.ndim <= 1 else values
+    out = np.zeros((len(layout.offsets) - 1, K) + values.shape[1:], dtype=dtype)
+    out[layout.pack_of, layout.slot] = values[layout.order]
     return out
 
 
@@ -230,11 +233,13 @@ def collate_classification(
     ``label_weights`` ``[B, K]`` (``BertForSequenceClassification``'s inputs).
 
     ``samples``: ``input_ids``, ``segment_ids``, optional ``input_mask`` (as for ``collate``)
-    and ``labels`` ``[N]`` (int class per sequence).
+    and ``labels``: ``[N]`` int class per sequence (-> int64 ``[B, K]``), or floats ``[N]`` /
+    ``[N, C]`` (regression targets, multi-hot labels -> float32 ``[B, K(, C)]``).
     """
     S, K = int(max_sequence_length), int(max_sequences_per_pack)
     batch, layout = _pack_tokens(samples, assignment, S, K)
-    batch["labels"] = _per_sequence(layout, samples["labels"], K, np.int64)
+    labels = np.asarray(samples["labels"])
+    batch["labels"] = _per_sequence(layout, labels, K, np.float32 if labels.dtype.kind == "f" else np.int64)
     batch["label_weights"] = _per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
     return batch
 

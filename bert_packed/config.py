@@ -67,6 +67,16 @@ class ModelConfig:
     # "token": mean over the masked tokens of the step (canonical BERT);
     # "sequence": mean per sequence, then over sequences (the paper's Listing 1).
     mlm_loss_normalization: str = field(default="token", metadata=_choices("token", "sequence"))
+    # Hugging Face BERT directory or this project's checkpoint to start from (null = random
+    # init); the model's shape then comes from the checkpoint (bert_packed/hf_io.py).
+    init_checkpoint: Optional[str] = None
+    # Tokenizer shipped with the Hugging Face export (a tokenizer directory or vocab.txt);
+    # null = the init checkpoint's.
+    tokenizer: Optional[str] = None
+    pad_token_id: Optional[int] = 0
+    tie_word_embeddings: bool = True
+    # Dropout before a task head; null = hidden_dropout_prob (Hugging Face's rule).
+    classifier_dropout: Optional[float] = None
 
 
 @dataclass
@@ -154,6 +164,8 @@ class TrainConfig:
     # null = runs/<config name>
     output_dir: Optional[str] = None
     tensorboard: bool = True
+    # Write the Hugging Face export (model + tokenizer) to <output_dir>/hf at the end.
+    hf_export: bool = True
     # torch intra-op threads (null = torch's default, one per core). Small models gain
     # nothing from more threads, and on a shared machine spinning threads stall badly.
     num_threads: Optional[int] = None
@@ -216,6 +228,40 @@ class CUDAConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """Fine-tuning (``task`` null = pre-training). Data: CSV/TSV/JSONL files with named columns,
+    tokenised with the checkpoint's tokenizer, packed with data.packing_algorithm at depth
+    data.max_sequences_per_pack into rows of data.max_sequence_length (bert_packed/finetune)."""
+
+    task: Optional[str] = None
+    train_file: Optional[str] = None
+    # null = hold out validation_fraction of the training rows (seeded).
+    validation_file: Optional[str] = None
+    validation_fraction: float = 0.1
+    text_column: str = "text"
+    text_pair_column: Optional[str] = None
+    label_column: str = "label"
+    # Hugging Face's names; null = from the labels (lists: multi-label, fractional numbers or
+    # num_labels 1: regression, else single-label).
+    problem_type: Optional[str] = field(default=None, metadata=_choices(
+        None, "single_label_classification", "multi_label_classification", "regression"))
+    # null = from the data (string labels: their count; integer labels: the largest + 1).
+    num_labels: Optional[int] = None
+    # Multi-label labels written as one string: the separator between label names.
+    label_separator: str = ","
+    # false = one sequence per row (padded), the baseline to compare packing with.
+    packing: bool = True
+    # A text longer than data.max_sequence_length: "truncate" (with a warning) or "error".
+    truncation: str = field(default="truncate", metadata=_choices("truncate", "error"))
+    # Passes over the training data; sets train.steps unless --steps / --set train.steps is given.
+    epochs: Optional[float] = 3.0
+    # eval_* key selecting the best model (null = accuracy / f1_micro / pearson by problem type).
+    metric_for_best_model: Optional[str] = None
+    # At the end, export and predict with the best evaluated weights (not the last).
+    load_best_model_at_end: bool = True
+
+
+@dataclass
 class Config:
     """The whole run. ``name`` is the config file's name (for the default output dir)."""
 
@@ -225,6 +271,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     ipu: IPUConfig = field(default_factory=IPUConfig)
     cuda: CUDAConfig = field(default_factory=CUDAConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     name: str = "default"
 
     def to_dict(self) -> Dict[str, Any]:
@@ -232,7 +279,7 @@ class Config:
         return out
 
 
-SECTIONS = ("model", "data", "optimizer", "train", "ipu", "cuda")
+SECTIONS = ("model", "data", "optimizer", "train", "ipu", "cuda", "finetune")
 # Sections that only some backends read; a --set for one of them while another backend
 # is chosen gets a warning.
 BACKEND_SECTIONS = {"ipu": ("ipu", "mock"), "cuda": ("cuda",)}
@@ -316,7 +363,8 @@ def _set_value(config: Config, section: str, key: str, value: Any, source: str) 
     tp, choices = types[key]
     value = _coerce(value, tp, f"{source}: {section}.{key}")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{source}: {section}.{key} must be one of {', '.join(choices)}, got {value!r}")
+        names = ", ".join("null" if c is None else str(c) for c in choices)
+        raise ConfigError(f"{source}: {section}.{key} must be one of {names}, got {value!r}")
     setattr(obj, key, value)
 
 

@@ -12,6 +12,9 @@ owns the step (see backends/base.py); this module owns everything around it:
   not padding), timed around ``train_step`` (data generation excluded, reported apart);
 - evaluates every ``eval_every`` steps on held-out data (fields ``eval_*`` in that
   step's line);
+- what is trained and how it is judged is a *task* (``bert_packed.task``): pre-training,
+  or a fine-tuning task (``finetune.task``); the task gives the model, the data, the
+  metric keys of each line, the evaluation and the end-of-run outputs (``OUT/hf``);
 - checkpoints atomically every ``checkpoint_every`` steps; ``resume=True`` continues
   from the last checkpoint exactly: same weights, optimizer moments, schedule position,
   data position and RNG states, so steps k+1... reproduce an uninterrupted run.
@@ -32,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from bert_packed.config import Config, ConfigError, gradient_accumulation, validate
-from bert_packed.data import build_data_source
+from bert_packed.config import Config, ConfigError, gradient_accumulation, num_replicas, validate
+from bert_packed.task import get_task
 from bert_packed.io import write_text_atomic
 
 METRICS_NAME, SUMMARY_NAME = "metrics.jsonl", "summary.json"
@@ -62,18 +65,25 @@ def setup_distributed(backend) -> tuple:
     return 0, 1
 
 
-def build_model(config: Config):
-    """BertForPreTraining from the model section plus the data section's packed shapes."""
-    from bert_packed.modeling import BertConfig, BertForPreTraining, ModelConfigError
+def bert_config(config: Config, **overrides):
+    """The model's ``BertConfig``: the model section, the data section's packed shapes, ``overrides``."""
+    from bert_packed.modeling import BertConfig, ModelConfigError
 
     names = {f.name for f in dataclasses.fields(BertConfig)}
     values = {k: v for k, v in dataclasses.asdict(config.model).items() if k in names}
     values["max_sequences_per_pack"] = config.data.max_sequences_per_pack
     values["max_masked_tokens_per_pack"] = config.data.max_masked_tokens_per_pack
     try:
-        return BertForPreTraining(BertConfig(**values))
+        return BertConfig(**{**values, **overrides})
     except ModelConfigError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def build_model(config: Config):
+    """BertForPreTraining from the model section plus the data section's packed shapes."""
+    from bert_packed.modeling import BertForPreTraining
+
+    return BertForPreTraining(bert_config(config))
 
 
 def adjust_for_packing(config: Config, packing_factor: float, base_accumulation: int):
@@ -133,36 +143,18 @@ def _gather(obj: Any) -> List[Any]:
 
 
 def _real_counts(micro_batches) -> List[float]:
-    """[sequences, packs, tokens] actually present (padding excluded)."""
-    return [float(sum(b["nsp_weights"].sum() for b in micro_batches)),
+    """[sequences, packs, tokens] actually present (padding excluded), for any task's batches:
+    the sequences of a pack are numbered 1..k in ``sequence_ids``, so its largest id counts them."""
+    return [float(sum(b["sequence_ids"].max(axis=1).sum() for b in micro_batches)),
             float(sum(b["input_ids"].shape[0] for b in micro_batches)),
             float(sum((b["sequence_ids"] > 0).sum() for b in micro_batches))]
-
-
-def _evaluate(backend, micro_batches: List[Dict[str, Any]]) -> Dict[str, float]:
-    """Count-weighted means over the held-out ``micro_batches`` of this rank (the same
-    batches every time, so evaluations are comparable)."""
-    totals = {"mlm": 0.0, "nsp": 0.0, "mlm_acc": 0.0, "nsp_acc": 0.0, "tokens": 0.0, "sequences": 0.0}
-    for batch in micro_batches:
-        m = backend.eval_step(batch)
-        totals["mlm"] += m["mlm_loss"] * m["num_mlm_tokens"]
-        totals["mlm_acc"] += m["mlm_accuracy"] * m["num_mlm_tokens"]
-        totals["nsp"] += m["nsp_loss"] * m["num_sequences"]
-        totals["nsp_acc"] += m["nsp_accuracy"] * m["num_sequences"]
-        totals["tokens"] += m["num_mlm_tokens"]
-        totals["sequences"] += m["num_sequences"]
-    tokens, sequences = max(totals["tokens"], 1.0), max(totals["sequences"], 1.0)
-    out = {"eval_mlm_loss": totals["mlm"] / tokens, "eval_nsp_loss": totals["nsp"] / sequences,
-           "eval_mlm_accuracy": totals["mlm_acc"] / tokens, "eval_nsp_accuracy": totals["nsp_acc"] / sequences}
-    out["eval_loss"] = out["eval_mlm_loss"] + out["eval_nsp_loss"]
-    return out
 
 
 class _Progress:
     """tqdm on a terminal; plain lines (every ``every`` steps) when piped to a file."""
 
-    def __init__(self, total: int, initial: int, enabled: bool):
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, initial: int, enabled: bool, task):
+        self.total, self.enabled, self.task = total, enabled, task
         self.bar = None
         self.every = max(1, total // 20)
         if enabled and sys.stderr.isatty():
@@ -173,11 +165,9 @@ class _Progress:
     def update(self, step: int, line: Dict[str, Any]) -> None:
         if not self.enabled:
             return
-        text = (f"loss {line['loss']:.3f} mlm {line['mlm_loss']:.3f} nsp {line['nsp_loss']:.3f} "
-                f"mlm_acc {line['mlm_accuracy']:.3f} {line['sequences_per_second']:.0f} seq/s")
+        text = self.task.progress_text(line)
         if self.bar is not None:  # short: the bar shares one terminal line with it
-            self.bar.set_postfix_str(f"mlm {line['mlm_loss']:.3f} acc {line['mlm_accuracy']:.3f} "
-                                     f"{line['sequences_per_second']:.0f} seq/s", refresh=False)
+            self.bar.set_postfix_str(self.task.progress_text(line, short=True), refresh=False)
             self.bar.update(1)
         elif step % self.every == 0 or step == self.total or step == 1:
             print(f"step {step:>5}/{self.total} | {text}", flush=True)
@@ -239,28 +229,33 @@ def _train(config: Config, backend, *, output_dir: Optional[str], resume: bool,
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
 
+    # The task reads its data and resolves the config (checkpoint shape, labels, steps).
+    task = get_task(config)
+    task.setup(rank=rank, world_size=world_size, show_progress=show_progress)
     # Data first: the packing factor of the data decides the hyperparameter adjustment.
-    source = build_data_source(config, split="train", micro_batch_size=t.micro_batch_size, rank=rank,
-                               world_size=world_size)
+    source = task.data_source("train", micro_batch_size=t.micro_batch_size, rank=rank, world_size=world_size)
     packing_factor = t.packing_factor or source.packing_factor
     base_accumulation = gradient_accumulation(config, backend_name, world_size)
     accumulation, betas = adjust_for_packing(config, packing_factor, base_accumulation)
     # The backends read the effective values from the config.
     config.train.gradient_accumulation, config.train.global_batch_size = accumulation, None
     config.optimizer.beta1, config.optimizer.beta2 = betas
+    steps = task.num_steps(accumulation * num_replicas(config, backend_name, world_size) * t.micro_batch_size)
+    if steps != t.steps and backend_name in ("ipu", "mock"):  # one PopTorch call runs device_iterations steps
+        steps = -(-steps // config.ipu.device_iterations) * config.ipu.device_iterations
+    t.steps = steps
 
-    model = build_model(config)
+    model = task.build_model()
     optimizer, scheduler = build_optimizer(config, model)  # the adjusted betas, set above
     backend.prepare(model, optimizer, config, scheduler=scheduler)
     micro_batches_per_step = getattr(backend, "micro_batches_per_step", accumulation)
     steps_per_call = getattr(backend, "steps_per_call", 1)
 
-    eval_batches = None  # the first train.eval_batches held-out micro-batches, built once
-    if t.eval_every > 0:
-        eval_source = build_data_source(config, split="eval", micro_batch_size=t.micro_batch_size, rank=rank,
-                                        world_size=world_size)
-        eval_iterator = iter(eval_source)
-        eval_batches = [next(eval_iterator) for _ in range(t.eval_batches)]
+    # Held-out data, built once before the first step; evaluated every eval_every steps and at
+    # the end (a task that must report validation metrics evaluates at the end regardless).
+    evaluating = t.eval_every > 0 or task.always_evaluate
+    if evaluating:
+        task.prepare_evaluation(micro_batch_size=t.micro_batch_size, rank=rank, world_size=world_size)
 
     metrics_path = os.path.join(output_dir, METRICS_NAME)
     checkpoint_path = os.path.join(output_dir, CHECKPOINT_NAME)
@@ -275,6 +270,7 @@ def _train(config: Config, backend, *, output_dir: Optional[str], resume: bool,
         if scheduler is not None and state.get("scheduler") is not None:
             scheduler.load_state_dict(state["scheduler"])
         source.load_state_dict(state["data"][rank])
+        task.load_state_dict(state.get("task") or {})
         set_rng_state(state["rng"][rank])
         start_step, totals = state["step"], state["totals"]
         if is_main:
@@ -293,7 +289,7 @@ def _train(config: Config, backend, *, output_dir: Optional[str], resume: bool,
         except Exception:  # tensorboard not installed: optional
             writer = None
 
-    progress = _Progress(t.steps, start_step, enabled=is_main and show_progress)
+    progress = _Progress(t.steps, start_step, enabled=is_main and show_progress, task=task)
     if is_main and show_progress and start_step == 0:
         progress.write(
             f"training {config.name} on {backend_name} x{world_size}: {t.steps} steps of "
@@ -320,13 +316,12 @@ def _train(config: Config, backend, *, output_dir: Optional[str], resume: bool,
             step += 1
             counts = _all_reduce_sum(_real_counts(micro_batches[i * per_step:(i + 1) * per_step]))
             step_seconds = seconds / len(results)
-            line = {
-                "step": step, "loss": metrics["loss"], "mlm_loss": metrics["mlm_loss"], "nsp_loss": metrics["nsp_loss"],
-                "mlm_accuracy": metrics["mlm_accuracy"], "nsp_accuracy": metrics["nsp_accuracy"],
+            line = {"step": step, **{key: metrics[key] for key in task.metric_names}}
+            line.update({
                 "sequences": int(counts[0]), "packs": int(counts[1]), "tokens": int(counts[2]),
                 "seconds": step_seconds, "data_seconds": data_seconds / len(results),
                 "sequences_per_second": counts[0] / step_seconds, "tokens_per_second": counts[2] / step_seconds,
-            }
+            })
             # Backend-specific extras (learning_rate, loss_scale, recompiles, ...) pass through.
             line.update({k: v for k, v in metrics.items() if k not in line and not k.startswith("num_")
                          and isinstance(v, (int, float))})
@@ -338,10 +333,11 @@ def _train(config: Config, backend, *, output_dir: Optional[str], resume: bool,
                 timed["sequences"] += counts[0]
                 timed["tokens"] += counts[2]
                 timed["seconds"] += step_seconds
-            if eval_batches is not None and (step % t.eval_every == 0 or step == t.steps):
-                line.update(_evaluate(backend, eval_batches))
-                progress.write(f"step {step}: eval loss {line['eval_loss']:.3f} mlm {line['eval_mlm_loss']:.3f} "
-                               f"nsp {line['eval_nsp_loss']:.3f} mlm_acc {line['eval_mlm_accuracy']:.3f}")
+            if evaluating and ((t.eval_every > 0 and step % t.eval_every == 0) or step == t.steps):
+                evaluation = task.evaluate(backend)
+                line.update(evaluation)
+                progress.write(f"step {step}: eval {task.eval_text(evaluation)}")
+                task.on_evaluation(step, evaluation, backend, model, output_dir)
             first_line = first_line or line
             last_line = line
             if is_main and (step % t.log_every == 0 or step == t.steps):
@@ -354,7 +350,7 @@ def _train(config: Config, backend, *, output_dir: Optional[str], resume: bool,
             progress.update(step, line)
             if t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps):
                 _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler, source, totals, config, world_size,
-                            is_main)
+                            is_main, task)
     progress.close()
     if writer is not None:
         writer.close()
@@ -375,20 +371,29 @@ def _train(config: Config, backend, *, output_dir: Optional[str], resume: bool,
         "tokens_per_second": timed["tokens"] / timed["seconds"] if timed["seconds"] else None,
         "first": first_line, "last": last_line,
         "resumed_from_step": start_step if resume else None,
+        "task": task.name,
         "config_resolved": config.to_dict(),
     }
+    sync_to_host = getattr(backend, "sync_to_host", None)  # IPU: weights live on the device
+    if callable(sync_to_host):
+        sync_to_host()
+    task.finish(backend, model, output_dir, summary)  # eval metrics, predictions, OUT/hf
     if is_main:
         write_text_atomic(os.path.join(output_dir, SUMMARY_NAME), json.dumps(summary, indent=2) + "\n")
         if show_progress and first_line is not None:
-            evaluated = f" (eval {last_line['eval_mlm_loss']:.3f})" if "eval_mlm_loss" in last_line else ""
+            key = task.headline_metric
+            evaluated = f" (eval {last_line['eval_' + key]:.3f})" if "eval_" + key in last_line else ""
+            if "eval" in summary:
+                evaluated = f"; eval {task.eval_text({'eval_' + k: v for k, v in summary['eval'].items() if k != 'step'})}"
             rate = f"{summary['sequences_per_second']:.0f}" if summary["sequences_per_second"] else "n/a"
             print(f"done: steps {first_line['step']}-{last_line['step']} in {totals['seconds']:.0f} s of training; "
-                  f"mlm_loss {first_line['mlm_loss']:.3f} -> {last_line['mlm_loss']:.3f}{evaluated}; "
+                  f"{key} {first_line[key]:.3f} -> {last_line[key]:.3f}{evaluated}; "
                   f"{rate} sequences/s; {os.path.join(output_dir, METRICS_NAME)}", flush=True)
     return summary
 
 
-def _checkpoint(backend, path, step, model, optimizer, scheduler, source, totals, config, world_size, is_main) -> None:
+def _checkpoint(backend, path, step, model, optimizer, scheduler, source, totals, config, world_size, is_main,
+                task) -> None:
     # Every rank contributes its data position and RNG state; rank 0 writes the file.
     sync_to_host = getattr(backend, "sync_to_host", None)  # IPU: weights live on the device
     if callable(sync_to_host):
@@ -400,6 +405,7 @@ def _checkpoint(backend, path, step, model, optimizer, scheduler, source, totals
             "step": step, "world_size": world_size, "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "data": data_states, "rng": rng_states, "totals": dict(totals), "config": config.to_dict(),
+            "task": task.state_dict(),
         })
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
