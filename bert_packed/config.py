@@ -259,6 +259,19 @@ class FinetuneConfig:
     metric_for_best_model: Optional[str] = None
     # At the end, export and predict with the best evaluated weights (not the last).
     load_best_model_at_end: bool = True
+    # Question answering (task squad; data.max_sequence_length is the window length).
+    # Context tokens shared by consecutive windows of a long context (Hugging Face's stride).
+    doc_stride: int = 128
+    # Questions longer than this many tokens are cut.
+    max_query_length: int = 64
+    # Start and end candidates per window, and answers kept per question (nbest_predictions.json).
+    n_best_size: int = 20
+    # Longest answer in tokens.
+    max_answer_length: int = 30
+    # SQuAD v2.0 (unanswerable questions): null = when the data has any.
+    version_2_with_negative: Optional[bool] = None
+    # v2.0: answer "" when null score - best span score exceeds this.
+    null_score_diff_threshold: float = 0.0
 
 
 @dataclass

@@ -38,6 +38,7 @@ from bert_packed.config import Config, ConfigError
 TASKS = {
     "pretraining": "bert_packed.task:PretrainingTask",
     "classification": "bert_packed.finetune.classification:ClassificationTask",
+    "squad": "bert_packed.finetune.squad:SquadTask",
 }
 
 

@@ -100,8 +100,11 @@ def parallelize(model, ipu_config, poptorch):
         poptorch.BeginBlock(layer, f"Encoder{index}", ipu_id=ipu)
         if ipu_config.recompute_checkpoint_every_layer:
             layer.register_forward_hook(_checkpoint_output(poptorch))
-    # The pooler runs first among the heads (pool -> cls), so the "Heads" block starts there.
-    poptorch.BeginBlock(model.bert.pooler, "Heads", ipu_id=0)
+    if model.bert.pooler is not None:
+        # The pooler runs first among the heads (pool -> cls), so the "Heads" block starts there.
+        poptorch.BeginBlock(model.bert.pooler, "Heads", ipu_id=0)
+    else:  # question answering: no pooler; its per-token head starts the block (on IPU 0, as every head here)
+        poptorch.BeginBlock(model.qa_outputs, "Heads", ipu_id=0)
     if ipu_config.embedding_serialization_factor > 1 and hasattr(model, "cls"):  # task heads have no decoder
         _serialize_decoder(model.cls.predictions.decoder, poptorch, ipu_config.embedding_serialization_factor)
     return model
