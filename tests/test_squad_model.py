@@ -123,11 +123,13 @@ def test_transformers_question_answering_checkpoint_gives_the_same_logits(data, 
     torch.manual_seed(3)
     hf = transformers.BertForQuestionAnswering(hf_config).eval()
     hf.save_pretrained(tmp_path)
-    from safetensors.torch import load_file
+    # What --init-checkpoint runs: read the directory, load by name, report what was not loaded.
+    from bert_packed import hf_io
 
-    model = BertForQuestionAnswering(ours_config).eval()
-    result = model.load_hf_state_dict(load_file(str(tmp_path / "model.safetensors")))
-    assert not result.missing_keys and not result.unexpected_keys
+    pretrained = hf_io.read_pretrained(str(tmp_path))
+    model = BertForQuestionAnswering(BertConfig.from_hf(pretrained.hf_config, max_sequences_per_pack=K)).eval()
+    report = hf_io.load_weights(model, pretrained.state_dict, source=str(tmp_path))
+    assert "newly initialised" not in report and "not used" not in report, report
     assert set(model.hf_state_dict()) == set(hf.state_dict()) - {"bert.embeddings.position_ids",
                                                                  "bert.embeddings.token_type_ids"}
     n = 48

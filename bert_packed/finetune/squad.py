@@ -283,7 +283,7 @@ def build_features(examples: Sequence[SquadExample], tokenizer: Any, *, max_seq_
     room = max_seq_length - max_query_length - 3  # fewest context tokens a window can hold
     if not 0 <= doc_stride < room:
         raise DataError(f"doc_stride={doc_stride} must be below the context room of a window "
-                        f"({room} = max_seq_length - max_query_length - 3)")
+                        f"({room} = max_seq_length - max_query_length - 3); lower finetune.doc_stride")
     tok = backend_tokenizer(tokenizer)
     tok.no_padding()
     tok.no_truncation()
@@ -471,6 +471,11 @@ class SquadTask(Task):
         c, f, d = self.config, self.config.finetune, self.config.data
         if not f.train_file:
             raise ConfigError("question answering needs finetune.train_file (SQuAD v1.1/v2.0 JSON or JSON lines)")
+        for key in ("n_best_size", "max_answer_length", "max_query_length"):
+            if getattr(f, key) < 1:
+                raise ConfigError(f"finetune.{key} must be >= 1, got {getattr(f, key)}")
+        if f.doc_stride < 0:
+            raise ConfigError(f"finetune.doc_stride must be >= 0, got {f.doc_stride}")
         if not f.packing:
             d.max_sequences_per_pack = 1  # one feature per row: the padded baseline
         tokenizer = self.tokenizer()
