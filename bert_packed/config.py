@@ -424,6 +424,11 @@ def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = Non
     # them. (A shared YAML such as phase2.yaml carries an ipu section for every backend;
     # warning about it on every cpu run would be noise.)
     config._from_cli = from_cli  # type: ignore[attr-defined]
+    if config.model.init_checkpoint:
+        # The model's shape comes from the checkpoint, so validation and the printed config see it.
+        from bert_packed import hf_io
+
+        hf_io.resolve_model_config(config.model, hf_io.read_pretrained(config.model.init_checkpoint, weights=False))
     return config
 
 

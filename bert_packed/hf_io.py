@@ -122,8 +122,9 @@ def hf_model_values(hf_config: Mapping[str, Any]) -> Dict[str, Any]:
     return values
 
 
-def read_pretrained(path: str) -> Pretrained:
-    """Read a Hugging Face BERT directory or this project's checkpoint (file or run directory)."""
+def read_pretrained(path: str, *, weights: bool = True) -> Pretrained:
+    """Read a Hugging Face BERT directory or this project's checkpoint (file or run directory);
+    ``weights=False`` reads only what describes the model (``state_dict`` is then empty)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"init checkpoint {path}: no such file or directory")
@@ -132,25 +133,27 @@ def read_pretrained(path: str) -> Pretrained:
         model_type = hf_config.get("model_type", "bert")
         if model_type != "bert":
             raise CheckpointError(f"{path}: model_type {model_type!r}; only BERT checkpoints (model_type bert) load")
-        return Pretrained(path, "hf", hf_model_values(hf_config), hf_config, _hf_weights(path), _tokenizer_in(path))
+        return Pretrained(path, "hf", hf_model_values(hf_config), hf_config, _hf_weights(path) if weights else {},
+                          _tokenizer_in(path))
     ours = os.path.join(path, OUR_CHECKPOINT) if os.path.isdir(path) else path
     if os.path.isdir(path) and not os.path.isfile(ours):
         raise CheckpointError(f"{path}: no {CONFIG_NAME}, so not a Hugging Face checkpoint directory (nor a run "
                               f"directory with {OUR_CHECKPOINT}); give the folder holding config.json and the weights")
     try:
-        state = torch.load(ours, map_location="cpu", weights_only=False)
+        # mmap: describing the model does not read the weights.
+        state = torch.load(ours, map_location="cpu", weights_only=False, mmap=not weights)
     except Exception as exc:
         raise CheckpointError(f"{ours}: cannot read the checkpoint ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise CheckpointError(f"{ours}: not a checkpoint of this project (no model weights and config)")
     model_section = dict(state["config"].get("model", {}))
     values = {k: v for k, v in model_section.items() if k in set(SHAPE_FIELDS) | set(BEHAVIOUR_FIELDS)}
-    hf_config = dict(state.get("hf_config") or {})
-    tokenizer = model_section.get("tokenizer")
+    # The run's own export (labels, tokenizer) when it has one.
     run_dir = os.path.dirname(os.path.abspath(ours))
-    if _tokenizer_in(os.path.join(run_dir, "hf")):
-        tokenizer = os.path.join(run_dir, "hf")
-    return Pretrained(path, "ours", values, hf_config, dict(state["model"]), tokenizer)
+    export = os.path.join(run_dir, "hf")
+    hf_config = _read_json(os.path.join(export, CONFIG_NAME)) if os.path.isfile(os.path.join(export, CONFIG_NAME)) else {}
+    tokenizer = export if _tokenizer_in(export) else model_section.get("tokenizer")
+    return Pretrained(path, "ours", values, hf_config, dict(state["model"]) if weights else {}, tokenizer)
 
 
 def resolve_model_config(model: ModelConfig, pretrained: Pretrained) -> None:
