@@ -120,3 +120,21 @@ def test_a_bad_squad_file_is_a_one_line_error(job, tmp_path, capsys):
     assert run.main(_args(job, tmp_path / "out", "--steps", "1", "--set", f"finetune.train_file={bad}")) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and "does not occur in its context" in err and str(bad) in err
+
+
+def test_mock_ipu_path_trains_the_cpu_steps(job, tmp_path):
+    """The IPU code path (mock poptorch: fixed pack shape, pipeline annotations, fp32) gives the cpu
+    run's losses, evaluation and answers on the question-answering model."""
+    common = ("--steps", "3", "--set", "model.hidden_dropout_prob=0.0", "--set", "model.attention_probs_dropout_prob=0.0",
+              "--set", "train.micro_batch_size=4", "--set", "train.gradient_accumulation=2")
+    assert run.main(_args(job, tmp_path / "cpu", *common)) == 0
+    assert run.main(_args(job, tmp_path / "mock", *common, "--backend", "mock", "--set", "ipu.layers_per_ipu=[2]",
+                          "--set", "ipu.replication_factor=1", "--set", "ipu.device_iterations=1",
+                          "--set", "ipu.available_memory_proportion=[0.6]", "--set", "ipu.half_precision=false",
+                          "--set", "ipu.enable_half_partials=false", "--set", "ipu.stochastic_rounding=false")) == 0
+    cpu, mock = (json.loads((tmp_path / name / "summary.json").read_text()) for name in ("cpu", "mock"))
+    assert mock["backend"] == "mock"
+    assert abs(mock["last"]["loss"] - cpu["last"]["loss"]) <= 1e-5
+    assert abs(mock["eval"]["loss"] - cpu["eval"]["loss"]) <= 1e-5
+    answers = [json.loads((tmp_path / name / "predictions.json").read_text()) for name in ("cpu", "mock")]
+    assert answers[0] == answers[1]
