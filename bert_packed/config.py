@@ -393,6 +393,15 @@ def _parse_override(text: str) -> tuple:
     return section.strip(), key.strip(), value
 
 
+def config_from_dict(values: Dict[str, Any], name: str = "checkpoint") -> Config:
+    """A Config from ``Config.to_dict()`` output (e.g. the one a checkpoint keeps), checked like YAML."""
+    config = Config(name=name)
+    for section, entries in values.items():
+        for key, value in (entries or {}).items():
+            _set_value(config, section, key, value, name)
+    return config
+
+
 def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
     """Defaults, then the YAML file ``name`` (if given), then ``overrides`` ("s.k=v")."""
     config = Config()

@@ -110,7 +110,8 @@ def _hf_weights(directory: str) -> Dict[str, torch.Tensor]:
                           f"{CONFIG_NAME}")
 
 
-def _tokenizer_in(directory: str) -> Optional[str]:
+def tokenizer_in(directory: str) -> Optional[str]:
+    """``directory`` when it holds a tokenizer (tokenizer.json or vocab.txt), else None."""
     return directory if any(os.path.isfile(os.path.join(directory, n)) for n in ("tokenizer.json", "vocab.txt")) else None
 
 
@@ -134,7 +135,7 @@ def read_pretrained(path: str, *, weights: bool = True) -> Pretrained:
         if model_type != "bert":
             raise CheckpointError(f"{path}: model_type {model_type!r}; only BERT checkpoints (model_type bert) load")
         return Pretrained(path, "hf", hf_model_values(hf_config), hf_config, _hf_weights(path) if weights else {},
-                          _tokenizer_in(path))
+                          tokenizer_in(path))
     ours = os.path.join(path, OUR_CHECKPOINT) if os.path.isdir(path) else path
     if os.path.isdir(path) and not os.path.isfile(ours):
         raise CheckpointError(f"{path}: no {CONFIG_NAME}, so not a Hugging Face checkpoint directory (nor a run "
@@ -152,7 +153,7 @@ def read_pretrained(path: str, *, weights: bool = True) -> Pretrained:
     run_dir = os.path.dirname(os.path.abspath(ours))
     export = os.path.join(run_dir, "hf")
     hf_config = _read_json(os.path.join(export, CONFIG_NAME)) if os.path.isfile(os.path.join(export, CONFIG_NAME)) else {}
-    tokenizer = export if _tokenizer_in(export) else model_section.get("tokenizer")
+    tokenizer = export if tokenizer_in(export) else model_section.get("tokenizer")
     return Pretrained(path, "ours", values, hf_config, dict(state["model"]) if weights else {}, tokenizer)
 
 

@@ -132,13 +132,14 @@ class Task:
 
     # -- end of run -------------------------------------------------------------------------
     def tokenizer(self):
-        """The tokenizer to ship with the export: ``model.tokenizer``, else the checkpoint's; or None."""
-        path = self.config.model.tokenizer or (self.pretrained.tokenizer_path if self.pretrained else None)
-        if not path:
-            return None
+        """The tokenizer to ship with the export: ``model.tokenizer``, else the init checkpoint's; or None."""
         from bert_packed import hf_io
 
-        return hf_io.load_tokenizer(path)
+        path = self.config.model.tokenizer or (self.pretrained.tokenizer_path if self.pretrained else None)
+        init = self.config.model.init_checkpoint
+        if not path and init and os.path.isdir(init) and hf_io.tokenizer_in(init):
+            path = init  # e.g. exporting a run's checkpoint: the checkpoint it started from
+        return hf_io.load_tokenizer(path) if path else None
 
     def export_labels(self) -> Optional[Dict[int, str]]:
         return None
@@ -154,7 +155,7 @@ class Task:
         if self.is_main and self.config.train.hf_export:
             directory = self.export(model, os.path.join(output_dir, "hf"))
             summary["hf_export"] = directory
-            if self.tokenizer() is None:
+            if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
                 self.note(f"note: {directory} has no tokenizer (set model.tokenizer to a vocab.txt or tokenizer "
                           f"directory to ship one)")
 

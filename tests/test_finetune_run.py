@@ -169,3 +169,46 @@ def test_user_mistakes_are_one_line_errors(checkpoint, files, tmp_path, capsys):
     _error(capsys, status, "no config.json")
     status, _ = finetune(checkpoint, tmp_path / "g", *train, "--set", "model.hidden_size=64")
     _error(capsys, status, "model.hidden_size=64 contradicts the checkpoint's hidden_size=32")
+
+
+def test_interrupted_finetune_resumes_exactly_and_exports_from_its_checkpoint(checkpoint, files, tmp_path):
+    """Killed after step 4 (checkpoint at 3), --resume gives the uninterrupted run's lines, weights,
+    best model and eval; `python -m bert_packed.finetune export` rebuilds OUT/hf from checkpoint.pt."""
+    import torch
+
+    from backends.cpu import CPUBackend
+    from bert_packed.checkpoint import load_checkpoint
+    from bert_packed.config import load_config
+    from bert_packed.finetune.__main__ import main as finetune_main
+    from bert_packed.train import train
+
+    class Interrupted(CPUBackend):
+        calls = 0
+
+        def train_step(self, micro_batches):
+            Interrupted.calls += 1
+            if Interrupted.calls == 5:
+                raise KeyboardInterrupt
+            return super().train_step(micro_batches)
+
+    config = load_config("finetune_classification", [
+        f"model.init_checkpoint={checkpoint}", f"finetune.train_file={files['train']}",
+        f"finetune.validation_file={files['dev']}", "data.max_sequence_length=64", "train.steps=6",
+        "train.checkpoint_every=3", "train.eval_every=2", "train.num_threads=1"])
+    full = train(config, CPUBackend(), output_dir=str(tmp_path / "full"), show_progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, Interrupted(), output_dir=str(tmp_path / "cut"), show_progress=False)
+    assert load_checkpoint(str(tmp_path / "cut" / "checkpoint.pt"))["step"] == 3
+    resumed = train(config, CPUBackend(), output_dir=str(tmp_path / "cut"), resume=True, show_progress=False)
+    lines = {name: [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+             for name in ("full", "cut")}
+    keys = ("loss", "accuracy", "sequences", "learning_rate")
+    assert [[line[k] for k in keys] for line in lines["full"]] == [[line[k] for k in keys] for line in lines["cut"]]
+    assert resumed["eval"] == full["eval"]
+    a, b = (load_checkpoint(str(tmp_path / name / "checkpoint.pt"))["model"] for name in ("full", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert finetune_main(["export", str(tmp_path / "full"), "--output", str(tmp_path / "export")]) == 0
+    exported = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "export")
+    assert exported.config.id2label == {0: "neg", 1: "pos"}
+    assert os.path.isfile(tmp_path / "export" / "tokenizer.json")  # the init checkpoint's tokenizer
+    assert torch.equal(exported.classifier.weight, a["classifier.weight"])

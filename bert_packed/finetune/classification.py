@@ -331,11 +331,16 @@ class ClassificationTask(Task):
         write_text_atomic(path, "".join(json.dumps(line) + "\n" for line in lines))
 
     def state_dict(self) -> Dict[str, Any]:
-        best = {k: v for k, v in self.best.items()}
-        return {"best": best, "last_eval": dict(self.last_eval),
+        labels = {"problem_type": self.labels.problem_type, "num_labels": self.labels.num_labels,
+                  "id2label": {str(i): n for i, n in self.labels.id2label.items()}, "named": self.labels.named}
+        return {"best": dict(self.best), "last_eval": dict(self.last_eval), "labels": labels,
                 "best_logits": None if self.best_logits is None else self.best_logits.tolist()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("labels") and self.labels is None:  # export from a checkpoint, without the data
+            saved = state["labels"]
+            self.labels = Labels(saved["problem_type"], saved["num_labels"],
+                                 {int(i): n for i, n in saved["id2label"].items()}, saved["named"])
         self.best = dict(state.get("best") or {})
         self.last_eval = dict(state.get("last_eval") or {})
         logits = state.get("best_logits")
