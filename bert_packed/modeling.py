@@ -692,10 +692,8 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.qa_outputs.apply(self._init_weights)
 
-    def add_step_normalizers(self, micro_batches, *, all_reduce=None):
-        """Set ``normalizer`` (float32 ``[B]``) in every micro-batch to the step's feature count
-        (``label_weights`` summed over all micro-batches, and over processes by ``all_reduce``)."""
-        return add_sequence_normalizer(micro_batches, "label_weights", "normalizer", all_reduce=all_reduce)
+    # The step's feature count (label_weights over all micro-batches and processes), as for classification.
+    add_step_normalizers = BertForSequenceClassification.add_step_normalizers
 
     def forward(
         self,

@@ -183,3 +183,15 @@ def test_packed_collation_keeps_every_feature_and_its_answer(squad):
     bad = dict(features.samples(), start_positions=features.lengths.copy())
     with pytest.raises(BatchError, match="outside its"):
         collate_question_answering(bad, assignment, max_sequence_length=S, max_sequences_per_pack=K)
+
+
+def test_validation_split_holds_out_whole_contexts(squad):
+    from bert_packed.finetune.squad import split_examples
+
+    _, examples, _, _ = squad
+    train, held = split_examples(examples, 0.25, seed=0, where="train.json")
+    assert len(train) + len(held) == len(examples) and held and train
+    assert not {ex.context for ex in train} & {ex.context for ex in held}
+    assert split_examples(examples, 0.25, seed=0, where="x") == (train, held)
+    with pytest.raises(DataError, match="too few"):
+        split_examples(examples[:1], 0.5, seed=0, where="one.json")

@@ -30,8 +30,8 @@ def data():
 
 
 def _config(vocab_size, **overrides):
-    values = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=64, max_position_embeddings=256, hidden_dropout_prob=0.0,
+    values = dict(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=32, max_position_embeddings=256, hidden_dropout_prob=0.0,
                   attention_probs_dropout_prob=0.0, max_sequences_per_pack=K, initializer_range=0.3)
     values.update(overrides)
     return BertConfig(**values)
