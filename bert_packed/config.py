@@ -437,6 +437,11 @@ def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = Non
         # The model's shape comes from the checkpoint, so validation and the printed config see it.
         from bert_packed import hf_io
 
+        # A config file's shape (e.g. finetune_squad's BERT-Base) is what to build without a
+        # checkpoint; with one, the checkpoint's wins. Only a --set shape can contradict it.
+        for name in hf_io.SHAPE_FIELDS:
+            if name not in from_cli["model"]:
+                setattr(config.model, name, getattr(ModelConfig, name))
         hf_io.resolve_model_config(config.model, hf_io.read_pretrained(config.model.init_checkpoint, weights=False))
     return config
 
