@@ -1,6 +1,6 @@
 """Packed vs padded SQuAD fine-tuning on the tests' question set: rows per epoch, time, EM / F1.
 
-    python benchmarks/squad_packed_vs_padded.py                  # ~5 min on 2 shared cores
+    python benchmarks/squad_packed_vs_padded.py                  # ~10 min on 2 shared cores
     python benchmarks/squad_packed_vs_padded.py --epochs 6 --train-paragraphs 160
 
 Data: the SQuAD v2.0 question set the tests write (tests/squad_fixtures.py: template
@@ -9,18 +9,20 @@ questions): training set seed 0, validation set seed 1. Model: a small BERT buil
 transformers (random weights, no pre-training: there is no hub here) saved as a Hugging
 Face directory with the tests' WordPiece tokenizer, passed with --init-checkpoint.
 
-Two `run.py --config finetune_squad` jobs at the config's 384 tokens / stride 128, same seed
-and epochs: packed (up to 4 windows per row) and padded (`finetune.packing=false`). They run
-side by side, one thread each, so they share the machine's load equally; the CPU is shared
-and noisy, so read the time ratio, not the absolute seconds. Output: WORKDIR/results.json
-and a Markdown table on stdout.
+`run.py --config finetune_squad` jobs at the config's 384 tokens / stride 128, same seed and
+epochs: packed (up to 4 windows per row) and padded (`finetune.packing=false`), one thread
+each, run one after the other and alternating (packed, padded, packed, ... `--repeats`
+pairs), so slow phases of the shared machine hit both; the time reported is each's median
+over its repeats. (Side by side they do not share the machine equally: the packed run ends
+first and the padded one then runs alone, faster.) The CPU is shared and noisy: read the
+ratio, not the absolute seconds. Output: WORKDIR/results.json and a Markdown table.
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -73,28 +75,35 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2, help="packed/padded pairs, run alternately")
     args = p.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
     checkpoint = prepare(args.workdir, args)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    jobs = []
-    for packed in (True, False):
-        cmd, out = command(args.workdir, checkpoint, args, packed)
-        log = open(out + ".log", "w")
-        jobs.append((packed, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.time()))
+    runs = {"packed": [], "padded": []}
+    for repeat in range(args.repeats):
+        for packed in (True, False):
+            name = "packed" if packed else "padded"
+            cmd, out = command(args.workdir, checkpoint, args, packed)
+            out = f"{out}{repeat}"
+            cmd[cmd.index("--output-dir") + 1] = out
+            with open(out + ".log", "w") as log:
+                if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode != 0:
+                    sys.exit(f"error: the {name} run failed; see {out}.log")
+            runs[name].append(json.load(open(os.path.join(out, "summary.json"))))
+            print(f"{name} run {repeat + 1}: {runs[name][-1]['train_seconds']:.0f} s", file=sys.stderr, flush=True)
     results = {}
-    for packed, out, proc, start in jobs:
-        if proc.wait() != 0:
-            sys.exit(f"error: the {'packed' if packed else 'padded'} run failed; see {out}.log")
-        summary = json.load(open(os.path.join(out, "summary.json")))
-        results["packed" if packed else "padded"] = {
+    for name, summaries in runs.items():
+        summary = summaries[0]
+        seconds = sorted(s["train_seconds"] for s in summaries)
+        results[name] = {
             "rows_per_epoch": summary["data_packing"]["num_packs"],
             "windows": summary["data_packing"]["num_sequences"],
             "windows_per_row": summary["data_packing"]["packing_factor"],
-            "steps": summary["steps"], "rows": summary["total_packs"], "train_seconds": summary["train_seconds"],
-            "wall_seconds": time.time() - start, "exact_match": summary["eval"]["exact_match"],
-            "f1": summary["eval"]["f1"], "has_ans_f1": summary["eval"].get("has_ans_f1"),
-            "no_ans_f1": summary["eval"].get("no_ans_f1"),
+            "steps": summary["steps"], "rows": summary["total_packs"],
+            "train_seconds": statistics.median(seconds), "train_seconds_all": seconds,
+            "exact_match": summary["eval"]["exact_match"], "f1": summary["eval"]["f1"],
+            "has_ans_f1": summary["eval"].get("has_ans_f1"), "no_ans_f1": summary["eval"].get("no_ans_f1"),
         }
     with open(os.path.join(args.workdir, "results.json"), "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
