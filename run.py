@@ -10,16 +10,15 @@ Configs: configs/NAME[.yaml] or a path; `python -m bert_packed.config NAME` prin
 Exit codes: 0 done; 2 a user mistake (one line on stderr); 3 training diverged; 128+N stopped
 by signal N (SIGINT 130, SIGTERM 143) after writing a checkpoint.
 """
-import argparse
 import os
 import sys
 
 from backends import get_backend
-from bert_packed.config import load_config, validate
+from bert_packed.config import ArgumentParser, load_config, validate
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Packed BERT pre-training (see README).")
+    p = ArgumentParser(description="Packed BERT pre-training (see README).")
     p.add_argument("--backend", default="cpu", help="cpu | cuda | ipu | mock (default: cpu)")
     p.add_argument("--config", default="demo", help="configs/NAME[.yaml] or a YAML path (default: demo)")
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")

@@ -40,6 +40,14 @@ class ConfigError(ValueError):
     """A user mistake in the configuration; the message is one line naming the fix."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a command-line mistake as one line and exit 2, like every other
+    user mistake (argparse's default prints the usage block first). For run.py and our CLIs."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _choices(*values: str) -> Dict[str, Any]:
     return {"choices": values}
 
@@ -532,7 +540,7 @@ def dump(config: Config) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bert_packed.config", description="Print a resolved config.")
+    parser = ArgumentParser(prog="python -m bert_packed.config", description="Print a resolved config.")
     parser.add_argument("name", nargs="?", default="demo", help="configs/NAME[.yaml] or a path (default: demo)")
     parser.add_argument("--backend", default="cpu", help="validate for this backend (default: cpu)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel processes to validate for")

@@ -312,3 +312,61 @@ def test_summary_of_a_completed_run_says_so(finished):
     summary = _summary(finished)
     assert summary["status"] == "completed" and summary["error"] is None and summary["checkpoint_step"] == 4
     assert math.isfinite(summary["last"]["grad_norm"])
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+def test_process_group_gets_the_configured_collective_timeout(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from backends.cpu import CPUBackend
+    from bert_packed.train import setup_distributed
+
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(seen))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert setup_distributed(CPUBackend(), 2.5) == (1, 2)
+    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(minutes=2.5)}
+
+
+def test_a_timed_out_collective_is_one_line_naming_the_setting(tmp_path, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    import run
+    from backends.cpu import CPUBackend
+
+    class HungPeer(CPUBackend):
+        distributed = staticmethod(lambda: False)  # the backend's own collectives are not under test
+
+        def train_step(self, micro_batches):  # what gloo raises when a peer never answers
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 150000ms "
+                               "for recv operation to complete")
+
+    monkeypatch.setattr(run, "get_backend", lambda name: HungPeer())
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    code, line = main_error(capsys, TINY + ["--steps", "2", "--set", "train.collective_timeout_minutes=2.5",
+                                            "--output-dir", str(tmp_path / "run")])
+    assert (code, line) == (1, "error: a collective between the 2 processes timed out after "
+                               "train.collective_timeout_minutes=2.5: another rank hung or died (see its log); the "
+                               "last checkpoint is intact")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "abc"], "error: argument --steps: invalid int value: 'abc' (see run.py --help)"),
+    (["--bogus"], "error: unrecognized arguments: --bogus (see run.py --help)"),
+])
+def test_command_line_mistakes_are_one_line(capsys, monkeypatch, argv, message):
+    import run
+
+    monkeypatch.setattr("sys.argv", ["run.py"])
+    with pytest.raises(SystemExit) as exit_:
+        run.main(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [message]

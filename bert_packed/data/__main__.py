@@ -3,15 +3,15 @@
 User mistakes (including OSErrors: a missing folder, an unwritable path) print one line
 `error: ...` to stderr and exit 2 (no traceback); Ctrl-C exits 130 leaving no partial output.
 """
-import argparse
 import json
 import sys
 
+from ..config import ArgumentParser
 from .errors import DataError
 
 
 def _parser():
-    parser = argparse.ArgumentParser(prog="python -m bert_packed.data",
+    parser = ArgumentParser(prog="python -m bert_packed.data",
                                      description="Real pre-training data: text -> HDF5 -> packed HDF5.")
     commands = parser.add_subparsers(dest="command", required=True)
 
