@@ -122,7 +122,9 @@ def test_mock_ipu_path_matches_cpu(checkpoint, files, tmp_path):
               "--steps", "3", "--set", "model.hidden_dropout_prob=0.0", "--set", "model.attention_probs_dropout_prob=0.0",
               "--set", "train.checkpoint_every=0")
     _, cpu = finetune(checkpoint, tmp_path / "cpu", *common)
-    status, mock = finetune(checkpoint, tmp_path / "mock", *common, "--set", "ipu.half_precision=false",
+    status, mock = finetune(checkpoint, tmp_path / "mock", *common, "--set", "ipu.layers_per_ipu=[2]",
+                            "--set", "ipu.replication_factor=1", "--set", "ipu.available_memory_proportion=[0.6]",
+                            "--set", "ipu.embedding_serialization_factor=1", "--set", "ipu.half_precision=false",
                             "--set", "ipu.enable_half_partials=false", "--set", "ipu.stochastic_rounding=false",
                             backend="mock")
     assert status == 0
