@@ -25,6 +25,20 @@ def test_read_table_reads_every_format(tmp_path, ext):
     assert table["text"] == [r["text"] for r in rows] and table["label"] == [r["label"] for r in rows]
 
 
+def test_read_table_reads_a_saved_hugging_face_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="reading saved datasets needs the datasets package")
+    rows = classification_rows(6, 0)
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
+                                   "validation": datasets.Dataset.from_list(rows[4:])})
+    splits.save_to_disk(str(tmp_path / "ds"))
+    table = ft_data.read_table(str(tmp_path / "ds" / "validation"), ["text", "label"])
+    assert table == {"text": [r["text"] for r in rows[4:]], "label": [r["label"] for r in rows[4:]]}
+    with pytest.raises(DataError, match="holds the splits train, validation; give one of them"):
+        ft_data.read_table(str(tmp_path / "ds"), ["text"])
+    with pytest.raises(DataError, match="no column 'sentence'; columns: text, pair, label"):
+        ft_data.read_table(str(tmp_path / "ds" / "train"), ["sentence"])
+
+
 def test_read_table_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a", "label": 1}\n[1, 2]\n')
     with pytest.raises(DataError, match="bad.jsonl:2: expected a JSON object"):
