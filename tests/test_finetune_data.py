@@ -1,9 +1,8 @@
-"""Fine-tuning data: file reading, labels, packed training stream contract, fortunes corpus,
---resume of a fine-tuning run, and the export / predict command line."""
+"""Fine-tuning data: file reading (CSV, TSV, JSONL, saved Hugging Face datasets), labels, the
+packed training stream's contract, and the fortunes corpus."""
 from __future__ import annotations
 
 import json
-import os
 from functools import partial
 
 import numpy as np

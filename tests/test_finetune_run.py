@@ -81,6 +81,14 @@ def test_finetune_run_reports_metrics_and_exports_a_transformers_model(checkpoin
         logits = model(**inputs).logits.numpy()
     ours = np.array([p["logits"] for p in predictions])
     assert np.abs(logits - ours).max() <= 1e-4  # predictions.jsonl rounds to 6 decimals
+    # `python -m bert_packed.finetune predict` on the export: the same predictions, packed.
+    from bert_packed.finetune.__main__ import main as finetune_main
+
+    assert finetune_main(["predict", "--model", str(out / "hf"), "--input", files["dev"], "--text-pair-column",
+                          "pair", "--max-sequence-length", "64", "--output", str(tmp_path / "p.jsonl")]) == 0
+    again = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [p["prediction"] for p in again] == [p["prediction"] for p in predictions]
+    assert np.abs(np.array([p["logits"] for p in again]) - ours).max() <= 1e-5
     if pytest.importorskip("tensorboard"):
         assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
     assert "init checkpoint" in capsys.readouterr().err
