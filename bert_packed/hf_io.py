@@ -31,7 +31,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from bert_packed.config import ConfigError, ModelConfig
+# One error class for every unusable checkpoint (ours or Hugging Face's): one line, exit 2.
+from bert_packed.checkpoint import CheckpointError
+from bert_packed.config import ModelConfig
 from bert_packed.io import atomic_path, write_text_atomic
 
 __all__ = [
@@ -49,10 +51,6 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
 # Architecture fields the checkpoint provides unless the run's config sets them (e.g. dropout).
 BEHAVIOUR_FIELDS = ("hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "layer_norm_eps",
                     "initializer_range", "pad_token_id", "tie_word_embeddings", "classifier_dropout")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as given (missing files, wrong model, contradicting shape)."""
 
 
 @dataclasses.dataclass

@@ -139,7 +139,9 @@ class Task:
         init = self.config.model.init_checkpoint
         if not path and init and os.path.isdir(init) and hf_io.tokenizer_in(init):
             path = init  # e.g. exporting a run's checkpoint: the checkpoint it started from
-        return hf_io.load_tokenizer(path) if path else None
+        if path and getattr(self, "_tokenizer_path", None) != path:
+            self._tokenizer_cache, self._tokenizer_path = hf_io.load_tokenizer(path), path
+        return getattr(self, "_tokenizer_cache", None) if path else None
 
     def export_labels(self) -> Optional[Dict[int, str]]:
         return None

@@ -1,9 +1,8 @@
-"""Fine-tuning data: file reading, labels, packed training stream contract, fortunes corpus,
---resume of a fine-tuning run, and the export / predict command line."""
+"""Fine-tuning data: file reading (CSV, TSV, JSONL, saved Hugging Face datasets), labels, the
+packed training stream's contract, and the fortunes corpus."""
 from __future__ import annotations
 
 import json
-import os
 from functools import partial
 
 import numpy as np
@@ -23,6 +22,20 @@ def test_read_table_reads_every_format(tmp_path, ext):
     path = write_rows(str(tmp_path / f"data{ext}"), rows, ["text", "pair", "label"])
     table = ft_data.read_table(path, ["text", "label"])
     assert table["text"] == [r["text"] for r in rows] and table["label"] == [r["label"] for r in rows]
+
+
+def test_read_table_reads_a_saved_hugging_face_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="reading saved datasets needs the datasets package")
+    rows = classification_rows(6, 0)
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
+                                   "validation": datasets.Dataset.from_list(rows[4:])})
+    splits.save_to_disk(str(tmp_path / "ds"))
+    table = ft_data.read_table(str(tmp_path / "ds" / "validation"), ["text", "label"])
+    assert table == {"text": [r["text"] for r in rows[4:]], "label": [r["label"] for r in rows[4:]]}
+    with pytest.raises(DataError, match="holds the splits train, validation; give one of them"):
+        ft_data.read_table(str(tmp_path / "ds"), ["text"])
+    with pytest.raises(DataError, match="no column 'sentence'; columns: text, pair, label"):
+        ft_data.read_table(str(tmp_path / "ds" / "train"), ["sentence"])
 
 
 def test_read_table_errors(tmp_path):

@@ -81,6 +81,14 @@ def test_finetune_run_reports_metrics_and_exports_a_transformers_model(checkpoin
         logits = model(**inputs).logits.numpy()
     ours = np.array([p["logits"] for p in predictions])
     assert np.abs(logits - ours).max() <= 1e-4  # predictions.jsonl rounds to 6 decimals
+    # `python -m bert_packed.finetune predict` on the export: the same predictions, packed.
+    from bert_packed.finetune.__main__ import main as finetune_main
+
+    assert finetune_main(["predict", "--model", str(out / "hf"), "--input", files["dev"], "--text-pair-column",
+                          "pair", "--max-sequence-length", "64", "--output", str(tmp_path / "p.jsonl")]) == 0
+    again = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [p["prediction"] for p in again] == [p["prediction"] for p in predictions]
+    assert np.abs(np.array([p["logits"] for p in again]) - ours).max() <= 1e-5
     if pytest.importorskip("tensorboard"):
         assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
     assert "init checkpoint" in capsys.readouterr().err
@@ -122,7 +130,9 @@ def test_mock_ipu_path_matches_cpu(checkpoint, files, tmp_path):
               "--steps", "3", "--set", "model.hidden_dropout_prob=0.0", "--set", "model.attention_probs_dropout_prob=0.0",
               "--set", "train.checkpoint_every=0")
     _, cpu = finetune(checkpoint, tmp_path / "cpu", *common)
-    status, mock = finetune(checkpoint, tmp_path / "mock", *common, "--set", "ipu.half_precision=false",
+    status, mock = finetune(checkpoint, tmp_path / "mock", *common, "--set", "ipu.layers_per_ipu=[2]",
+                            "--set", "ipu.replication_factor=1", "--set", "ipu.available_memory_proportion=[0.6]",
+                            "--set", "ipu.embedding_serialization_factor=1", "--set", "ipu.half_precision=false",
                             "--set", "ipu.enable_half_partials=false", "--set", "ipu.stochastic_rounding=false",
                             backend="mock")
     assert status == 0

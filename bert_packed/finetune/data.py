@@ -3,7 +3,8 @@
 Shared by the fine-tuning tasks:
 
 - ``read_table(path, columns)``: rows of a CSV, TSV or JSON-lines file (by extension:
-  ``.csv``, ``.tsv``/``.tab``, ``.jsonl``/``.json``), as a dict of column lists;
+  ``.csv``, ``.tsv``/``.tab``, ``.jsonl``/``.json``) or of a Hugging Face dataset directory
+  (``save_to_disk``; with ``datasets`` installed), as a dict of column lists;
   a missing file or column, an empty file, or an unreadable row is a one-line ``DataError``;
 - ``encode_texts(tokenizer, texts, pairs, max_length, truncation=, where=)``: token ids and
   segment ids with BERT's ``[CLS] A [SEP] B [SEP]`` template (the ``tokenizers`` library);
@@ -43,10 +44,35 @@ def _format(path: str) -> str:
     raise DataError(f"{path}: unknown file type {ext or '(none)'}; use .csv, .tsv or .jsonl")
 
 
+def _read_saved_dataset(path: str, columns: Sequence[str]) -> Dict[str, List[Any]]:
+    """The ``columns`` of a Hugging Face dataset saved with ``Dataset.save_to_disk``."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path} is a directory: reading a saved Hugging Face dataset needs the datasets "
+                        f"package (pip install datasets); or give a CSV, TSV or JSONL file") from None
+    try:
+        dataset = datasets.load_from_disk(path)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise DataError(f"{path}: not a dataset saved with save_to_disk ({str(exc).splitlines()[0]})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        raise DataError(f"{path} holds the splits {', '.join(dataset)}; give one of them, e.g. "
+                        f"{os.path.join(path, next(iter(dataset)))}")
+    if len(dataset) == 0:
+        raise DataError(f"{path}: the dataset is empty (no rows)")
+    for column in columns:
+        if column not in dataset.column_names:
+            raise DataError(f"{path}: no column {column!r}; columns: {', '.join(dataset.column_names)}")
+    return {column: list(dataset[column]) for column in columns}
+
+
 def read_table(path: str, columns: Sequence[str]) -> Dict[str, List[Any]]:
-    """The ``columns`` of every row of ``path`` (CSV/TSV with a header row, or JSON lines)."""
+    """The ``columns`` of every row of ``path``: a CSV/TSV file with a header row, JSON lines,
+    or a directory holding a Hugging Face dataset saved with ``save_to_disk`` (needs ``datasets``)."""
     if not path:
         raise DataError("no data file given")
+    if os.path.isdir(path):
+        return _read_saved_dataset(path, columns)
     if not os.path.isfile(path):
         raise DataError(f"{path}: file not found")
     kind = _format(path)
