@@ -4,6 +4,7 @@ The windows are checked against Hugging Face's fast tokenizer called as run_qa.p
 the answer labels against the gold text (decoded through the offsets), and the test set
 itself is checked to contain what the issue asks for (>= 200 questions, long contexts with
 several windows, answers on window edges, unanswerable questions)."""
+import dataclasses
 import json
 
 import numpy as np
@@ -124,6 +125,10 @@ def test_reads_squad_json_rows_and_json_lines_alike(tmp_path):
     assert read_squad(str(tmp_path / "rows.jsonl")) == from_json
     assert read_squad(str(tmp_path / "rows.json")) == from_json
     assert examples_from_rows(rows) == from_json
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    saved = read_squad(str(tmp_path / "saved"))  # a split saved with save_to_disk (titles are not read)
+    assert saved == [dataclasses.replace(ex, title="") for ex in from_json]
     impossible = [ex for ex in from_json if ex.is_impossible]
     assert impossible and all(ex.answers == [] for ex in impossible)
     # v2.0 "plausible_answers" of an impossible question are not answers.

@@ -156,11 +156,17 @@ def examples_from_rows(rows: Iterable[Mapping[str, Any]], where: str = "rows") -
 
 
 def read_squad(path: str) -> List[SquadExample]:
-    """Examples of a SQuAD JSON file, or of flat rows as JSON lines / a JSON list.
+    """Examples of a SQuAD JSON file, of flat rows as JSON lines / a JSON list, or of a Hugging
+    Face ``squad`` / ``squad_v2`` split saved with ``save_to_disk`` (a directory; needs ``datasets``).
 
     Raises ``DataError`` (one line) for a missing, empty or malformed file, duplicate ids,
     or an answer that is not in its context.
     """
+    if os.path.isdir(path):  # a Hugging Face dataset saved with save_to_disk (squad / squad_v2 columns)
+        from bert_packed.finetune.data import read_table
+
+        table = read_table(path, ("id", "context", "question", "answers"))
+        return _unique_ids(examples_from_rows([dict(zip(table, row)) for row in zip(*table.values())], path), path)
     if not os.path.isfile(path):
         raise DataError(f"SQuAD file {path} does not exist")
     try:
@@ -190,6 +196,10 @@ def read_squad(path: str) -> List[SquadExample]:
         examples = examples_from_rows(document, path)
     else:
         examples = examples_from_rows(rows, path)
+    return _unique_ids(examples, path)
+
+
+def _unique_ids(examples: List[SquadExample], path: str) -> List[SquadExample]:
     if not examples:
         raise DataError(f"SQuAD file {path} holds no questions")
     seen = set()
