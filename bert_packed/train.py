@@ -236,13 +236,16 @@ class CollectiveTimeout(TrainingStopped):
 
 
 class _StopSignals:
-    """SIGINT/SIGTERM set a flag the loop reads at the next step boundary; a second one aborts at
-    once (KeyboardInterrupt). Only in the main thread (signal handlers cannot be set elsewhere)."""
+    """SIGINT/SIGTERM set a flag the loop reads at the next step boundary; another one more than
+    ``GRACE_SECONDS`` later aborts at once (KeyboardInterrupt). Signals within the grace period
+    are the same request: Ctrl-C under torchrun reaches a worker twice, from the terminal and
+    forwarded by the agent. Only in the main thread (handlers cannot be set elsewhere)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    GRACE_SECONDS = 2.0
 
     def __init__(self, announce):
-        self.signum, self.announce, self.previous = None, announce, {}
+        self.signum, self.announce, self.previous, self.when = None, announce, {}, 0.0
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -252,10 +255,15 @@ class _StopSignals:
 
     def _handle(self, signum, frame):
         if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.announce(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written); "
-                      f"send it again to abort at once")
+            if time.monotonic() - self.when > self.GRACE_SECONDS:
+                raise KeyboardInterrupt
+            return
+        self.signum, self.when = signum, time.monotonic()
+        try:
+            self.announce(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written); "
+                          f"send it again to abort at once")
+        except RuntimeError:  # the signal interrupted a write to the same stream: skip the notice
+            pass
 
     def __exit__(self, *exc):
         for signum, handler in self.previous.items():
@@ -361,13 +369,18 @@ class _Run:
         self.checkpoint_path = os.path.join(self.output_dir, CHECKPOINT_NAME)
         self.lock = _prepare_output_dir(self.output_dir, self.is_main)
         self.state = None
-        if os.path.exists(self.checkpoint_path):
-            if not resume:
-                raise ConfigError(
-                    f"{self.output_dir} already holds a checkpoint ({CHECKPOINT_NAME}); pass --resume to continue "
-                    f"that run, or choose another --output-dir (nothing was changed)")
-            self.state = load_checkpoint(self.checkpoint_path)
-            self._check_resumable(self.state, resume_force)
+        try:
+            if os.path.exists(self.checkpoint_path):
+                if not resume:
+                    raise ConfigError(
+                        f"{self.output_dir} already holds a checkpoint ({CHECKPOINT_NAME}); pass --resume to "
+                        f"continue that run, or choose another --output-dir (nothing was changed)")
+                self.state = load_checkpoint(self.checkpoint_path)
+                self._check_resumable(self.state, resume_force)
+        except BaseException:
+            if self.lock is not None:  # train() never sees this half-built run
+                self.lock.release()
+            raise
 
     def _check_resumable(self, state: Dict[str, Any], force: bool) -> None:
         path = self.checkpoint_path
