@@ -215,7 +215,8 @@ def test_output_below_a_file_is_one_line(work, capsys):
     before = snapshot(work)
     target = work / "corpus.txt" / "packed.h5"
     code, line = data_error(capsys, "pack", "--input", work / "train.h5", "--output", target, "--no-progress")
-    assert (code, line) == (2, f"error: {work / 'corpus.txt'}: File exists")
+    assert (code, line) == (2, f"error: {work / 'corpus.txt'}: is a file, so the folder {work / 'corpus.txt'} cannot "
+                               f"be made there")
     assert_unchanged(before, work)
 
 

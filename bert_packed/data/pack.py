@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import h5io
-from ..io import make_temp
+from ..io import make_folder, make_temp
 from .errors import DataError, refuse_output_over_input
 
 PACKED_DTYPES = {"input_ids": np.int32, "segment_ids": np.int8, "position_ids": np.int32,
@@ -144,7 +144,7 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
         # lengths were checked to fit); the collator pads to the pack length.
         record_dtype = _record_dtype(min(seq_len, in_seq_len), num_predictions)
         folder = os.path.dirname(os.path.abspath(output_path))
-        os.makedirs(folder, exist_ok=True)
+        make_folder(folder)
         fd, tmp_records = make_temp(folder, prefix=".tmp-pack-", suffix=".bin")
         os.close(fd)
         try:
