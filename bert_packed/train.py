@@ -404,7 +404,7 @@ class _Run:
                 old = state.get("config_given", {}).get(section, {}).get(name)
                 note = " (forced)" if key in refused else ""
                 print(f"note: resuming with {key} changed from {old!r} to "
-                      f"{getattr(getattr(self.config, section), name)!r}{note}", file=sys.stderr)
+                      f"{self.given.get(section, {}).get(name)!r}{note}", file=sys.stderr)
 
     def train(self) -> Dict[str, Any]:
         config, backend, t = self.config, self.backend, self.config.train
@@ -551,8 +551,12 @@ class _Run:
                                  and isinstance(v, (int, float))})
                     if metrics.get("skipped_step"):
                         skipped_in_a_row += 1
-                        progress.write(f"step {step}: update skipped by loss scaling (gradient overflow; loss scale "
-                                       f"now {metrics.get('loss_scale', 'lowered')}), {skipped_in_a_row} in a row")
+                        notice = (f"step {step}: update skipped by loss scaling (gradient overflow; loss scale now "
+                                  f"{metrics.get('loss_scale', 'lowered')}), {skipped_in_a_row} in a row")
+                        if progress.enabled:
+                            progress.write(notice)
+                        elif is_main:  # the log says so even without progress output
+                            print(f"note: {notice}", file=sys.stderr)
                         if skipped_in_a_row >= t.max_consecutive_skipped_steps:
                             stop_diverged(step, f"{skipped_in_a_row} consecutive updates skipped by loss scaling "
                                                 f"(train.max_consecutive_skipped_steps={t.max_consecutive_skipped_steps})")
