@@ -517,6 +517,7 @@ class _Run:
         checkpoint_step = start_step if os.path.exists(checkpoint_path) and start_step else None
         step = start_step
         skipped_in_a_row = 0
+        checkpoint_due = False
         timed = {"sequences": 0.0, "tokens": 0.0, "seconds": 0.0}  # this invocation, first step excluded
         with _StopSignals(progress.write) as stop:
             while step < t.steps:
@@ -588,20 +589,26 @@ class _Run:
                                 if key != "step":
                                     writer.add_scalar(key, value, step)
                     progress.update(step, line)
-                    if t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps):
-                        bad_weights = _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler, source,
-                                                  totals, config, self.given, world_size, is_main)
-                        if bad_weights:
-                            stop_diverged(step, f"non-finite weights ({', '.join(bad_weights[:3])})")
-                        checkpoint_step = step
-                # Every rank stops at the same step: the flag is summed over ranks.
-                if _all_reduce_sum([float(stop.signum is not None)])[0] and step < t.steps:
-                    signum = stop.signum or signal.SIGTERM
+                    checkpoint_due = checkpoint_due or (t.checkpoint_every > 0 and (
+                        step % t.checkpoint_every == 0 or step == t.steps))
+                # At the end of the call: the weights and the data position are those after its
+                # last step (a call of several steps, IPU device_iterations, cannot be split).
+                if checkpoint_due:
+                    checkpoint_due = False
                     bad_weights = _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler, source,
                                               totals, config, self.given, world_size, is_main)
                     if bad_weights:
                         stop_diverged(step, f"non-finite weights ({', '.join(bad_weights[:3])})")
                     checkpoint_step = step
+                # Every rank stops at the same step: the flag is summed over ranks.
+                if _all_reduce_sum([float(stop.signum is not None)])[0] and step < t.steps:
+                    signum = stop.signum or signal.SIGTERM
+                    if checkpoint_step != step:
+                        bad_weights = _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler,
+                                                  source, totals, config, self.given, world_size, is_main)
+                        if bad_weights:
+                            stop_diverged(step, f"non-finite weights ({', '.join(bad_weights[:3])})")
+                        checkpoint_step = step
                     progress.close()
                     message = (f"{signal.Signals(signum).name} at step {step} of {t.steps}: checkpoint "
                                f"{checkpoint_path} written; continue with --resume")
