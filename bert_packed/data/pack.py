@@ -177,6 +177,8 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
                         for name, dataset in datasets.items():
                             dataset[p0:p1] = batch[name]
                         bar.update(p1 - p0)
+                if "vocab_size" in handle.attrs:  # so training can say when the model's is smaller
+                    out.attrs["vocab_size"] = int(handle.attrs["vocab_size"])
                 # Timings stay out of the file, so the same inputs give a byte-identical file.
                 out.attrs.update({key: value for key, value in stats.items()
                                   if value is not None and key != "planning_seconds"})
