@@ -374,7 +374,8 @@ class _Run:
                 if not resume:
                     raise ConfigError(
                         f"{self.output_dir} already holds a checkpoint ({CHECKPOINT_NAME}); pass --resume to "
-                        f"continue that run, or choose another --output-dir (nothing was changed)")
+                        f"continue that run, choose another --output-dir, or delete {self.output_dir} to start over "
+                        f"(nothing was changed)")
                 self.state = load_checkpoint(self.checkpoint_path)
                 self._check_resumable(self.state, resume_force)
         except BaseException:
@@ -411,6 +412,17 @@ class _Run:
         rank, world_size, is_main = self.rank, self.world_size, self.is_main
         backend_name = backend.name
         output_dir, metrics_path, checkpoint_path = self.output_dir, self.metrics_path, self.checkpoint_path
+        if self.state is not None and self.state["step"] >= t.steps:
+            # Nothing to train: leave every file as it is (rewriting summary.json from an empty
+            # invocation would lose its first/last lines).
+            if is_main:
+                print(f"note: {checkpoint_path} is at step {self.state['step']} and train.steps={t.steps}: nothing "
+                      f"to do (raise --steps to continue)", file=sys.stderr)
+            try:
+                with open(self.summary_path) as f:
+                    return json.load(f)
+            except (OSError, ValueError):
+                return {"status": "completed", "last_step": self.state["step"], "checkpoint_step": self.state["step"]}
 
         if t.num_threads is not None:
             torch.set_num_threads(t.num_threads)

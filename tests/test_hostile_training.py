@@ -201,7 +201,19 @@ def test_forgetting_resume_on_a_directory_with_a_checkpoint_is_refused(finished,
     before = snapshot(finished)
     code, line = main_error(capsys, TINY + ["--steps", "4", "--output-dir", str(finished)])
     assert (code, line) == (2, f"error: {finished} already holds a checkpoint (checkpoint.pt); pass --resume to "
-                               f"continue that run, or choose another --output-dir (nothing was changed)")
+                               f"continue that run, choose another --output-dir, or delete {finished} to start over "
+                               f"(nothing was changed)")
+    assert_unchanged(before, finished)
+
+
+def test_resuming_a_finished_run_changes_nothing(finished, capsys):
+    import run
+
+    before = snapshot(finished)
+    assert run.main(TINY + ["--steps", "4", "--resume", "--set", "train.checkpoint_every=2",
+                            "--output-dir", str(finished)]) == 0
+    assert capsys.readouterr().err.strip() == (f"note: {finished / CHECKPOINT_NAME} is at step 4 and train.steps=4: "
+                                               f"nothing to do (raise --steps to continue)")
     assert_unchanged(before, finished)
 
 
