@@ -19,7 +19,7 @@ import re
 import socket
 import tempfile
 
-__all__ = ["write_text_atomic", "atomic_path", "publish", "make_temp", "remove_orphans",
+__all__ = ["write_text_atomic", "atomic_path", "publish", "make_temp", "make_folder", "remove_orphans",
            "DirectoryLock", "OutputInUseError"]
 
 TEMP_PREFIX = ".tmp-"
@@ -67,6 +67,18 @@ def remove_orphans(folder, prefix=TEMP_PREFIX):
     return removed
 
 
+def make_folder(folder):
+    """os.makedirs(folder, exist_ok=True), with a clear OSError when a part of it is a file."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = folder
+        while blocker and not os.path.isfile(blocker) and os.path.dirname(blocker) != blocker:
+            blocker = os.path.dirname(blocker)
+        raise NotADirectoryError(errno.ENOTDIR, f"is a file, so the folder {folder} cannot be made there",
+                                 blocker) from None
+
+
 def write_text_atomic(path, text):
     """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and os.replace."""
     with atomic_path(path) as tmp:
@@ -88,7 +100,7 @@ class atomic_path:
 
     def __enter__(self):
         folder = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(folder, exist_ok=True)
+        make_folder(folder)
         fd, self.tmp = make_temp(folder, prefix=self.prefix, suffix=self.suffix)
         os.close(fd)
         return self.tmp

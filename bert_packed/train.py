@@ -226,13 +226,16 @@ class CollectiveTimeout(TrainingStopped):
 
 
 class _StopSignals:
-    """SIGINT/SIGTERM set a flag the loop reads at the next step boundary; a second one aborts at
-    once (KeyboardInterrupt). Only in the main thread (signal handlers cannot be set elsewhere)."""
+    """SIGINT/SIGTERM set a flag the loop reads at the next step boundary; another one more than
+    ``GRACE_SECONDS`` later aborts at once (KeyboardInterrupt). Signals within the grace period
+    are the same request: Ctrl-C under torchrun reaches a worker twice, from the terminal and
+    forwarded by the agent. Only in the main thread (handlers cannot be set elsewhere)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    GRACE_SECONDS = 2.0
 
     def __init__(self, announce):
-        self.signum, self.announce, self.previous = None, announce, {}
+        self.signum, self.announce, self.previous, self.when = None, announce, {}, 0.0
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -242,10 +245,15 @@ class _StopSignals:
 
     def _handle(self, signum, frame):
         if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.announce(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written); "
-                      f"send it again to abort at once")
+            if time.monotonic() - self.when > self.GRACE_SECONDS:
+                raise KeyboardInterrupt
+            return
+        self.signum, self.when = signum, time.monotonic()
+        try:
+            self.announce(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written); "
+                          f"send it again to abort at once")
+        except RuntimeError:  # the signal interrupted a write to the same stream: skip the notice
+            pass
 
     def __exit__(self, *exc):
         for signum, handler in self.previous.items():
@@ -351,13 +359,19 @@ class _Run:
         self.checkpoint_path = os.path.join(self.output_dir, CHECKPOINT_NAME)
         self.lock = _prepare_output_dir(self.output_dir, self.is_main)
         self.state = None
-        if os.path.exists(self.checkpoint_path):
-            if not resume:
-                raise ConfigError(
-                    f"{self.output_dir} already holds a checkpoint ({CHECKPOINT_NAME}); pass --resume to continue "
-                    f"that run, or choose another --output-dir (nothing was changed)")
-            self.state = load_checkpoint(self.checkpoint_path)
-            self._check_resumable(self.state, resume_force)
+        try:
+            if os.path.exists(self.checkpoint_path):
+                if not resume:
+                    raise ConfigError(
+                        f"{self.output_dir} already holds a checkpoint ({CHECKPOINT_NAME}); pass --resume to "
+                        f"continue that run, choose another --output-dir, or delete {self.output_dir} to start over "
+                        f"(nothing was changed)")
+                self.state = load_checkpoint(self.checkpoint_path)
+                self._check_resumable(self.state, resume_force)
+        except BaseException:
+            if self.lock is not None:  # train() never sees this half-built run
+                self.lock.release()
+            raise
 
     def _check_resumable(self, state: Dict[str, Any], force: bool) -> None:
         path = self.checkpoint_path
@@ -381,7 +395,7 @@ class _Run:
                 old = state.get("config_given", {}).get(section, {}).get(name)
                 note = " (forced)" if key in refused else ""
                 print(f"note: resuming with {key} changed from {old!r} to "
-                      f"{getattr(getattr(self.config, section), name)!r}{note}", file=sys.stderr)
+                      f"{self.given.get(section, {}).get(name)!r}{note}", file=sys.stderr)
 
     def train(self) -> Dict[str, Any]:
         config, backend, t = self.config, self.backend, self.config.train
@@ -410,6 +424,18 @@ class _Run:
         if steps != t.steps and backend_name in ("ipu", "mock"):  # one PopTorch call runs device_iterations steps
             steps = -(-steps // config.ipu.device_iterations) * config.ipu.device_iterations
         t.steps = steps
+        # (After the task has resolved train.steps: fine-tuning derives them from its epochs.)
+        if self.state is not None and self.state["step"] >= t.steps:
+            # Nothing to train: leave every file as it is (rewriting summary.json from an empty
+            # invocation would lose its first/last lines).
+            if is_main:
+                print(f"note: {checkpoint_path} is at step {self.state['step']} and train.steps={t.steps}: nothing "
+                      f"to do (raise --steps to continue)", file=sys.stderr)
+            try:
+                with open(self.summary_path) as f:
+                    return json.load(f)
+            except (OSError, ValueError):
+                return {"status": "completed", "last_step": self.state["step"], "checkpoint_step": self.state["step"]}
 
         model = task.build_model()
         optimizer, scheduler = build_optimizer(config, model)  # the adjusted betas, set above
@@ -503,6 +529,7 @@ class _Run:
         checkpoint_step = start_step if os.path.exists(checkpoint_path) and start_step else None
         step = start_step
         skipped_in_a_row = 0
+        checkpoint_due = False
         timed = {"sequences": 0.0, "tokens": 0.0, "seconds": 0.0}  # this invocation, first step excluded
         with _StopSignals(progress.write) as stop:
             while step < t.steps:
@@ -535,8 +562,12 @@ class _Run:
                                  and isinstance(v, (int, float))})
                     if metrics.get("skipped_step"):
                         skipped_in_a_row += 1
-                        progress.write(f"step {step}: update skipped by loss scaling (gradient overflow; loss scale "
-                                       f"now {metrics.get('loss_scale', 'lowered')}), {skipped_in_a_row} in a row")
+                        notice = (f"step {step}: update skipped by loss scaling (gradient overflow; loss scale now "
+                                  f"{metrics.get('loss_scale', 'lowered')}), {skipped_in_a_row} in a row")
+                        if progress.enabled:
+                            progress.write(notice)
+                        elif is_main:  # the log says so even without progress output
+                            print(f"note: {notice}", file=sys.stderr)
                         if skipped_in_a_row >= t.max_consecutive_skipped_steps:
                             stop_diverged(step, f"{skipped_in_a_row} consecutive updates skipped by loss scaling "
                                                 f"(train.max_consecutive_skipped_steps={t.max_consecutive_skipped_steps})")
@@ -568,20 +599,26 @@ class _Run:
                                 if key != "step":
                                     writer.add_scalar(key, value, step)
                     progress.update(step, line)
-                    if t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps):
-                        bad_weights = _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler, source,
-                                                  totals, config, self.given, world_size, is_main, task)
-                        if bad_weights:
-                            stop_diverged(step, f"non-finite weights ({', '.join(bad_weights[:3])})")
-                        checkpoint_step = step
-                # Every rank stops at the same step: the flag is summed over ranks.
-                if _all_reduce_sum([float(stop.signum is not None)])[0] and step < t.steps:
-                    signum = stop.signum or signal.SIGTERM
+                    checkpoint_due = checkpoint_due or (t.checkpoint_every > 0 and (
+                        step % t.checkpoint_every == 0 or step == t.steps))
+                # At the end of the call: the weights and the data position are those after its
+                # last step (a call of several steps, IPU device_iterations, cannot be split).
+                if checkpoint_due:
+                    checkpoint_due = False
                     bad_weights = _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler, source,
                                               totals, config, self.given, world_size, is_main, task)
                     if bad_weights:
                         stop_diverged(step, f"non-finite weights ({', '.join(bad_weights[:3])})")
                     checkpoint_step = step
+                # Every rank stops at the same step: the flag is summed over ranks.
+                if _all_reduce_sum([float(stop.signum is not None)])[0] and step < t.steps:
+                    signum = stop.signum or signal.SIGTERM
+                    if checkpoint_step != step:
+                        bad_weights = _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler,
+                                                  source, totals, config, self.given, world_size, is_main, task)
+                        if bad_weights:
+                            stop_diverged(step, f"non-finite weights ({', '.join(bad_weights[:3])})")
+                        checkpoint_step = step
                     progress.close()
                     message = (f"{signal.Signals(signum).name} at step {step} of {t.steps}: checkpoint "
                                f"{checkpoint_path} written; continue with --resume")

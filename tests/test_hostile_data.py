@@ -196,14 +196,16 @@ def test_out_of_range_packed_data_names_file_field_row_and_value(work, tmp_path,
     assert_unchanged(before, work)
 
 
-def test_data_made_with_a_larger_vocabulary_than_the_model_says_so(data, tmp_path, capsys):
-    folder, _, _, unpacked, _ = data
+@pytest.mark.parametrize("which", ["unpacked", "packed"])
+def test_data_made_with_a_larger_vocabulary_than_the_model_says_so(data, tmp_path, capsys, which):
+    folder, _, _, unpacked, packed = data
     before = snapshot(folder)
+    source = unpacked if which == "unpacked" else packed
     with h5py.File(unpacked, "r") as handle:
         made_with = int(handle.attrs["vocab_size"])
-    code, line = main_error(capsys, TINY + ["--steps", "1", "--set", f"data.path={unpacked}", "--set",
+    code, line = main_error(capsys, TINY + ["--steps", "1", "--set", f"data.path={source}", "--set",
                                             f"model.vocab_size={made_with - 1}", "--output-dir", str(tmp_path / "run")])
-    assert (code, line) == (2, f"error: {unpacked}: the data's vocabulary ({made_with} tokens) is larger than the "
+    assert (code, line) == (2, f"error: {source}: the data's vocabulary ({made_with} tokens) is larger than the "
                                f"model's (model.vocab_size={made_with - 1}); set model.vocab_size={made_with}")
     assert_unchanged(before, folder)
 
@@ -215,7 +217,8 @@ def test_output_below_a_file_is_one_line(work, capsys):
     before = snapshot(work)
     target = work / "corpus.txt" / "packed.h5"
     code, line = data_error(capsys, "pack", "--input", work / "train.h5", "--output", target, "--no-progress")
-    assert (code, line) == (2, f"error: {work / 'corpus.txt'}: File exists")
+    assert (code, line) == (2, f"error: {work / 'corpus.txt'}: is a file, so the folder {work / 'corpus.txt'} cannot "
+                               f"be made there")
     assert_unchanged(before, work)
 
 

@@ -201,7 +201,19 @@ def test_forgetting_resume_on_a_directory_with_a_checkpoint_is_refused(finished,
     before = snapshot(finished)
     code, line = main_error(capsys, TINY + ["--steps", "4", "--output-dir", str(finished)])
     assert (code, line) == (2, f"error: {finished} already holds a checkpoint (checkpoint.pt); pass --resume to "
-                               f"continue that run, or choose another --output-dir (nothing was changed)")
+                               f"continue that run, choose another --output-dir, or delete {finished} to start over "
+                               f"(nothing was changed)")
+    assert_unchanged(before, finished)
+
+
+def test_resuming_a_finished_run_changes_nothing(finished, capsys):
+    import run
+
+    before = snapshot(finished)
+    assert run.main(TINY + ["--steps", "4", "--resume", "--set", "train.checkpoint_every=2",
+                            "--output-dir", str(finished)]) == 0
+    assert capsys.readouterr().err.strip() == (f"note: {finished / CHECKPOINT_NAME} is at step 4 and train.steps=4: "
+                                               f"nothing to do (raise --steps to continue)")
     assert_unchanged(before, finished)
 
 
@@ -370,3 +382,36 @@ def test_command_line_mistakes_are_one_line(capsys, monkeypatch, argv, message):
     with pytest.raises(SystemExit) as exit_:
         run.main(argv)
     assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
+
+
+def test_checkpoints_of_multi_step_calls_resume_exactly(tmp_path, capsys, monkeypatch):
+    # IPU device_iterations=2: one backend call runs two steps. A checkpoint due inside a call
+    # (step 3 of the call 3-4) is written at the call's end, where the weights and the data
+    # position belong together; after a crash the resumed run repeats the uninterrupted one.
+    import run
+    from backends.mock import MockBackend
+
+    mock = TINY + ["--backend", "mock", "--set", "ipu.device_iterations=2", "--set", "train.checkpoint_every=3",
+                   "--set", "optimizer.schedule=constant", "--set", "optimizer.warmup_fraction=0", "--steps", "6"]
+    run_ok(capsys, mock + ["--output-dir", str(tmp_path / "full")])
+
+    class CrashOnThirdCall(MockBackend):
+        calls = 0
+
+        def train_step(self, micro_batches):
+            CrashOnThirdCall.calls += 1
+            if CrashOnThirdCall.calls == 3:
+                raise KeyboardInterrupt  # e.g. a second Ctrl-C, or the machine going down
+            return super().train_step(micro_batches)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(run, "get_backend", lambda name: CrashOnThirdCall())
+        assert main_error(capsys, mock + ["--output-dir", str(tmp_path / "split")])[0] == 130
+    assert load_checkpoint(str(tmp_path / "split" / CHECKPOINT_NAME))["step"] == 4
+    run_ok(capsys, mock + ["--resume", "--output-dir", str(tmp_path / "split")])
+    lines = {}
+    for name in ("full", "split"):
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            lines[name] = [json.loads(line) for line in f]
+    keys = ("step", "loss", "mlm_loss", "nsp_loss", "sequences", "tokens")
+    assert [[line[k] for k in keys] for line in lines["full"]] == [[line[k] for k in keys] for line in lines["split"]]

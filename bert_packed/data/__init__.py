@@ -25,6 +25,7 @@ the HDF5 reader (``bert_packed.data.hdf5.HDF5Source``) otherwise.
 """
 from __future__ import annotations
 
+import types
 from typing import Any, Dict, Iterator, Protocol, runtime_checkable
 
 import numpy as np
@@ -103,10 +104,23 @@ def build_data_source(config, *, split: str = "train", micro_batch_size: int, ra
     d = config.data
     seed = config.train.seed if seed is None else seed
     if d.path is None:
+        from bert_packed.collate import BatchError, validate_batch
         from bert_packed.data.generated import GeneratedSource
 
-        return GeneratedSource(config, split=split, micro_batch_size=micro_batch_size, rank=rank,
-                               world_size=world_size, seed=seed)
+        source = GeneratedSource(config, split=split, micro_batch_size=micro_batch_size, rank=rank,
+                                 world_size=world_size, seed=seed)
+        # The same range checks as a file gets (token ids against model.vocab_size, segments,
+        # positions, ...), on the first micro-batch: generated data is in range by construction,
+        # so this guards the generator, cheaply.
+        limits = dict(vocab_size=config.model.vocab_size, type_vocab_size=config.model.type_vocab_size,
+                      max_position_embeddings=config.model.max_position_embeddings,
+                      max_sequences_per_pack=d.max_sequences_per_pack,
+                      max_masked_tokens_per_pack=d.max_masked_tokens_per_pack)
+        try:
+            validate_batch(source.micro_batch(rank), types.SimpleNamespace(**limits))
+        except BatchError as exc:
+            raise DataError(f"generated {split} data: {exc}") from None
+        return source
     path = d.path if split == "train" else d.eval_path
     if path is None:
         raise DataError("evaluation needs data.eval_path when data.path is set; set it or train.eval_every=0")

@@ -93,8 +93,8 @@ class HDF5Source:
         if size <= max_cache_bytes:
             self._cache = {name: _read_all(handle[name]) for name in names}
             # Range-checked once, now (a file too large to cache is checked per micro-batch).
-            for start in range(0, self.num_items, 1 << 14):
-                stop = min(self.num_items, start + (1 << 14))
+            for start in range(0, self.num_items, 4096):  # bounded temporaries (validate_batch is [B, S, K])
+                stop = min(self.num_items, start + 4096)
                 self._check({name: array[start:stop] for name, array in self._cache.items()},
                             np.arange(start, stop))
         else:

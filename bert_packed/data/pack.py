@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import h5io
-from ..io import make_temp
+from ..io import make_folder, make_temp
 from .errors import DataError, refuse_output_over_input
 
 PACKED_DTYPES = {"input_ids": np.int32, "segment_ids": np.int8, "position_ids": np.int32,
@@ -144,7 +144,7 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
         # lengths were checked to fit); the collator pads to the pack length.
         record_dtype = _record_dtype(min(seq_len, in_seq_len), num_predictions)
         folder = os.path.dirname(os.path.abspath(output_path))
-        os.makedirs(folder, exist_ok=True)
+        make_folder(folder)
         fd, tmp_records = make_temp(folder, prefix=".tmp-pack-", suffix=".bin")
         os.close(fd)
         try:
@@ -177,6 +177,8 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
                         for name, dataset in datasets.items():
                             dataset[p0:p1] = batch[name]
                         bar.update(p1 - p0)
+                if "vocab_size" in handle.attrs:  # so training can say when the model's is smaller
+                    out.attrs["vocab_size"] = int(handle.attrs["vocab_size"])
                 # Timings stay out of the file, so the same inputs give a byte-identical file.
                 out.attrs.update({key: value for key, value in stats.items()
                                   if value is not None and key != "planning_seconds"})
