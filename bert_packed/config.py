@@ -454,7 +454,10 @@ def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = Non
         # The model's shape comes from the checkpoint, so validation and the printed config see it.
         from bert_packed import hf_io
 
-        hf_io.resolve_model_config(config.model, hf_io.read_pretrained(config.model.init_checkpoint, weights=False))
+        try:
+            hf_io.resolve_model_config(config.model, hf_io.read_pretrained(config.model.init_checkpoint, weights=False))
+        except hf_io.CheckpointError as exc:  # a config problem to every caller of load_config
+            raise ConfigError(str(exc)) from None
     return config
 
 
