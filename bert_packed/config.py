@@ -472,7 +472,10 @@ def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = Non
         for name in hf_io.SHAPE_FIELDS:
             if name not in from_cli["model"]:
                 setattr(config.model, name, getattr(ModelConfig, name))
-        hf_io.resolve_model_config(config.model, hf_io.read_pretrained(config.model.init_checkpoint, weights=False))
+        try:
+            hf_io.resolve_model_config(config.model, hf_io.read_pretrained(config.model.init_checkpoint, weights=False))
+        except hf_io.CheckpointError as exc:  # a config problem to every caller of load_config
+            raise ConfigError(str(exc)) from None
     return config
 
 

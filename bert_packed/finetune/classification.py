@@ -276,10 +276,6 @@ class ClassificationTask(Task):
         self._last_logits = logits
         return metrics
 
-    def progress_text(self, line: Dict[str, Any], short: bool = False) -> str:
-        text = " ".join(f"{k} {line[k]:.3f}" for k in self.metric_names)
-        return text if short else f"{text} {line['sequences_per_second']:.0f} seq/s"
-
     def _better(self, value: float) -> bool:
         if value != value:  # NaN (e.g. Pearson of a constant prediction) is never better
             return False
