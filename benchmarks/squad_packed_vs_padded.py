@@ -2,6 +2,7 @@
 
     python benchmarks/squad_packed_vs_padded.py                  # ~10 min on 2 shared cores
     python benchmarks/squad_packed_vs_padded.py --epochs 6 --train-paragraphs 160
+    python benchmarks/squad_packed_vs_padded.py --prepare-only ...   # data + checkpoint for your own run.py jobs
 
 Data: the SQuAD v2.0 question set the tests write (tests/squad_fixtures.py: template
 questions over an embedded corpus, long contexts needing several windows, unanswerable
@@ -76,9 +77,14 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2, help="packed/padded pairs, run alternately")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="only write WORKDIR/train.json, dev.json and the init checkpoint WORKDIR/init")
     args = p.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
     checkpoint = prepare(args.workdir, args)
+    if args.prepare_only:
+        print(f"wrote {args.workdir}/train.json, dev.json and the init checkpoint {checkpoint}")
+        return
     env = dict(os.environ, OMP_NUM_THREADS="1")
     runs = {"packed": [], "padded": []}
     for repeat in range(args.repeats):

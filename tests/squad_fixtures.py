@@ -146,17 +146,30 @@ def corpus_texts(document: Dict[str, Any]) -> List[str]:
     return texts
 
 
-def make_tokenizer(texts: List[str], vocab_size: int = 600):
-    """A lower-casing BERT WordPiece tokenizer (``tokenizers``), trained on ``texts``."""
-    from tokenizers import BertWordPieceTokenizer
+def make_tokenizer(texts: List[str], vocab_size: int = 300):
+    """A lower-casing BERT WordPiece tokenizer (``tokenizers``) for ``texts``, deterministic.
+
+    (``tokenizers``' WordPiece trainer breaks frequency ties in hash order, which differs
+    between processes; the tests need the same windows every run.) The vocabulary: the special
+    tokens, every character and its ``##`` continuation, then the most frequent words (ties
+    alphabetical) up to ``vocab_size``; rarer words (most years, some names) are split into
+    word pieces, so answers also start and end inside multi-piece words.
+    """
+    from collections import Counter
+
+    from tokenizers import BertWordPieceTokenizer, normalizers, pre_tokenizers
     from tokenizers.processors import TemplateProcessing
 
-    tokenizer = BertWordPieceTokenizer(lowercase=True)
-    tokenizer.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=1,
-                                  special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
-    backend = tokenizer._tokenizer  # the tokenizers.Tokenizer (what HF fast tokenizers wrap)
-    # Training leaves no post-processor; add BERT's pair template, as a converted vocab.txt has.
-    cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    counts: Counter = Counter()
+    for text in texts:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    chars = sorted({c for word in counts for c in word})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars]
+    words = [w for w, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])) if w not in vocab]
+    vocab += words[:max(0, vocab_size - len(vocab))]
+    backend = BertWordPieceTokenizer({token: i for i, token in enumerate(vocab)}, lowercase=True)._tokenizer
+    # BERT's pair template, as Hugging Face's converted tokenizers have it.
     backend.post_processor = TemplateProcessing(single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
-                                                special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+                                                special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     return backend
