@@ -1,6 +1,6 @@
 """Packed vs padded SQuAD fine-tuning on the tests' question set: rows per epoch, time, EM / F1.
 
-    python benchmarks/squad_packed_vs_padded.py                  # ~10 min on 2 shared cores
+    python benchmarks/squad_packed_vs_padded.py                  # ~5 min on 2 shared cores
     python benchmarks/squad_packed_vs_padded.py --epochs 6 --train-paragraphs 160
     python benchmarks/squad_packed_vs_padded.py --prepare-only ...   # data + checkpoint for your own run.py jobs
 
