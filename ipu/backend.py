@@ -197,9 +197,14 @@ class PopTorchBackend:
             self.training_model.setOptimizer(self.optimizer)
 
     def sync_to_host(self) -> None:
-        """Copy the device weights into the host model (before checkpointing or host evaluation)."""
+        """The trained weights into the host model (before checkpointing or host evaluation).
+
+        ``copyWeightsToHostIfNeeded`` copies only when the device has newer weights and is safe
+        in every state: a detached training executable already copied them when it detached
+        (PopTorch refuses copies to or from a detached executable).
+        """
         if self.training_model is not None and self.training_model.isCompiled():
-            self.training_model.copyWeightsToHost()
+            self.training_model.copyWeightsToHostIfNeeded()
 
     # -- training -----------------------------------------------------------------------------
     def _normalise(self, step_batches, model=None):
@@ -211,13 +216,16 @@ class PopTorchBackend:
         return add_step_normalizers([dict(b) for b in step_batches], (model or self.model).config.mlm_loss_normalization,
                                     all_reduce=torch.distributed.all_reduce if distributed else None)
 
-    def _switch_to(self, executor, other) -> None:
-        """Only one executable holds the IPUs: detach the other one (weights go to the host)."""
+    @staticmethod
+    def _switch_to(executor, other) -> None:
+        """Only one executable holds the IPUs. PopTorch's way to move between two: detach the
+        other (a training executable copies its weights to the host as it detaches), attach this
+        one (attaching uploads the host weights; a first call compiles and uploads instead).
+        Weights are never copied to or from a detached executable: PopTorch refuses that."""
         if other is not None and other.isAttachedToDevice():
-            other.copyWeightsToHost()
             other.detachFromDevice()
-            if executor.isCompiled():
-                executor.copyWeightsToDevice()
+        if executor.isCompiled() and not executor.isAttachedToDevice():
+            executor.attachToDevice()
 
     def train_step(self, micro_batches):
         n, num_steps = self.micro_batches_per_step, self.steps_per_call
