@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from backends import get_backend
 from bert_packed.config import load_config, validate
 
 
@@ -34,17 +35,20 @@ def main(argv=None) -> int:
     overrides = args.overrides + ([f"train.steps={args.steps}"] if args.steps is not None else [])
     try:
         config = load_config(args.config, overrides)
+        # Config mistakes first, the same way whether or not the backend can run here.
+        warnings = validate(config, args.backend, int(os.environ.get("WORLD_SIZE", "1")))
+        backend = get_backend(args.backend)
         if args.profile:
             from bert_packed.profiling import run_profile
 
-            for warning in validate(config, args.backend):
+            for warning in warnings:
                 print(f"warning: {warning}", file=sys.stderr)
             output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
-            run_profile(config, args.backend, output_dir)
+            run_profile(config, backend, output_dir)
             return 0
         from bert_packed.train import train
 
-        train(config, args.backend, output_dir=args.output_dir, resume=args.resume,
+        train(config, backend, output_dir=args.output_dir, resume=args.resume,
               show_progress=not args.no_progress)
     except ValueError as exc:
         # Our error classes (ConfigError, DataError, PackingError, ...) subclass ValueError and

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 from typing import Any, Dict
 
 import numpy as np
 import torch
+
+from bert_packed.io import atomic_path
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -31,19 +32,11 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 def save_checkpoint(path: str, state: Dict[str, Any]) -> None:
     """Write ``state`` to ``path`` atomically (temp file in the same directory + os.replace)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
+    with atomic_path(path, prefix=".checkpoint-", suffix=".tmp") as tmp:
+        with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load_checkpoint(path: str) -> Dict[str, Any]:

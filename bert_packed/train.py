@@ -34,7 +34,7 @@ import torch.distributed as dist
 from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from bert_packed.config import Config, ConfigError, gradient_accumulation, validate
 from bert_packed.data import build_data_source
-from bert_packed.data.vocab import write_text_atomic
+from bert_packed.io import write_text_atomic
 
 METRICS_NAME, SUMMARY_NAME = "metrics.jsonl", "summary.json"
 
@@ -43,18 +43,20 @@ METRICS_NAME, SUMMARY_NAME = "metrics.jsonl", "summary.json"
 # Building blocks
 
 
-def setup_distributed(backend_cls) -> tuple:
+def setup_distributed(backend) -> tuple:
     """(rank, world_size); joins the torchrun process group when launched by torchrun.
 
-    A backend with its own launcher (the IPU's PopRun) reports its shard through
-    ``process_shard()`` -> (instance index, number of instances) or None."""
-    shard = getattr(backend_cls, "process_shard", None)
+    ``backend`` is the backend object (its class attributes are read): one with its own
+    launcher (the IPU's PopRun) reports its shard through ``process_shard()`` ->
+    (instance index, number of instances) or None; ``dist_backend`` names the process
+    group's backend (gloo by default)."""
+    shard = getattr(backend, "process_shard", None)
     shard = shard() if callable(shard) else None
     if shard is not None:
         return int(shard[0]), int(shard[1])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=getattr(backend_cls, "dist_backend", "gloo"))
+        dist.init_process_group(backend=getattr(backend, "dist_backend", "gloo"))
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -197,30 +199,32 @@ class _Progress:
 # The loop
 
 
-def train(config: Config, backend_name: str = "cpu", *, output_dir: Optional[str] = None,
+def train(config: Config, backend, *, output_dir: Optional[str] = None,
           resume: bool = False, show_progress: bool = True) -> Dict[str, Any]:
-    """Train ``config`` on backend ``backend_name``; returns the summary (also in summary.json)."""
+    """Train ``config`` on ``backend`` (an unprepared backend object, see backends/base.py;
+    ``run.py`` resolves names with ``backends.get_backend``); returns the summary (also in
+    summary.json)."""
+    if isinstance(backend, str):
+        raise TypeError(f"train() takes a backend object, not the name {backend!r}: "
+                        f"resolve it with backends.get_backend({backend!r})")
     threads = torch.get_num_threads()
     # The run writes its effective (packing-adjusted) accumulation and betas into the config
     # it works on; a copy keeps the caller's config as given, so a second run adjusts once.
     config = copy.deepcopy(config)
     try:
-        return _train(config, backend_name, output_dir=output_dir, resume=resume, show_progress=show_progress)
+        return _train(config, backend, output_dir=output_dir, resume=resume, show_progress=show_progress)
     finally:  # train.num_threads is for this run only (callers in the same process keep theirs)
         torch.set_num_threads(threads)
 
 
-def _train(config: Config, backend_name: str, *, output_dir: Optional[str], resume: bool,
+def _train(config: Config, backend, *, output_dir: Optional[str], resume: bool,
            show_progress: bool) -> Dict[str, Any]:
-    from backends import get_backend, get_backend_class
-
     t = config.train
-    # Validate before touching the backend, so config mistakes are reported the same way
-    # whether or not the backend can run here.
+    backend_name = backend.name
+    # Validate before touching the process group, so config mistakes are reported once,
+    # the same way in every process.
     validate(config, backend_name, int(os.environ.get("WORLD_SIZE", "1")))
-    backend_cls = get_backend_class(backend_name)
-    backend = get_backend(backend_name)
-    rank, world_size = setup_distributed(backend_cls)
+    rank, world_size = setup_distributed(backend)
     warnings = validate(config, backend_name, world_size)
     is_main = rank == 0
     for line in warnings if is_main else ():

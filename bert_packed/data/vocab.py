@@ -4,8 +4,8 @@ The vocabulary file is the plain BERT `vocab.txt` (one token per line, the line 
 the id), so Google's and Hugging Face's vocabularies work as they are.
 """
 import os
-import tempfile
 
+from ..io import write_text_atomic
 from .errors import DataError
 
 # The order matters only for ids: [PAD] = 0 because the packed layout reads token 0 as
@@ -78,47 +78,3 @@ def load_vocab(path):
         raise DataError(f"{path}: [PAD] must be the first line (id 0), it is line "
                         f"{vocab['[PAD]'] + 1}")
     return vocab
-
-
-def write_text_atomic(path, text):
-    """Write `text` to `path` through a temporary file in the same folder and os.replace."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        publish(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-class atomic_path:
-    """Context manager: yields a temporary path next to `path`, os.replace'd onto it on success."""
-
-    def __init__(self, path):
-        self.path = os.fspath(path)
-
-    def __enter__(self):
-        folder = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(folder, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(self.path))
-        os.close(fd)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            publish(self.tmp, self.path)
-        elif os.path.exists(self.tmp):
-            os.unlink(self.tmp)
-        return False
-
-
-def publish(tmp, path):
-    """os.replace `tmp` onto `path` with the usual permissions (mkstemp makes files 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
