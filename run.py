@@ -5,6 +5,7 @@
     python run.py --backend cpu --config phase2 --set model.num_hidden_layers=2 --steps 5
     torchrun --nproc_per_node 2 run.py --backend cpu --config demo    # data parallel (gloo)
     python run.py --config phase2 --backend mock --profile           # packing overhead report
+    python run.py --backend ipu --config phase2 --compile-only       # memory estimate + offline compile
 
 Configs: configs/NAME[.yaml] or a path; `python -m bert_packed.config NAME` prints one resolved.
 """
@@ -26,6 +27,8 @@ def parse_args(argv=None):
                    help="override one config value, e.g. --set train.micro_batch_size=4 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in the output dir")
     p.add_argument("--profile", action="store_true", help="write the packing-overhead report instead of training")
+    p.add_argument("--compile-only", action="store_true",
+                   help="ipu/mock: print the per-IPU memory estimate and compile offline (Poplar memory report)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     return p.parse_args(argv)
 
@@ -37,7 +40,12 @@ def main(argv=None) -> int:
         config = load_config(args.config, overrides)
         # Config mistakes first, the same way whether or not the backend can run here.
         warnings = validate(config, args.backend, int(os.environ.get("WORLD_SIZE", "1")))
-        backend = get_backend(args.backend)
+        backend = get_backend(args.backend, check_available=not args.compile_only)  # offline: no IPU needed
+        if args.compile_only:
+            from ipu.offline import compile_only
+
+            compile_only(config, backend, args.output_dir or os.path.join("runs", config.name, "compile"))
+            return 0
         if args.profile:
             from bert_packed.profiling import run_profile
 
@@ -45,6 +53,10 @@ def main(argv=None) -> int:
                 print(f"warning: {warning}", file=sys.stderr)
             output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
             run_profile(config, backend, output_dir)
+            if backend.name in ("ipu", "mock"):
+                from ipu.offline import report_memory
+
+                report_memory(config, backend, output_dir)
             return 0
         from bert_packed.train import train
 

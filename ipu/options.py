@@ -34,6 +34,16 @@ def import_popdist() -> Optional[Any]:
     return popdist if popdist.isPopdistEnvSet() else None
 
 
+def init_popdist(popdist: Optional[Any]) -> Optional[Any]:
+    """``popdist.init()`` once per process under PopRun, as Graphcore's PopRun examples do
+    (nlp/bert/pytorch/args.py ``init_popdist``) before any popdist query or Options; returns
+    ``popdist`` (None without PopRun)."""
+    if popdist is not None and not getattr(popdist, "_packed_bert_initialised", False):
+        popdist.init()
+        popdist._packed_bert_initialised = True
+    return popdist
+
+
 def data_shard(popdist: Optional[Any] = None) -> Tuple[int, int]:
     """``(instance_index, num_instances)``: which share of the data this host process reads.
 

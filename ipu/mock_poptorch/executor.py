@@ -205,6 +205,7 @@ class PoplarExecutor:
         self._host_weights_version = 0
         self._quiet = 0            # >0: our own accesses to the model, no implicit weight copies
         self._half = False         # fp16 storage emulated (model has fp16 weights)
+        self._meta = False         # weights on the meta device: compile (trace shapes) only
         self._emulating = False    # inside a run: rounding hooks active
         self._hooks = []
         self._signature = None
@@ -214,7 +215,8 @@ class PoplarExecutor:
         self.memory_estimate = None  # filled at compile when an estimator is installed
         self._has_run = False
         self._last_run_info = None
-        self._accumulators = {}  # replica -> {parameter: accumulated gradient (accum_type)}
+        self._accumulators = {}  # replica -> accumulated gradients of all parameters, flat (accum_type)
+        self._trainable_cache = None
         if training:
             self.setOptimizer(optimizer)
         options._freeze()
@@ -398,6 +400,8 @@ class PoplarExecutor:
         data_replica = replica // o.input_group_size
 
         def take(tensor):
+            if self._meta:
+                tensor = tensor.to("meta")  # a model without weights traces on shapes alone
             if tensor.dim() == 0:
                 return tensor.float() if self._half and _is_half(tensor) else tensor
             if tensor.requires_grad:
@@ -430,10 +434,13 @@ class PoplarExecutor:
         self._signature = self._check_batch(args, kwargs)
         named = self._state_tensors()
         self._half = any(_is_half(t) for _, t in named)
+        self._meta = any(t.is_meta for _, t in named)
         if self._half and not self._hooks:
             self._install_rounding()
-        # The upload that compiling does: the device starts from the host weights.
-        self._device_state = {name: tensor.detach().clone() for name, tensor in named}
+        # The upload that compiling does: the device starts from the host weights. (An offline
+        # executable never runs: it needs no copy.)
+        offline = self._options.connection_type == ConnectionType.Never
+        self._device_state = {name: tensor.detach() if offline else tensor.detach().clone() for name, tensor in named}
         micro_args = self._micro_batch(args, 0, 0, 0)
         micro_kwargs = self._micro_batch(kwargs, 0, 0, 0)
         # Trace with the micro batch; keep the host RNG untouched so the run that follows draws
@@ -463,11 +470,12 @@ class PoplarExecutor:
     def _estimate_memory(self):
         """The installed per-IPU memory estimate; warns, with the figures, above an IPU's memory
         (the real compile would fail with out-of-memory unless debug.allowOutOfMemory)."""
-        if _memory_estimator is None:
+        if _memory_estimator is None or not self._training:
             return
         info = {"model": self._user_model, "signature": self._signature, "pipeline": self.pipeline,
                 "training": self._training, "options": self._options, "optimizer": self._optimizer}
-        estimate = _memory_estimator(info)
+        with self._internal():
+            estimate = _memory_estimator(info)
         self.memory_estimate = estimate
         if not estimate:
             return
@@ -604,7 +612,8 @@ class PoplarExecutor:
                             f"pipeline stages ({depth})", type="popart_exception")
         return {"blocks": blocks, "num_stages": num_stages, "stage_ipus": merged,
                 "num_ipus_per_replica": num_ipus_per_replica, "num_ipus": num_ipus,
-                "num_recomputation_checkpoints": recorder.num_checkpoints}
+                "num_recomputation_checkpoints": recorder.num_checkpoints,
+                "serialization_factors": list(recorder.serialization_factors)}
 
     def _check_output_mode(self):
         """PopART's anchor checks for EveryN (dataflow.cpp, irlowering.cpp)."""
@@ -626,6 +635,8 @@ class PoplarExecutor:
                                  "model.compile(inputs) instead of model(inputs)")
         if not self._compiled:
             self._compile(args, kwargs)
+        if self._meta:
+            raise Error("The model's weights are on the meta device: it can be compiled (shapes), not run")
         if not self._attached:
             self.attachToDevice()
         if not self._training:
@@ -670,8 +681,10 @@ class PoplarExecutor:
         return self._assemble_outputs(outputs)
 
     def _trainable(self):
-        with self._internal():
-            return [(name, p) for name, p in self._user_model.named_parameters() if p.requires_grad]
+        if self._trainable_cache is None:
+            with self._internal():
+                self._trainable_cache = [(name, p) for name, p in self._user_model.named_parameters() if p.requires_grad]
+        return self._trainable_cache
 
     def _run_micro_batch(self, args, kwargs, replica, accumulation):
         if not self._training:
@@ -698,12 +711,12 @@ class PoplarExecutor:
 
     def _accumulate_gradients(self, replica, count):
         """This micro-batch's gradients (fp16 where the weight is stored in fp16) into replica
-        ``replica``'s accumulators, in the optimizer's ``accum_type``; ``count`` micro-batches
-        are already in them. Arithmetic in fp32, the result rounded to ``accum_type`` (PopART's
-        AccumulateOp: Add for Post, Mean ``a = (1-b) a + b g`` with ``b = 1/(count+1)`` for Running)."""
+        ``replica``'s accumulator, in the optimizer's ``accum_type``; ``count`` micro-batches
+        are already in it. Arithmetic in fp32, the result rounded to ``accum_type`` (PopART's
+        AccumulateOp: Add for Post, Mean ``a = (1-b) a + b g`` with ``b = 1/(count+1)`` for Running).
+        All parameters' gradients are kept as one flat tensor (elementwise, so the same numbers)."""
         dtype = getattr(self._optimizer, "accum_type", None) or torch.float32
-        running = self._running_mean()
-        accumulators = self._accumulators.setdefault(replica, {})
+        grads = []
         for name, param in self._trainable():
             grad = param.grad
             param.grad = None
@@ -711,16 +724,15 @@ class PoplarExecutor:
                 grad = torch.zeros_like(param)
             if _is_half(self._device_state[name]):
                 grad = grad.to(torch.float16)  # the device's weight gradient is fp16 (overflow -> inf)
-            grad = grad.float()
-            previous = accumulators.get(param)
-            if previous is None:
-                value = grad / (count + 1) if running else grad
-            elif running:
-                b = 1.0 / (count + 1)
-                value = previous.float() * (1.0 - b) + grad * b
-            else:
-                value = previous.float() + grad
-            accumulators[param] = value.to(dtype)
+            grads.append(grad.reshape(-1).float())
+        grad = torch.cat(grads)
+        previous = self._accumulators.get(replica)
+        if self._running_mean():
+            b = 1.0 / (count + 1)
+            value = grad * b if previous is None else previous.float() * (1.0 - b) + grad * b
+        else:
+            value = grad if previous is None else previous.float() + grad
+        self._accumulators[replica] = value.to(dtype)
 
     def _reduce_gradients(self):
         """Replicas' accumulators all-reduced (Post: sum, Running: mean, in ``accum_type``), then
@@ -729,21 +741,20 @@ class PoplarExecutor:
         o = self._options
         running = self._running_mean()
         num_processes = o.Distributed.num_distributed_processes
-        global_replicas = o.replication_factor * num_processes
         divisor = self._loss_scaling()
         if o.Training.accumulation_and_replication_reduction_type == ReductionType.Mean and not running:
-            divisor *= o.Training.gradient_accumulation * global_replicas
+            divisor *= o.Training.gradient_accumulation * o.replication_factor * num_processes
         replicas = [self._accumulators[r] for r in sorted(self._accumulators)]
-        for param in replicas[0]:
-            dtype = replicas[0][param].dtype
-            total = replicas[0][param]
-            for accumulators in replicas[1:]:
-                total = (total.float() + accumulators[param].float()).to(dtype)
-            if running:
-                total = (total.float() / len(replicas)).to(dtype)
-            if num_processes > 1:
-                total = self._all_reduce_instances(total, running)
-            param.grad = (total.float() / divisor).to(param.dtype)
+        total = replicas[0]
+        for accumulator in replicas[1:]:
+            total = (total.float() + accumulator.float()).to(total.dtype)
+        if running:
+            total = (total.float() / len(replicas)).to(total.dtype)
+        if num_processes > 1:
+            total = self._all_reduce_instances(total, running)
+        grads = (total.float() / divisor).split([p.numel() for _, p in self._trainable()])
+        for (_, param), grad in zip(self._trainable(), grads):
+            param.grad = grad.view_as(param).to(param.dtype)
         self._accumulators = {}
 
     @staticmethod

@@ -25,6 +25,7 @@ class _Recorder:
         self.blocks = []         # [(user_id, ipu_id)] in execution order
         self.losses = []         # [(kind, tensor)] in call order; kind "identity_loss" or a function name
         self.num_checkpoints = 0
+        self.serialization_factors = []  # factor of every serializedMatMul, in call order
         self._auto_id = 0
 
     def next_auto_id(self):
@@ -203,6 +204,7 @@ def serializedMatMul(lhs, rhs, mode, factor=0, keep_precision=False):
             rule = "output_channels dim should be a multiple of the serialisation factor "
         if size % factor:
             raise Error(f"Invalid serialisation factor {factor} for {what} {size}. {rule}", type="popart_exception")
+        _active().serialization_factors.append(factor)
     return torch.matmul(lhs, rhs)
 
 
