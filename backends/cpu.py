@@ -14,6 +14,7 @@ The class is written to be subclassed (the cuda backend does): override the hook
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -41,6 +42,7 @@ class CPUBackend:
     def __init__(self) -> None:
         self.model = self.optimizer = self.scheduler = self.config = None
         self.forward_module = None
+        self.grad_norm = 0.0  # of the last step, set by clip_gradients
 
     # -- hooks (override in subclasses) ----------------------------------------------------
 
@@ -64,18 +66,29 @@ class CPUBackend:
         return lambda: time.perf_counter() - start
 
     def optimizer_step(self) -> None:
-        """Clip (if configured), update, advance the schedule, clear gradients."""
+        """Clip (if configured), update, advance the schedule, clear gradients.
+
+        A non-finite gradient norm is not applied (the weights stay as they were): the loop
+        reads ``grad_norm`` from the metrics and stops the run."""
         self.clip_gradients()
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        if math.isfinite(self.grad_norm):
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def clip_gradients(self) -> None:
-        """Clip the global gradient norm to ``optimizer.max_grad_norm`` when configured."""
+        """Measure the global gradient norm (``self.grad_norm``, before clipping) and clip it to
+        ``optimizer.max_grad_norm`` when configured."""
         max_norm = self.config.optimizer.max_grad_norm if self.config is not None else None
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        elif grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+        else:
+            norm = torch.zeros(())
+        self.grad_norm = float(norm)
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -134,6 +147,7 @@ class CPUBackend:
         metrics = self._run(micro_batches, train=True)
         self.reduce_gradients()
         self.optimizer_step()
+        metrics["grad_norm"] = self.grad_norm
         if self.scheduler is not None:
             metrics["learning_rate"] = float(self.scheduler.get_last_lr()[0])
         return metrics

@@ -83,6 +83,7 @@ class CUDABackend(CPUBackend):
         self.device = torch.device(device)
         self.autocast_dtype: Optional[torch.dtype] = torch.bfloat16
         self.scaler = None
+        self.skipped_step = False
         self.num_steps = 0
         self.num_recompiles = 0
 
@@ -162,7 +163,8 @@ class CUDABackend(CPUBackend):
         self.scaler.update()
         # An overflowing step is skipped and the scale lowered; the schedule then stays
         # where it is, so the retried step gets the learning rate it was meant to have.
-        if self.scheduler is not None and self.scaler.get_scale() >= scale:
+        self.skipped_step = self.scaler.get_scale() < scale
+        if self.scheduler is not None and not self.skipped_step:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -189,6 +191,9 @@ class CUDABackend(CPUBackend):
             metrics["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.scaler is not None:
             metrics["loss_scale"] = float(self.scaler.get_scale())
+            # By design, not divergence: the loop logs it and stops after
+            # train.max_consecutive_skipped_steps in a row.
+            metrics["skipped_step"] = float(self.skipped_step)
         return metrics
 
     def start_timer(self) -> Callable[[], float]:

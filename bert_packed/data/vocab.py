@@ -6,7 +6,7 @@ the id), so Google's and Hugging Face's vocabularies work as they are.
 import os
 
 from ..io import write_text_atomic
-from .errors import DataError
+from .errors import DataError, refuse_output_over_input
 
 # The order matters only for ids: [PAD] = 0 because the packed layout reads token 0 as
 # padding; the rest follow the Hugging Face convention.
@@ -26,10 +26,13 @@ def train_vocab(input_paths, vocab_size, output_path, *, lowercase=True, min_fre
     if isinstance(input_paths, (str, os.PathLike)):
         input_paths = [input_paths]
     input_paths = [os.fspath(p) for p in input_paths]
+    refuse_output_over_input(output_path, input_paths)
     if vocab_size < len(SPECIAL_TOKENS) + 1:
         raise DataError(f"--size {vocab_size} is too small: use at least {len(SPECIAL_TOKENS) + 1}")
     for path in input_paths:
         check_corpus_file(path)
+        for _ in utf8_lines(path):  # the same invalid-UTF-8 policy as `create` (see utf8_lines)
+            pass
     tokenizer = BertWordPieceTokenizer(clean_text=True, handle_chinese_chars=True,
                                        strip_accents=None, lowercase=lowercase)
     tokenizer.train(input_paths, vocab_size=vocab_size, min_frequency=min_frequency,
@@ -43,8 +46,29 @@ def train_vocab(input_paths, vocab_size, output_path, *, lowercase=True, min_fre
     return len(tokens)
 
 
+def utf8_lines(path):
+    """The lines of corpus file `path`, decoded as UTF-8 (line ends kept).
+
+    The one invalid-UTF-8 policy of `vocab` and `create`: a corpus must be UTF-8, and a byte
+    sequence that is not is refused with one line naming the file, line and byte offset (no
+    silent replacement or dropping: either would train on text that is not in the corpus).
+    Convert a file with `iconv -f <encoding> -t utf-8`, or drop bad bytes with `iconv -c`.
+    """
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad = raw[exc.start:exc.end].hex()
+                raise DataError(f"{path}: line {number}: invalid UTF-8 (byte 0x{bad} at column {exc.start + 1}); "
+                                f"corpora must be UTF-8: convert with iconv -f <encoding> -t utf-8, or drop bad "
+                                f"bytes with iconv -c -f utf-8 -t utf-8") from None
+
+
 def check_corpus_file(path):
-    """Raise DataError unless `path` is a readable, non-empty UTF-8 text file."""
+    """Raise DataError unless `path` is a readable, non-empty text file."""
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory; give corpus text files")
     if not os.path.isfile(path):
         raise DataError(f"{path}: corpus file not found")
     with open(path, "rb") as handle:
