@@ -45,7 +45,8 @@ def main(argv=None) -> int:
         config = load_config(args.config, overrides)
         # Config mistakes first, the same way whether or not the backend can run here.
         warnings = validate(config, args.backend, int(os.environ.get("WORLD_SIZE", "1")))
-        backend = get_backend(args.backend, check_available=not args.compile_only)  # offline: no IPU needed
+        # --compile-only compiles offline: it needs the Poplar SDK, not free IPUs.
+        backend = get_backend(args.backend, check_available=False) if args.compile_only else get_backend(args.backend)
         if args.compile_only:
             from ipu.offline import compile_only
 
