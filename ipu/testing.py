@@ -80,6 +80,28 @@ FP16_CURVE = TINY_MODEL + [
     "ipu.loss_scaling=1024.0"]
 
 
+def prepared_pair(config, reference_config=None, backend_cls=None):
+    """``(backend, model, cpu, reference)``: a ``backend_cls`` (default MockBackend) prepared on
+    ``config`` and a CPUBackend on ``reference_config`` (default ``config``), with identical
+    initial weights (seed 0) and each its own optimizer from its config."""
+    import copy
+
+    import torch
+
+    from backends.cpu import CPUBackend
+    from backends.mock import MockBackend
+    from bert_packed.train import build_model, build_optimizer
+
+    reference_config = reference_config or config
+    torch.manual_seed(0)
+    model = build_model(config)
+    reference = copy.deepcopy(model)
+    backend, cpu = (backend_cls or MockBackend)(), CPUBackend()
+    backend.prepare(model, build_optimizer(config, model)[0], config)
+    cpu.prepare(reference, build_optimizer(reference_config, reference)[0], reference_config)
+    return backend, model, cpu, reference
+
+
 def mock_and_cpu_loss_curves(overrides=(), steps: int = 50, num_batches: int = 4, seed: int = 1):
     """Per-step losses of the mock (phase2 + FP16_CURVE + ``overrides``) and of the cpu fp32
     reference on the same global batches (``num_batches`` of them, cycled, so the loss falls).
@@ -88,26 +110,14 @@ def mock_and_cpu_loss_curves(overrides=(), steps: int = 50, num_batches: int = 4
     counts in every pack that is the same step (docs/internals.md), and 16x fewer forwards.
     Returns (mock_losses, cpu_losses, mock_backend).
     """
-    import copy
-
-    import torch
-
-    from backends.cpu import CPUBackend
-    from backends.mock import MockBackend
     from bert_packed.config import load_config
-    from bert_packed.train import build_model, build_optimizer
 
     config = load_config("phase2", FP16_CURVE + list(overrides))
     per_step = config.train.gradient_accumulation * config.ipu.replication_factor
     reference_config = load_config("phase2", FP16_CURVE + list(overrides) + [
         "train.gradient_accumulation=1", f"train.micro_batch_size={per_step * config.train.micro_batch_size}",
         "ipu.half_precision=false"])
-    torch.manual_seed(0)
-    model = build_model(config)
-    reference = copy.deepcopy(model)
-    mock, cpu = MockBackend(), CPUBackend()
-    mock.prepare(model, build_optimizer(config, model)[0], config)
-    cpu.prepare(reference, build_optimizer(reference_config, reference)[0], reference_config)
+    mock, _, cpu, _ = prepared_pair(config, reference_config)
     batches = random_micro_batches(seed, per_step * num_batches, config)
     mock_losses, cpu_losses = [], []
     for step in range(steps):

@@ -6,7 +6,6 @@ before the issue and passes after. Verified against poptorch sdk-release-3.4
 (optimizerdecompose.cpp, accumulatex.cpp, dataflow.cpp) and Graphcore's BERT
 (examples nlp/bert/pytorch/ipu_options.py, optimization.py, modeling.py).
 """
-import copy
 import json
 
 import numpy as np
@@ -24,7 +23,7 @@ from bert_packed.losses import mlm_loss_terms
 from bert_packed.train import build_model, build_optimizer
 from ipu import memory
 from ipu import options as ipu_options
-from ipu.testing import TINY_MODEL, mock_and_cpu_loss_curves, random_micro_batches
+from ipu.testing import TINY_MODEL, mock_and_cpu_loss_curves, prepared_pair, random_micro_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 METRICS = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "num_sequences", "num_mlm_tokens")
@@ -37,17 +36,6 @@ def small(extra=()):
         "optimizer.warmup_fraction=0.0", "ipu.device_iterations=1", "ipu.output_mode=sum"] + list(extra))
 
 
-def pair(config):
-    """A prepared mock backend and a cpu backend on identical initial weights."""
-    torch.manual_seed(0)
-    model = build_model(config)
-    reference = copy.deepcopy(model)
-    mock, cpu = MockBackend(), CPUBackend()
-    mock.prepare(model, build_optimizer(config, model)[0], config)
-    cpu.prepare(reference, build_optimizer(config, reference)[0], config)
-    return mock, model, cpu, reference
-
-
 # -- point 2: weights move with detach/attach; eval and checkpoints through that path -----------
 
 def test_evaluation_during_training_and_checkpoints_go_through_detach_and_attach():
@@ -55,7 +43,7 @@ def test_evaluation_during_training_and_checkpoints_go_through_detach_and_attach
     detached executable raises (the old backend made one at every switch); the mock raises too."""
     config = small(["ipu.half_precision=false", "ipu.loss_scaling=1.0", "ipu.replication_factor=2",
                     "train.gradient_accumulation=7", "ipu.available_memory_proportion=[0.2]"])
-    mock, model, cpu, reference = pair(config)
+    mock, model, cpu, reference = prepared_pair(config)
     batches = random_micro_batches(0, 14 * 2 + 1, config)
     held_out = batches[-1]
     for step in range(2):
@@ -204,12 +192,7 @@ def test_the_batched_cpu_reference_is_the_same_step():
     base = ["ipu.half_precision=false", "optimizer.learning_rate=0.02"]
     one_by_one, merged_config = small(base + ["train.gradient_accumulation=16"]), small(
         base + ["train.gradient_accumulation=1", "train.micro_batch_size=16"])
-    torch.manual_seed(0)
-    model = build_model(one_by_one)
-    twin = copy.deepcopy(model)
-    a, b = CPUBackend(), CPUBackend()
-    a.prepare(model, build_optimizer(one_by_one, model)[0], one_by_one)
-    b.prepare(twin, build_optimizer(merged_config, twin)[0], merged_config)
+    a, model, b, twin = prepared_pair(one_by_one, merged_config, backend_cls=CPUBackend)
     batches = random_micro_batches(2, 16, one_by_one)
     merged = {k: np.concatenate([x[k] for x in batches]) for k in batches[0]}
     got, want = a.train_step([dict(x) for x in batches]), b.train_step([merged])
