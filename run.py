@@ -5,6 +5,7 @@
     python run.py --backend cpu --config phase2 --set model.num_hidden_layers=2 --steps 5
     torchrun --nproc_per_node 2 run.py --backend cpu --config demo    # data parallel (gloo)
     python run.py --config phase2 --backend mock --profile           # packing overhead report
+    python run.py --backend ipu --config phase2 --compile-only       # memory estimate + offline compile
     python run.py --config finetune_classification --init-checkpoint DIR --set finetune.train_file=train.csv ...
 
 Configs: configs/NAME[.yaml] or a path; `python -m bert_packed.config NAME` prints one resolved.
@@ -32,6 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--resume-force", action="store_true",
                    help="--resume even if settings that change the computation differ from the checkpoint's")
     p.add_argument("--profile", action="store_true", help="write the packing-overhead report instead of training")
+    p.add_argument("--compile-only", action="store_true",
+                   help="ipu/mock: print the per-IPU memory estimate and compile offline (Poplar memory report)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     return p.parse_args(argv)
 
@@ -46,7 +49,13 @@ def main(argv=None) -> int:
         config = load_config(args.config, overrides)
         # Config mistakes first, the same way whether or not the backend can run here.
         warnings = validate(config, args.backend, int(os.environ.get("WORLD_SIZE", "1")))
-        backend = get_backend(args.backend)
+        # --compile-only compiles offline: it needs the Poplar SDK, not free IPUs.
+        backend = get_backend(args.backend, check_available=False) if args.compile_only else get_backend(args.backend)
+        if args.compile_only:
+            from ipu.offline import compile_only
+
+            compile_only(config, backend, args.output_dir or os.path.join("runs", config.name, "compile"))
+            return 0
         if args.profile:
             from bert_packed.profiling import run_profile
 
@@ -54,6 +63,10 @@ def main(argv=None) -> int:
                 print(f"warning: {warning}", file=sys.stderr)
             output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
             run_profile(config, backend, output_dir)
+            if backend.name in ("ipu", "mock"):
+                from ipu.offline import report_memory
+
+                report_memory(config, backend, output_dir)
             return 0
         from bert_packed.train import train
 

@@ -121,7 +121,11 @@ class CUDABackend(CPUBackend):
             torch.backends.cudnn.allow_tf32 = cuda.allow_tf32
         if cuda.precision == "fp16":
             # bf16 has fp32's exponent range; fp16 gradients underflow without scaling.
-            self.scaler = torch.amp.GradScaler(self.device.type, init_scale=cuda.loss_scale_init)
+            if hasattr(torch.amp, "GradScaler"):  # torch >= 2.3
+                self.scaler = torch.amp.GradScaler(self.device.type, init_scale=cuda.loss_scale_init)
+            else:  # torch 2.0 (the Poplar SDK's): only the CUDA class exists
+                self.scaler = torch.cuda.amp.GradScaler(init_scale=cuda.loss_scale_init,
+                                                        enabled=self.device.type == "cuda")
         super().prepare(model, optimizer, config, scheduler=scheduler)
 
     # -- hooks of the cpu step --------------------------------------------------------------

@@ -211,10 +211,15 @@ class IPUConfig:
     available_memory_proportion: List[float] = field(default_factory=lambda: [0.1, 0.15, 0.15, 0.15])
     enable_half_partials: bool = True
     half_precision: bool = True
+    # Gradient accumulators (PopTorch optimizer accum_type): "auto" = fp16 with half_precision
+    # (Graphcore's choice: half the memory; PopTorch then keeps a running mean, which cannot
+    # overflow), else fp32. LAMB's two moments are always fp32.
+    accumulator_dtype: str = field(default="auto", metadata=_choices("auto", "fp16", "fp32"))
     stochastic_rounding: bool = True
     loss_scaling: float = 8192.0
-    # null = no executable cache (recompile every run).
-    executable_cache_dir: Optional[str] = None
+    # PopTorch's executable cache: BERT-Large compiles for tens of minutes, a cached executable
+    # loads in seconds. A relative path is relative to the working directory; null = off.
+    executable_cache_dir: Optional[str] = "runs/executable_cache"
     synthetic_data: bool = False
     log_cycle_count: bool = False
     optimizer_state_offchip: bool = True
@@ -227,6 +232,10 @@ class IPUConfig:
     @property
     def ipus_per_replica(self) -> int:
         return len(self.layers_per_ipu)
+
+    @property
+    def fp16_accumulators(self) -> bool:
+        return self.accumulator_dtype == "fp16" or (self.accumulator_dtype == "auto" and self.half_precision)
 
 
 @dataclass

@@ -77,7 +77,10 @@ def mlm_loss_terms(
     num_packs, num_slots, vocab_size = logits.shape
     dtype = torch.float32
     valid = (sequence_ids > 0).to(dtype)  # [B, M]
-    nll = F.cross_entropy(logits.reshape(-1, vocab_size).float(), labels.reshape(-1), reduction="none")
+    # Cross entropy in the logits' own precision, the per-token losses then in fp32 (Graphcore's
+    # BERT): no fp32 copy of the [B, M, V] logits, the largest activation of IPU 0 in fp16.
+    # (CUDA autocast runs cross_entropy in fp32 itself.)
+    nll = F.cross_entropy(logits.reshape(-1, vocab_size), labels.reshape(-1), reduction="none").float()
     nll = nll.view(num_packs, num_slots) * valid
     correct = (logits.argmax(dim=-1) == labels).to(dtype) * valid
     num_tokens = valid.sum(dim=1)

@@ -176,9 +176,12 @@ def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
         bias_correction = {bool(g.get("bias_correction", True)) for g in torch_optimizer.param_groups}
         if len(bias_correction) != 1:
             raise ConfigError("poptorch.optim.LAMB has one bias_correction for all groups; the groups differ")
-        # fp32 gradient accumulators: a step sums GA x replicas loss-scaled gradients, which
-        # overflows fp16 (Graphcore's BERT accumulates in fp16; we trade that memory for range).
-        accum = torch.float32
+        # Gradient accumulators in fp16 by default (Graphcore's BERT and optimum-graphcore): one
+        # copy of the weights in fp16 instead of fp32. PopTorch then keeps their running mean
+        # (MeanReductionStrategy.Running, set in ipu/options.py), never the sum of GA x replicas
+        # loss-scaled gradients, so they cannot overflow where one micro-batch's gradient does
+        # not. LAMB's first and second moments stay fp32 (in Streaming Memory, sharded).
+        accum = torch.float16 if config.ipu.fp16_accumulators else torch.float32
         return poptorch.optim.LAMB(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]),
                                    eps=float(defaults["eps"]), weight_decay=float(defaults["weight_decay"]),
                                    bias_correction=bias_correction.pop(), loss_scaling=loss_scaling,
@@ -188,7 +191,10 @@ def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
     if isinstance(torch_optimizer, torch.optim.AdamW):
         return poptorch.optim.AdamW(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]),
                                     eps=float(defaults["eps"]), weight_decay=float(defaults["weight_decay"]),
-                                    loss_scaling=loss_scaling)
+                                    loss_scaling=loss_scaling,
+                                    accum_type=torch.float16 if config.ipu.fp16_accumulators else torch.float32,
+                                    first_order_momentum_accum_type=torch.float32,
+                                    second_order_momentum_accum_type=torch.float32)
     raise ConfigError(f"the IPU path supports optimizer.name lamb or adamw, not {type(torch_optimizer).__name__}")
 
 
