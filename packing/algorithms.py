@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import baselines, heuristics, lp, nnls
+from . import baselines, bounds, heuristics, lp, nnls
 from .histogram import Histogram, PackingError
 from .plan import PackingResult, Plan, check_depth, exact_plan
 
@@ -117,8 +117,10 @@ def pack(histogram, algorithm="lpfhp", max_sequences_per_pack=3, seed=0, **optio
 
     Returns:
         PackingResult with an exact plan (every sequence in exactly one slot),
-        ``lp_bound_packs`` for ``lp`` (a certified lower bound on the packs of *any* plan
-        with this depth) and timing in ``seconds`` (the algorithm itself, not loading).
+        ``lp_bound_packs``: a certified lower bound on the packs of *any* plan with this
+        depth, the best of ceil(tokens / L), ceil(sequences / depth), Martello-Toth L2 and
+        (``lp`` only) the LP bound, each in ``details["bounds"]``; ``gap`` = packs / bound - 1;
+        and timing in ``seconds`` (the algorithm and its bounds, not loading).
     """
     if not isinstance(histogram, Histogram):
         histogram = Histogram.load(histogram)
@@ -133,11 +135,15 @@ def pack(histogram, algorithm="lpfhp", max_sequences_per_pack=3, seed=0, **optio
         if "unexpected keyword" in str(exc):
             raise PackingError(f"{algorithm} does not take the option(s) {sorted(options)}") from None
         raise
-    seconds = time.perf_counter() - started
     details = dict(details)
     padding = details.pop("num_padding_tokens", None)
-    bound = details.pop("lp_bound_packs", None)
-    return PackingResult(algorithm, histogram, depth, plan, seconds, lp_bound_packs=bound,
+    components = bounds.lower_bounds(histogram.counts, histogram.max_sequence_length, depth)
+    lp_bound = details.pop("lp_bound_packs", None)
+    if lp_bound is not None:
+        components["lp"] = int(lp_bound)
+    details["bounds"] = components
+    seconds = time.perf_counter() - started
+    return PackingResult(algorithm, histogram, depth, plan, seconds, lp_bound_packs=max(components.values()),
                          num_padding_tokens=padding, details=details)
 
 

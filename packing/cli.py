@@ -87,9 +87,10 @@ def _run_rows(histogram, rows, args, progress=True):
     rows_out = []
     for result in results:
         row = result.to_dict()
-        if row["lp_bound_packs"] is None:
-            row["lp_bound_packs"] = histogram.num_sequences if result.max_sequences_per_pack == 1 else \
-                bounds.get(result.max_sequences_per_pack)
+        shared = bounds.get(result.max_sequences_per_pack)
+        if shared is not None and shared > row["lp_bound_packs"]:
+            row["lp_bound_packs"] = shared
+            row["gap"] = row["num_packs"] / shared - 1.0
         rows_out.append(row)
     return rows_out
 
@@ -113,7 +114,7 @@ def format_table(histogram, rows):
             f"{row['num_tokens']:,}", f"{row['num_padding_tokens']:,}", f"{100 * row['efficiency']:.3f}",
             f"{row['packing_factor']:.3f}", str(row["max_depth_used"]), str(row["num_strategies_used"]),
             f"{row['seconds']:.3f}", "-" if bound is None else f"{bound:,}",
-            "-" if bound is None else f"{100 * (row['num_packs'] / bound - 1):.4f}",
+            "-" if row["gap"] is None else f"{100 * row['gap']:.4f}",
         ])
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *table)]
     for cells in [header] + table:
@@ -121,7 +122,8 @@ def format_table(histogram, rows):
                                for i, (cell, w) in enumerate(zip(cells, widths))))
     lines.append("")
     lines.append("depth = max sequences per pack (max = unlimited); tokens = real tokens; efficiency = tokens / "
-                 "(tokens + padding); LP bound = certified minimum packs at that depth (from lp).")
+                 "(tokens + padding); LP bound = certified minimum packs at that depth: the best of ceil(tokens / L), "
+                 "ceil(sequences / depth), Martello-Toth L2 and lp's LP bound.")
     return "\n".join(lines)
 
 
