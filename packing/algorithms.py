@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import baselines, bounds, heuristics, lp, nnls
-from .histogram import Histogram, PackingError
+from .histogram import Histogram, PackingError, check_seed
 from .plan import PackingResult, Plan, check_depth, exact_plan
 
 
@@ -56,6 +56,10 @@ def _run_greedy(histogram, depth, seed, lengths=None):
 
 
 def _run_lp(histogram, depth, seed, **options):
+    limit = options.get("time_limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                              or not np.isfinite(limit) or limit <= 0):
+        raise PackingError(f"lp's time_limit must be a positive number of seconds (or None), got {limit!r}")
     strategies, repeats, details = lp.pack_lp(histogram.counts, histogram.max_sequence_length, depth, **options)
     plan = exact_plan(strategies, repeats, histogram.counts, histogram.max_sequence_length)
     return plan, details
@@ -125,6 +129,7 @@ def pack(histogram, algorithm="lpfhp", max_sequences_per_pack=3, seed=0, **optio
     if not isinstance(histogram, Histogram):
         histogram = Histogram.load(histogram)
     depth = check_algorithm_depth(algorithm, max_sequences_per_pack)
+    seed = check_seed(seed)
     if algorithm in ("none", "sort"):
         depth = 1  # they never share a row, whatever the limit
     entry = ALGORITHMS[algorithm]

@@ -230,10 +230,15 @@ def command_bench(args):
 
 def _save(figure, path):
     """Atomic write: a half-written PNG never replaces a good one."""
-    handle, temporary = tempfile.mkstemp(suffix=".png", dir=os.path.dirname(path) or ".")
+    handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=os.path.dirname(path) or ".")
     os.close(handle)
-    figure.savefig(temporary, dpi=120)
-    os.replace(temporary, path)
+    try:
+        figure.savefig(temporary, dpi=120)
+        os.replace(temporary, path)
+    except BaseException:  # a failed or interrupted write leaves no temporary file behind
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
 
 
 def command_plot(args):
@@ -344,14 +349,29 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    """Run the command line; returns the exit status (2 for every user mistake, with one line
+    ``error: ...`` on stderr: bad input, unwritable output, Ctrl-C)."""
     try:
+        args = build_parser().parse_args(argv)
         if getattr(args, "batch_size", 1) < 1:
             raise PackingError(f"--batch-size must be at least 1, got {args.batch_size}")
         if getattr(args, "repeats", 1) < 1:
             raise PackingError(f"--repeats must be at least 1, got {args.repeats}")
+        if args.seed < 0:
+            raise PackingError(f"--seed must be a non-negative integer, got {args.seed}")
+        if args.max_sequence_length is not None and args.max_sequence_length < 1:
+            raise PackingError(f"--max-sequence-length must be a positive integer, got {args.max_sequence_length}")
         args.handler(args)
     except PackingError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
+    except OSError as exc:  # unwritable output, a directory that is a file, a full disk
+        where = f" {exc.filename}" if exc.filename else ""
+        return _fail(f"cannot write{where}: {exc.strerror or exc}")
+    except KeyboardInterrupt:
+        return _fail("interrupted; nothing was written that is not complete")
     return 0
+
+
+def _fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    return 2

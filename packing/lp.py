@@ -704,7 +704,10 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
         members = group[item_of_length[np.asarray(strategy)]]
         if top[members].sum() <= max_sequence_length:  # with each length raised to its group's longest
             columns.add(members.tolist())
-    solution = solve_lp(group_demand, top, max_sequence_length, depth, columns, deadline=deadline,
+    # The LP gets 80 % of the time; rounding and repair (about a second at 1M sequences and
+    # thousands of lengths) must fit in the rest.
+    lp_deadline = None if deadline is None else started + 0.8 * float(time_limit)
+    solution = solve_lp(group_demand, top, max_sequence_length, depth, columns, deadline=lp_deadline,
                         bound_weights=bottom, master=master, target_gap=target_gap)
     lp_bound = _ceil_bound(solution.bound)
     timed_out = solution.timed_out

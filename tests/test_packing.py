@@ -49,12 +49,16 @@ def test_wikipedia_histogram_statistics(wikipedia):
 
 
 @pytest.mark.parametrize("depth", list(SPFHP_PUBLISHED))
-def test_spfhp_reproduces_table_1(wikipedia, depth):
+def test_spfhp_matches_or_beats_table_1(wikipedia, depth):
+    # The papers' SPFHP opens one pack per sequence when nothing fits, so it never pairs two
+    # sequences of equal length; ours does (issue 16), which can only save packs: at depth
+    # 2-4 it still matches Table 1, at 8 and unlimited it beats it.
     result = pack(wikipedia, "spfhp", depth)
-    assert result.num_packs == pytest.approx(SPFHP_PUBLISHED[depth], rel=TOLERANCE)
+    assert result.num_packs <= SPFHP_PUBLISHED[depth] * (1 + TOLERANCE)
+    assert result.num_packs >= result.lp_bound_packs
+    if depth in (2, 3, 4):
+        assert result.num_packs == pytest.approx(SPFHP_PUBLISHED[depth], rel=TOLERANCE)
     result.plan.validate(wikipedia.counts, depth)
-    if depth is None:
-        assert result.plan.max_depth == 16  # "setting no limit resulted in a maximum packing depth of 16"
 
 
 @pytest.mark.parametrize("depth", list(LPFHP_PUBLISHED))
