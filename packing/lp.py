@@ -555,18 +555,15 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
             break
         if len(model.columns.items) > max_master_columns:
             reduced = 1.0 - model.columns.values(duals)
-            model.drop((x > 1e-9) | (reduced < 0.02))
-            x = None
+            keep = (x > 1e-9) | (reduced < 0.02)
+            model.drop(keep)
+            x = x[keep]  # still the LP solution: every column in use is kept
         added = model.add(items for value, items in _take(candidates, max_new_columns))
         if added == 0:
             converged = True
             break
-    if x is None and not timed_out:  # pruned on the last round: re-solve
-        solved = model.solve(deadline)
-        if solved is None:
-            timed_out = True
-        else:
-            lp_value, x, _ = solved
+    if x is not None and x.size < len(model.columns.items):  # columns added after the last solve
+        x = np.concatenate([x, np.zeros(len(model.columns.items) - x.size)])
     return LPSolution(model.columns, x, lp_value, bound, bound_duals, duals, rounds, converged, timed_out)
 
 
