@@ -77,6 +77,8 @@ def _run_rows(histogram, rows, args, progress=True):
         if progress and sys.stderr.isatty():
             print(f"  {name} (depth {_depth_label(depth)}) ...", file=sys.stderr, flush=True)
         options = {"batch_size": args.batch_size} if name == "sort" else {}
+        if name == "lp" and getattr(args, "time_limit", None) is not None:
+            options["time_limit"] = args.time_limit
         results.append(pack(histogram, name, depth, seed=args.seed, **options))
     # The LP bound is a property of (histogram, depth): share it with every row of that depth.
     bounds = {result.max_sequences_per_pack: result.lp_bound_packs for result in results if result.algorithm == "lp"}
@@ -326,6 +328,8 @@ def build_parser():
                         help="one or more depths; 'max' = unlimited (default 3 when --algorithm is given)")
     report.add_argument("--batch-size", type=int, default=32, help="batch size of 'sort' (default 32)")
     report.add_argument("--bound", action="store_true", help="compute the LP bound for every depth in the table")
+    report.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="wall-time limit of each lp row (the best plan and bound so far come back)")
     report.add_argument("--json", action="store_true", help="print a JSON list, one object per row")
     report.set_defaults(handler=command_report)
 
@@ -359,6 +363,8 @@ def main(argv=None):
             raise PackingError(f"--repeats must be at least 1, got {args.repeats}")
         if args.seed < 0:
             raise PackingError(f"--seed must be a non-negative integer, got {args.seed}")
+        if getattr(args, "time_limit", None) is not None and not args.time_limit > 0:
+            raise PackingError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
         if args.max_sequence_length is not None and args.max_sequence_length < 1:
             raise PackingError(f"--max-sequence-length must be a positive integer, got {args.max_sequence_length}")
         args.handler(args)
