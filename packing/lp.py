@@ -595,16 +595,18 @@ def _ceil_bound(bound):
     return int(math.ceil(bound * (1.0 - 1e-12) - 1e-6))
 
 
-def _milp(columns, demand, time_limit):
+def _milp(columns, demand, time_limit, lower_bound=0):
     """Integer program over the given columns (transfers stay continuous: an integral x
-    always admits integral transfers). Returns integer repeats or None."""
+    always admits integral transfers). Returns integer repeats or None. It stops as soon as
+    its plan is less than one pack above ``lower_bound`` (then it is optimal)."""
     optimize, _ = _scipy()
     matrix, cost, num_columns = _master_problem(columns, demand.size)
     integrality = np.zeros(matrix.shape[1])
     integrality[:num_columns] = 1
     result = optimize.milp(cost, constraints=optimize.LinearConstraint(matrix, lb=demand.astype(np.float64)),
                            integrality=integrality, bounds=optimize.Bounds(0, np.inf),
-                           options={"time_limit": time_limit, "disp": False})
+                           options={"time_limit": time_limit, "disp": False,
+                                    "mip_rel_gap": 0.999 / max(1.0, float(lower_bound) + 1.0)})
     if result.x is None:
         return None
     return np.round(result.x[:num_columns]).astype(np.int64)
@@ -764,7 +766,7 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
             for k in range(weights.size):
                 milp_columns.add([k])
             limit = milp_time_limit if remaining_time is None else min(milp_time_limit, remaining_time)
-            integer_x = _milp(milp_columns, demand, limit)
+            integer_x = _milp(milp_columns, demand, limit, max(lp_bound, simple_bound))
             if integer_x is not None and integer_x.sum() < _plan_packs(best_repeats):
                 placed, placed_counts, left = _fill_slots(milp_columns.items, integer_x, weights, demand)
                 if not left.any():
