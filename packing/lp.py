@@ -643,7 +643,7 @@ def _plan_packs(repeats):
 
 
 def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_limit=5.0, max_milp_sequences=10_000,
-            max_milp_columns=3000, time_limit=None, max_lp_items=1024, master="highs", target_gap=0.0):
+            max_milp_columns=3000, time_limit=None, max_lp_items=1024, master="highs", target_gap=1e-4):
     """Plan with the LP. Returns (strategies, repeats, details) where details has
     ``lp_bound_packs`` (certified lower bound on the packs of any plan at this depth),
     ``lp_value``, ``num_columns``, ``num_rounds``, ``converged``, ``rounding`` and
@@ -656,8 +656,9 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
     group's longest length as its slot size (so any sequence of the group fits) and the
     certificate each group's shortest (so it stays valid for the real lengths).
 
-    ``target_gap`` (a fraction, default 0): stop as soon as the plan is certified within it
-    of optimal (e.g. 1e-4 = 0.01 %); the heuristic plan alone may already be.
+    ``target_gap`` (a fraction, default 1e-4 = 0.01 %): stop as soon as the plan is
+    certified within it of optimal; the heuristic plan alone may already be (then the LP
+    is skipped). 0 = keep going until the LP cannot improve the plan or the bound.
 
     ``time_limit`` (seconds) bounds the whole call: when it runs out, the best plan found so
     far (at worst the heuristic one) is returned with the best bound so far, and
@@ -684,7 +685,7 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
     details = {"lp_value": None, "num_columns": 0, "num_rounds": 0, "converged": False, "rounding": "heuristic",
                "num_lp_items": 0, "time_limit_reached": False, "lp_item_lengths": None, "lp_duals": None}
     if _plan_packs(best_repeats) <= simple_bound * (1.0 + target_gap):
-        details["converged"] = _plan_packs(best_repeats) <= simple_bound  # optimal: the heuristic meets a bound
+        details["converged"] = True  # nothing left for the LP to do: within target_gap of a bound
         return best_strategies, best_repeats, details
 
     group = _groups(weights, demand, max_lp_items)
