@@ -354,7 +354,7 @@ class _Pricer:
         choice = np.full(capacity + 1, -1, dtype=np.int64)
         num_fitting = np.searchsorted(weights, np.arange(capacity + 1), side="right")
         for c in range(1, capacity + 1):
-            if c % 2048 == 0:
+            if c % 256 == 0:
                 _check(deadline)
             table[c], k = table[c - 1], num_fitting[c]
             if k:
@@ -387,6 +387,7 @@ class _Pricer:
             previous, current, choice = tables[j - 1], tables[j], choices[j]
             current[:] = previous
             for start in range(0, weights.size, chunk):
+                _check(deadline)
                 w = weights[start:start + chunk]
                 source = capacities[None, :] - w[:, None]
                 options = np.where(source >= 0, previous[np.maximum(source, 0)] + values[start:start + chunk, None],
@@ -444,21 +445,24 @@ def _fill_slots(columns, repeats, weights, demand):
     for column, (items, repeat) in enumerate(zip(columns, repeats)):
         if repeat <= 0:
             continue
+        # Merge the positions' runs (each sums to ``repeat``): one segment per change of
+        # any position's content, O(runs x members) per column.
         position_runs = [runs[(column, position)] for position in range(len(items))]
-        cuts = sorted({0, int(repeat)} | {total for r in position_runs for total in np.cumsum([c for c, _ in r])})
-        for start, stop in zip(cuts[:-1], cuts[1:]):
-            members = []
-            for r in position_runs:
-                position_total = 0
-                for count, item in r:
-                    if position_total <= start < position_total + count:
-                        if item >= 0:
-                            members.append(int(weights[item]))
-                        break
-                    position_total += count
+        index = [0] * len(items)
+        left = [r[0][0] for r in position_runs]
+        remaining = int(repeat)
+        while remaining > 0:
+            step = min(left)
+            members = tuple(int(weights[r[i][1]]) for r, i in zip(position_runs, index) if r[i][1] >= 0)
             if members:
-                strategies.append(tuple(members))
-                counts.append(stop - start)
+                strategies.append(members)
+                counts.append(step)
+            remaining -= step
+            for position, r in enumerate(position_runs):
+                left[position] -= step
+                if left[position] == 0 and index[position] + 1 < len(r):
+                    index[position] += 1
+                    left[position] = r[index[position]][0]
     return strategies, counts, leftover
 
 
@@ -597,19 +601,21 @@ def _ceil_bound(bound):
 
 def _milp(columns, demand, time_limit, lower_bound=0):
     """Integer program over the given columns (transfers stay continuous: an integral x
-    always admits integral transfers). Returns integer repeats or None. It stops as soon as
-    its plan is less than one pack above ``lower_bound`` (then it is optimal)."""
-    optimize, _ = _scipy()
-    matrix, cost, num_columns = _master_problem(columns, demand.size)
-    integrality = np.zeros(matrix.shape[1])
-    integrality[:num_columns] = 1
-    result = optimize.milp(cost, constraints=optimize.LinearConstraint(matrix, lb=demand.astype(np.float64)),
-                           integrality=integrality, bounds=optimize.Bounds(0, np.inf),
-                           options={"time_limit": time_limit, "disp": False,
-                                    "mip_rel_gap": 0.999 / max(1.0, float(lower_bound) + 1.0)})
-    if result.x is None:
+    always admits integral transfers), solved by HiGHS through highspy (no scipy import).
+    Returns (columns, integer repeats) or None. It stops as soon as its plan is less than
+    one pack above ``lower_bound`` (then it is optimal)."""
+    model = _HighsMaster(demand, columns)
+    highs, highspy = model.highs, _HIGHSPY[0]
+    count = len(model.columns.items)
+    highs.changeColsIntegrality(count, np.arange(model.offset, model.offset + count, dtype=np.int32),
+                                np.full(count, highspy.HighsVarType.kInteger))
+    highs.setOptionValue("time_limit", highs.getRunTime() + float(time_limit))
+    highs.setOptionValue("mip_rel_gap", 0.999 / max(1.0, float(lower_bound) + 1.0))
+    highs.run()
+    solution = highs.getSolution()
+    if not solution.value_valid:
         return None
-    return np.round(result.x[:num_columns]).astype(np.int64)
+    return model.columns, np.round(np.asarray(solution.col_value)[model.offset:]).astype(np.int64)
 
 
 def _best_heuristic(counts, max_sequence_length, depth):
@@ -642,7 +648,7 @@ def _plan_packs(repeats):
     return int(sum(int(r) for r in repeats))
 
 
-def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_limit=5.0, max_milp_sequences=10_000,
+def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_limit=2.0, max_milp_sequences=10_000,
             max_milp_columns=3000, time_limit=None, max_lp_items=1024, master="highs", target_gap=1e-4):
     """Plan with the LP. Returns (strategies, repeats, details) where details has
     ``lp_bound_packs`` (certified lower bound on the packs of any plan at this depth),
@@ -697,7 +703,9 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
     details["num_lp_items"] = num_groups
 
     columns = _Columns()
-    for block in dominant_columns(top, max_sequence_length, depth):
+    # A wide enumerated start pays on big data (Wikipedia: one solve, no generation); on
+    # small data a few cheap generation rounds beat one wide solve.
+    for block in dominant_columns(top, max_sequence_length, depth, max_triples=min(40_000, int(demand.sum()))):
         for items in block.tolist():
             columns.add(items)
     for strategy in best_strategies:
@@ -767,9 +775,9 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
             for k in range(weights.size):
                 milp_columns.add([k])
             limit = milp_time_limit if remaining_time is None else min(milp_time_limit, remaining_time)
-            integer_x = _milp(milp_columns, demand, limit, max(lp_bound, simple_bound))
-            if integer_x is not None and integer_x.sum() < _plan_packs(best_repeats):
-                placed, placed_counts, left = _fill_slots(milp_columns.items, integer_x, weights, demand)
+            found = _milp(milp_columns, demand, limit, max(lp_bound, simple_bound))
+            if found is not None and found[1].sum() < _plan_packs(best_repeats):
+                placed, placed_counts, left = _fill_slots(found[0].items, found[1], weights, demand)
                 if not left.any():
                     best_strategies, best_repeats, details["rounding"] = placed, placed_counts, "milp"
     details["time_limit_reached"] = bool(timed_out)
