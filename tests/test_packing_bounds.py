@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from packing import ALGORITHMS, Histogram, PackingError, pack
 from packing.heuristics import pack_bfd, pack_ffd
 from packing.plan import exact_plan
+from test_packing_properties import histograms
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FAST = ["none", "spfhp", "lpfhp", "ffd", "bfd", "greedy", "nnlshp", "lp"]
@@ -32,19 +33,10 @@ def _l2_reference(counts, capacity):
     return best
 
 
-@st.composite
-def histograms(draw, max_length=48, max_count=7):
-    L = draw(st.integers(2, max_length))
-    counts = draw(st.lists(st.integers(0, max_count), min_size=L, max_size=L))
-    if sum(counts) == 0:
-        counts[draw(st.integers(0, L - 1))] = 1
-    return Histogram(counts, L)
-
-
 @pytest.mark.parametrize("algorithm", FAST)
 def test_bound_is_the_best_component_and_below_the_packs(algorithm):
     @SETTINGS
-    @given(histogram=histograms(), data=st.data())
+    @given(histogram=histograms(max_length=48, max_count=7), data=st.data())
     def check(histogram, data):
         limit = ALGORITHMS[algorithm].max_depth
         depth = data.draw(st.integers(1, limit) if limit else st.one_of(st.none(), st.integers(1, 6)))
