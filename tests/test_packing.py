@@ -78,10 +78,15 @@ def test_histogram_packers_are_fast(wikipedia):
 
 
 @pytest.mark.slow
-def test_nnlshp_reproduces_table_1(wikipedia):
+def test_nnlshp_matches_or_beats_table_1(wikipedia):
+    # The papers' NNLSHP gives every left-over sequence a pack of its own; ours packs the
+    # left-overs with LPFHP (issue 16: all-171-token data got 2x the optimum), which can
+    # only save packs.
     result = pack(wikipedia, "nnlshp", 3)
+    assert result.num_packs <= NNLSHP_PUBLISHED_DEPTH3
     assert result.num_packs == pytest.approx(NNLSHP_PUBLISHED_DEPTH3, rel=TOLERANCE)
-    assert result.efficiency == pytest.approx(0.9975, abs=0.0001)
+    assert result.efficiency >= 0.9975 - 0.0001
+    result.plan.validate(wikipedia.counts, 3)
     result.plan.validate(wikipedia.counts, 3)
 
 
