@@ -160,6 +160,7 @@ def main(argv=None):
     parser.add_argument("--peer-sample", type=int, default=20_000, help="sequences the peers pack (i.i.d. sample)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="lp's time_limit (s)")
     parser.add_argument("--timeout", type=int, default=600, help="per run (s)")
+    parser.add_argument("--skip-peers", action="store_true", help="only packing's own algorithms")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--plot", help="write a PNG of gap vs time here")
     args = parser.parse_args(argv)
@@ -189,7 +190,7 @@ def main(argv=None):
                     continue
                 show(run(case, algorithm, depth, time_limit=args.time_limit, timeout=args.timeout))
         # Peers on a sample (unlimited depth: none of them has a depth limit), with ours beside them.
-        for peer in PEERS:
+        for peer in [] if args.skip_peers else PEERS:
             sample = min(args.peer_sample, PEER_LIMITS.get(peer, args.peer_sample))
             if not _available(peer):
                 records.append({"case": case, "algorithm": peer, "depth": "max", "error": "not installed"})
