@@ -1,30 +1,40 @@
-"""Packed BERT pre-training: the one entry point.
+"""Packed BERT pre-training and fine-tuning: the one entry point.
 
     python run.py                                        # the demo: small model, generated data, cpu
     python run.py --backend ipu --config phase2          # BERT-Large phase 2 on an IPU-M2000 POD16
     python run.py --backend cpu --config phase2 --set model.num_hidden_layers=2 --steps 5
     torchrun --nproc_per_node 2 run.py --backend cpu --config demo    # data parallel (gloo)
     python run.py --config phase2 --backend mock --profile           # packing overhead report
+    python run.py --backend ipu --config phase2 --compile-only       # memory estimate + offline compile
+    python run.py --config finetune_classification --init-checkpoint DIR --set finetune.train_file=train.csv ...
 
 Configs: configs/NAME[.yaml] or a path; `python -m bert_packed.config NAME` prints one resolved.
+Exit codes: 0 done; 2 a user mistake (one line on stderr); 3 training diverged; 128+N stopped
+by signal N (SIGINT 130, SIGTERM 143) after writing a checkpoint.
 """
-import argparse
 import os
 import sys
 
-from bert_packed.config import load_config, validate
+from backends import get_backend
+from bert_packed.config import ArgumentParser, load_config, validate
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Packed BERT pre-training (see README).")
+    p = ArgumentParser(description="Packed BERT pre-training (see README).")
     p.add_argument("--backend", default="cpu", help="cpu | cuda | ipu | mock (default: cpu)")
     p.add_argument("--config", default="demo", help="configs/NAME[.yaml] or a YAML path (default: demo)")
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
+    p.add_argument("--init-checkpoint", metavar="DIR", help="start from a Hugging Face BERT directory or a checkpoint "
+                   "of this project (shorthand for --set model.init_checkpoint=DIR)")
     p.add_argument("--output-dir", help="where metrics.jsonl, summary.json, checkpoints go (default: runs/NAME)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set train.micro_batch_size=4 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in the output dir")
+    p.add_argument("--resume-force", action="store_true",
+                   help="--resume even if settings that change the computation differ from the checkpoint's")
     p.add_argument("--profile", action="store_true", help="write the packing-overhead report instead of training")
+    p.add_argument("--compile-only", action="store_true",
+                   help="ipu/mock: print the per-IPU memory estimate and compile offline (Poplar memory report)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     return p.parse_args(argv)
 
@@ -32,20 +42,36 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     overrides = args.overrides + ([f"train.steps={args.steps}"] if args.steps is not None else [])
+    overrides += [f"model.init_checkpoint={args.init_checkpoint}"] if args.init_checkpoint else []
+    from bert_packed.train import TrainingStopped
+
     try:
         config = load_config(args.config, overrides)
+        # Config mistakes first, the same way whether or not the backend can run here.
+        warnings = validate(config, args.backend, int(os.environ.get("WORLD_SIZE", "1")))
+        # --compile-only compiles offline: it needs the Poplar SDK, not free IPUs.
+        backend = get_backend(args.backend, check_available=False) if args.compile_only else get_backend(args.backend)
+        if args.compile_only:
+            from ipu.offline import compile_only
+
+            compile_only(config, backend, args.output_dir or os.path.join("runs", config.name, "compile"))
+            return 0
         if args.profile:
             from bert_packed.profiling import run_profile
 
-            for warning in validate(config, args.backend):
+            for warning in warnings:
                 print(f"warning: {warning}", file=sys.stderr)
             output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
-            run_profile(config, args.backend, output_dir)
+            run_profile(config, backend, output_dir)
+            if backend.name in ("ipu", "mock"):
+                from ipu.offline import report_memory
+
+                report_memory(config, backend, output_dir)
             return 0
         from bert_packed.train import train
 
-        train(config, args.backend, output_dir=args.output_dir, resume=args.resume,
-              show_progress=not args.no_progress)
+        train(config, backend, output_dir=args.output_dir, resume=args.resume or args.resume_force,
+              resume_force=args.resume_force, show_progress=not args.no_progress)
     except ValueError as exc:
         # Our error classes (ConfigError, DataError, PackingError, ...) subclass ValueError and
         # mean a user mistake: one line, no traceback. A bare ValueError is a bug: show it.
@@ -53,6 +79,15 @@ def main(argv=None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TrainingStopped as exc:  # divergence (3), a signal (128 + N): one line
+        print(f"{exc.label}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:  # a file we were asked to read or write: not a bug of ours
+        print(f"error: {exc.filename or ''}{': ' if exc.filename else ''}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted (nothing half-written was kept)", file=sys.stderr)
+        return 130
     return 0
 
 

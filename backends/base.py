@@ -15,7 +15,13 @@ max_sequences_per_pack, M = max masked tokens per pack; fields as in docs/intern
   processes, and applies one optimizer (and schedule) update. Returns the step's metrics
   over ALL processes: ``loss``, ``mlm_loss``, ``nsp_loss`` (step means, as if the step were
   one unpacked batch), ``mlm_accuracy``, ``nsp_accuracy``, and the counts
-  ``num_sequences``, ``num_mlm_tokens`` (python floats).
+  ``num_sequences``, ``num_mlm_tokens`` (python floats). Optional: ``grad_norm`` (global
+  gradient norm of the step before clipping, where the backend has it: cpu, cuda) and
+  ``skipped_step`` (1.0 when the backend skipped the update on purpose, e.g. fp16 loss
+  scaling after an overflow; then ``grad_norm`` may be inf). The loop stops the run on the
+  first non-finite ``loss``/``mlm_loss``/``nsp_loss``, or ``grad_norm`` of a step not skipped
+  on purpose (a backend should not apply such an update), and after
+  ``train.max_consecutive_skipped_steps`` skipped steps in a row.
 - ``eval_step(batch)``: same metrics for one micro-batch dict, no update (global over
   processes as well).
 - ``profile(model, batch, *, num_repeats=5)`` -> ``{"cost": float, "unit": str,

@@ -14,6 +14,7 @@ The class is written to be subclassed (the cuda backend does): override the hook
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -22,12 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert_packed.losses import add_step_normalizers
-
-# Summed over micro-batches and ranks (each is already normalised by the global count).
-_NORMALISED = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
-_COUNTS = ("num_sequences", "num_mlm_tokens")
-
+from bert_packed.losses import metric_keys, step_normalizers
 
 class CPUBackend:
     name = "cpu"
@@ -41,6 +37,7 @@ class CPUBackend:
     def __init__(self) -> None:
         self.model = self.optimizer = self.scheduler = self.config = None
         self.forward_module = None
+        self.grad_norm = 0.0  # of the last step, set by clip_gradients
 
     # -- hooks (override in subclasses) ----------------------------------------------------
 
@@ -64,18 +61,29 @@ class CPUBackend:
         return lambda: time.perf_counter() - start
 
     def optimizer_step(self) -> None:
-        """Clip (if configured), update, advance the schedule, clear gradients."""
+        """Clip (if configured), update, advance the schedule, clear gradients.
+
+        A non-finite gradient norm is not applied (the weights stay as they were): the loop
+        reads ``grad_norm`` from the metrics and stops the run."""
         self.clip_gradients()
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        if math.isfinite(self.grad_norm):
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def clip_gradients(self) -> None:
-        """Clip the global gradient norm to ``optimizer.max_grad_norm`` when configured."""
+        """Measure the global gradient norm (``self.grad_norm``, before clipping) and clip it to
+        ``optimizer.max_grad_norm`` when configured."""
         max_norm = self.config.optimizer.max_grad_norm if self.config is not None else None
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        elif grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+        else:
+            norm = torch.zeros(())
+        self.grad_norm = float(norm)
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -113,27 +121,28 @@ class CPUBackend:
 
     def _normalise(self, micro_batches: List[Dict[str, np.ndarray]]) -> List[Dict[str, np.ndarray]]:
         """Copy the batches and give every pack the step's global counts (all ranks)."""
-        return add_step_normalizers([dict(b) for b in micro_batches], self.model.config.mlm_loss_normalization,
-                                    all_reduce=self.all_reduce_)
+        return step_normalizers(self.model, micro_batches, all_reduce=self.all_reduce_)
 
     def _run(self, micro_batches: List[Dict[str, np.ndarray]], train: bool) -> Dict[str, float]:
+        keys = metric_keys(self.model)
         # Accumulate on the device and copy once: a .cpu() per micro-batch would stall a GPU.
-        sums = torch.zeros(len(_NORMALISED) + len(_COUNTS), dtype=torch.float64, device=self.device)
+        sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         for batch in self._normalise(micro_batches):
             with self.autocast():
                 out = self.forward_module(**self.to_device(batch))
             if train:
                 self.backward(out["loss"])
-            sums += torch.stack([out[k].detach().double() for k in _NORMALISED + _COUNTS])
+            sums += torch.stack([out[k].detach().double() for k in keys])
         sums = sums.cpu()
         self.all_reduce_(sums)
-        return dict(zip(_NORMALISED + _COUNTS, sums.tolist()))
+        return dict(zip(keys, sums.tolist()))
 
     def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> Dict[str, float]:
         self.model.train()
         metrics = self._run(micro_batches, train=True)
         self.reduce_gradients()
         self.optimizer_step()
+        metrics["grad_norm"] = self.grad_norm
         if self.scheduler is not None:
             metrics["learning_rate"] = float(self.scheduler.get_last_lr()[0])
         return metrics
@@ -142,6 +151,15 @@ class CPUBackend:
     def eval_step(self, batch: Dict[str, np.ndarray]) -> Dict[str, float]:
         self.model.eval()
         return self._run([batch], train=False)
+
+    @torch.no_grad()
+    def predict_step(self, batch: Dict[str, np.ndarray], names=("logits",)) -> Dict[str, np.ndarray]:
+        """The model's ``names`` outputs (e.g. per-sequence ``logits`` [B,K,C]) for ``batch``, as
+        float32 numpy arrays, in eval mode; no labels needed."""
+        self.model.eval()
+        with self.autocast():
+            out = self.forward_module(**self.to_device(batch))
+        return {name: out[name].detach().float().cpu().numpy() for name in names}
 
     def profile(self, model: torch.nn.Module, batch: Dict[str, np.ndarray], *, num_repeats: int = 5) -> Dict[str, Any]:
         """Median ms (``start_timer``) of one forward+backward of ``model`` on ``batch`` (after a warm-up)."""

@@ -83,6 +83,7 @@ class CUDABackend(CPUBackend):
         self.device = torch.device(device)
         self.autocast_dtype: Optional[torch.dtype] = torch.bfloat16
         self.scaler = None
+        self.skipped_step = False
         self.num_steps = 0
         self.num_recompiles = 0
 
@@ -120,7 +121,11 @@ class CUDABackend(CPUBackend):
             torch.backends.cudnn.allow_tf32 = cuda.allow_tf32
         if cuda.precision == "fp16":
             # bf16 has fp32's exponent range; fp16 gradients underflow without scaling.
-            self.scaler = torch.amp.GradScaler(self.device.type, init_scale=cuda.loss_scale_init)
+            if hasattr(torch.amp, "GradScaler"):  # torch >= 2.3
+                self.scaler = torch.amp.GradScaler(self.device.type, init_scale=cuda.loss_scale_init)
+            else:  # torch 2.0 (the Poplar SDK's): only the CUDA class exists
+                self.scaler = torch.cuda.amp.GradScaler(init_scale=cuda.loss_scale_init,
+                                                        enabled=self.device.type == "cuda")
         super().prepare(model, optimizer, config, scheduler=scheduler)
 
     # -- hooks of the cpu step --------------------------------------------------------------
@@ -158,7 +163,8 @@ class CUDABackend(CPUBackend):
         self.scaler.update()
         # An overflowing step is skipped and the scale lowered; the schedule then stays
         # where it is, so the retried step gets the learning rate it was meant to have.
-        if self.scheduler is not None and self.scaler.get_scale() >= scale:
+        self.skipped_step = self.scaler.get_scale() < scale
+        if self.scheduler is not None and not self.skipped_step:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -185,6 +191,9 @@ class CUDABackend(CPUBackend):
             metrics["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.scaler is not None:
             metrics["loss_scale"] = float(self.scaler.get_scale())
+            # By design, not divergence: the loop logs it and stops after
+            # train.max_consecutive_skipped_steps in a row.
+            metrics["skipped_step"] = float(self.skipped_step)
         return metrics
 
     def start_timer(self) -> Callable[[], float]:

@@ -3,13 +3,14 @@
 Identical to ``backends/ipu.py`` except for the module it passes in. It proves that the
 options, pipeline annotations, batching, accumulation/replication and optimizer wiring are
 consistent and give the same training step as the cpu backend; it says nothing about IPU
-speed, memory or compilation (its cycle counts are cost-model estimates). See docs/ipu.md.
+speed, memory or compilation (its cycle counts and memory figures are model estimates). See
+docs/ipu.md.
 """
 from __future__ import annotations
 
 import ipu.mock_popart as mock_popart
 import ipu.mock_poptorch as mock_poptorch
-from ipu.backend import PopTorchBackend, install_mock_cycle_estimator
+from ipu.backend import PopTorchBackend, install_mock_estimators
 from ipu import options as ipu_options
 
 
@@ -22,5 +23,5 @@ class MockBackend(PopTorchBackend):
         return True
 
     def __init__(self) -> None:
-        install_mock_cycle_estimator(mock_poptorch)
+        install_mock_estimators(mock_poptorch)
         super().__init__(poptorch=mock_poptorch, popart=mock_popart, popdist=ipu_options.import_popdist())

@@ -149,7 +149,7 @@ def plot(results, output_path, title):
         axis.legend(fontsize=8)
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
-    from bert_packed.data.vocab import atomic_path
+    from bert_packed.io import atomic_path
 
     with atomic_path(output_path) as tmp:
         figure.savefig(tmp, dpi=110, format="png")

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bert_packed.config import ConfigError, load_config  # noqa: E402
-from bert_packed.data.vocab import write_text_atomic  # noqa: E402
+from bert_packed.io import write_text_atomic  # noqa: E402
 
 DEFAULT_ATTENTIONS = ("dense", "sdpa", "flex")
 LAYOUTS = (("padded", 1), ("packed", 3))

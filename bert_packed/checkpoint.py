@@ -1,22 +1,37 @@
-"""Atomic checkpoints: everything needed to continue a run exactly.
+"""Atomic, checksummed checkpoints: everything needed to continue a run exactly.
 
 A checkpoint is one ``torch.save`` file holding the step, model, optimizer and schedule
-state, every rank's data-source position and RNG states (torch, numpy, python), and the
-throughput totals so far. It is written to a temporary file in the same directory and
+state, every rank's data-source position and RNG states (torch, numpy, python), the
+throughput totals so far, the backend name and the configuration as given. It is written to
+a temporary file in the same directory (``.checkpoint-<host>.<pid>.*.tmp``) and
 ``os.replace``-d into place, so a kill at any moment leaves either the previous complete
 checkpoint or the new complete one, never a torn file.
+
+After the ``torch.save`` payload comes a one-line trailer with the payload's SHA-256 and
+size (``torch.load`` ignores bytes after the zip archive). ``load_checkpoint`` verifies it
+before unpickling anything: a truncated, corrupted or bit-flipped file is refused with one
+line naming it (:class:`CheckpointError`), it never loads into a model silently.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import random
-import tempfile
-from typing import Any, Dict
+import re
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
 
+from bert_packed.io import atomic_path
+
 CHECKPOINT_NAME = "checkpoint.pt"
+_TRAILER_RE = re.compile(rb"\n#packed-bert-checkpoint v1 sha256=([0-9a-f]{64}) bytes=(\d{20})\n\Z")
+_TRAILER_SIZE = len(b"\n#packed-bert-checkpoint v1 sha256=") + 64 + len(b" bytes=") + 20 + 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (missing, truncated, corrupted, incompatible): one line."""
 
 
 def rng_state() -> Dict[str, Any]:
@@ -29,23 +44,105 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
+class _HashingWriter:
+    """Write-only file wrapper that hashes and counts what passes through (torch.save streams into it)."""
+
+    def __init__(self, handle):
+        self.handle, self.sha256, self.size = handle, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
 def save_checkpoint(path: str, state: Dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (temp file in the same directory + os.replace)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+    """Write ``state`` to ``path`` atomically, with the checksum trailer (see module docstring)."""
+    with atomic_path(path, prefix=".checkpoint-", suffix=".tmp") as tmp:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(state, writer)
+            f.write(b"\n#packed-bert-checkpoint v1 sha256=%s bytes=%020d\n"
+                    % (writer.sha256.hexdigest().encode(), writer.size))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+
+def verify_checkpoint(path: str) -> Tuple[str, int]:
+    """(sha256, payload bytes) of a complete, intact checkpoint; CheckpointError otherwise."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size < _TRAILER_SIZE:
+                raise CheckpointError(f"{path}: not a complete checkpoint ({size} bytes, no checksum trailer): "
+                                      f"truncated; not loaded")
+            f.seek(size - _TRAILER_SIZE)
+            match = _TRAILER_RE.search(f.read(_TRAILER_SIZE))
+            if match is None:
+                raise CheckpointError(f"{path}: no checksum trailer: the file is truncated, corrupted at its end, or "
+                                      f"not a checkpoint of this project; not loaded")
+            expected, payload = match.group(1).decode(), int(match.group(2))
+            if payload != size - _TRAILER_SIZE:
+                raise CheckpointError(f"{path}: the payload is {size - _TRAILER_SIZE} bytes but its trailer says "
+                                      f"{payload}: truncated or spliced; not loaded")
+            f.seek(0)
+            digest, remaining = hashlib.sha256(), payload
+            while remaining:
+                block = f.read(min(remaining, 1 << 22))
+                if not block:
+                    break
+                digest.update(block)
+                remaining -= len(block)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such checkpoint") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file") from None
+    except PermissionError:
+        raise CheckpointError(f"{path}: not readable (permission denied)") from None
+    if digest.hexdigest() != expected:
+        raise CheckpointError(f"{path}: checksum mismatch (sha256 {digest.hexdigest()[:12]}..., trailer says "
+                              f"{expected[:12]}...): the checkpoint is corrupted; not loaded")
+    return expected, payload
 
 
 def load_checkpoint(path: str) -> Dict[str, Any]:
-    # weights_only=False: the file holds RNG states and python objects we wrote ourselves.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """The state saved by :func:`save_checkpoint`, after verifying its checksum."""
+    verify_checkpoint(path)
+    try:
+        # weights_only=False: the file holds RNG states and python objects we wrote ourselves
+        # (and its checksum was just verified).
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - intact bytes that still do not unpickle
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path}: checksum is intact but torch.load failed ({first}); "
+                              f"written by an incompatible version?") from None
+
+
+# ----------------------------------------------------------------------------- resume compatibility
+
+# Keys a resumed run may change without changing what the remaining steps compute. Everything
+# else (model shape, optimizer, batch and accumulation, packing, data files, seeds) would make the
+# continuation a different run, so it is refused unless forced. train.steps extends or shortens
+# the run; the linear schedule then decays to the new end (the resume note says so).
+RESUME_HARMLESS_KEYS = frozenset({
+    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+    "train.output_dir", "train.tensorboard", "train.num_threads", "train.max_consecutive_skipped_steps",
+    "train.collective_timeout_minutes", "data.eval_path", "data.num_eval_sequences",
+    "ipu.executable_cache_dir", "ipu.log_cycle_count",
+    "cuda.compile", "cuda.compile_mode", "cuda.num_warmup_steps", "cuda.max_recompiles_after_warmup",
+})
+
+
+def config_differences(saved: Dict[str, Dict[str, Any]], current: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Dotted keys whose values differ between two ``Config.to_dict()``s (sorted)."""
+    keys = set()
+    for section in set(saved) | set(current):
+        a, b = saved.get(section) or {}, current.get(section) or {}
+        keys.update(f"{section}.{key}" for key in set(a) | set(b) if a.get(key, _MISSING) != b.get(key, _MISSING))
+    return sorted(keys)
+
+
+_MISSING = object()

@@ -163,8 +163,11 @@ def _pack_tokens(samples, assignment, S: int, K: int):
 
 
 def _per_sequence(layout: _Layout, values, K: int, dtype) -> np.ndarray:
-    out = np.zeros((len(layout.offsets) - 1, K), dtype=dtype)
-    out[layout.pack_of, layout.slot] = np.asarray(values).reshape(-1)[layout.order]
+    """``[P, K, ...]``: each sequence's value (a scalar or a row, e.g. multi-hot labels) in its slot."""
+    values = np.asarray(values)
+    values = values.reshape(-1) if values.ndim <= 1 else values
+    out = np.zeros((len(layout.offsets) - 1, K) + values.shape[1:], dtype=dtype)
+    out[layout.pack_of, layout.slot] = values[layout.order]
     return out
 
 
@@ -230,11 +233,13 @@ def collate_classification(
     ``label_weights`` ``[B, K]`` (``BertForSequenceClassification``'s inputs).
 
     ``samples``: ``input_ids``, ``segment_ids``, optional ``input_mask`` (as for ``collate``)
-    and ``labels`` ``[N]`` (int class per sequence).
+    and ``labels``: ``[N]`` int class per sequence (-> int64 ``[B, K]``), or floats ``[N]`` /
+    ``[N, C]`` (regression targets, multi-hot labels -> float32 ``[B, K(, C)]``).
     """
     S, K = int(max_sequence_length), int(max_sequences_per_pack)
     batch, layout = _pack_tokens(samples, assignment, S, K)
-    batch["labels"] = _per_sequence(layout, samples["labels"], K, np.int64)
+    labels = np.asarray(samples["labels"])
+    batch["labels"] = _per_sequence(layout, labels, K, np.float32 if labels.dtype.kind == "f" else np.int64)
     batch["label_weights"] = _per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
     return batch
 
@@ -267,7 +272,11 @@ def _numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def validate_batch(batch: Mapping[str, Any], config: Optional[Any] = None) -> None:
+def _row(rows, b) -> int:
+    return int(rows[b]) if rows is not None else int(b)
+
+
+def validate_batch(batch: Mapping[str, Any], config: Optional[Any] = None, *, rows: Optional[Any] = None) -> None:
     """Reject an inconsistent packed batch with a one-line ``BatchError``.
 
     Checks field presence, shapes and dtypes; value ranges (against ``config`` when given:
@@ -276,6 +285,7 @@ def validate_batch(batch: Mapping[str, Any], config: Optional[Any] = None) -> No
     sequence is contiguous with positions 0..len-1; that ``cls_positions`` point at each
     sequence's first token and ``nsp_weights`` mark exactly the sequences present; and that
     every used masked slot points into its own sequence. Accepts numpy arrays or tensors.
+    ``rows``: the packs' row numbers in their file, for the messages (default 0..B-1).
     """
     required = TOKEN_FIELDS + MLM_FIELDS + SEQUENCE_FIELDS
     missing = [name for name in required if name not in batch]
@@ -301,7 +311,9 @@ def validate_batch(batch: Mapping[str, Any], config: Optional[Any] = None) -> No
     def check_range(name: str, low: int, high: int, what: str) -> None:
         values = arrays[name]
         if values.size and (values.min() < low or values.max() >= high):
-            raise BatchError(f"batch field {name} has values outside [{low}, {high}) ({what})")
+            b, j = np.argwhere((values < low) | (values >= high))[0]
+            row = int(rows[b]) if rows is not None else int(b)
+            raise BatchError(f"{name} of pack {row}: value {int(values[b, j])} is outside [{low}, {high}) ({what})")
 
     if config is not None:
         if K > config.max_sequences_per_pack:
@@ -310,14 +322,16 @@ def validate_batch(batch: Mapping[str, Any], config: Optional[Any] = None) -> No
             raise BatchError(f"batch has M={M} masked slots but max_masked_tokens_per_pack is {config.max_masked_tokens_per_pack}")
         if S > config.max_position_embeddings:
             raise BatchError(f"batch has S={S} tokens per pack but max_position_embeddings is {config.max_position_embeddings}")
-        check_range("input_ids", 0, config.vocab_size, "vocab_size")
-        check_range("mlm_labels", 0, config.vocab_size, "vocab_size")
-        check_range("segment_ids", 0, config.type_vocab_size, "type_vocab_size")
+        vocab = "model.vocab_size: the data's vocabulary is larger than the model's"
+        check_range("input_ids", 0, config.vocab_size, vocab)
+        check_range("mlm_labels", 0, config.vocab_size, vocab)
+        check_range("segment_ids", 0, config.type_vocab_size, "model.type_vocab_size")
     check_range("position_ids", 0, S, "tokens per pack")
     check_range("sequence_ids", 0, K + 1, "0 = padding, 1..K")
     check_range("mlm_sequence_ids", 0, K + 1, "0 = unused slot, 1..K")
     check_range("mlm_positions", 0, S, "tokens per pack")
     check_range("cls_positions", 0, S, "tokens per pack")
+    check_range("nsp_labels", 0, 2, "next-sentence label: 0 or 1")
 
     # Per (pack, sequence): first token, token count; contiguous runs with positions 0..len-1.
     sequence_ids = arrays["sequence_ids"]
@@ -330,24 +344,24 @@ def validate_batch(batch: Mapping[str, Any], config: Optional[Any] = None) -> No
     gap = present & (last - first + 1 != counts)
     if gap.any():
         b, k = np.argwhere(gap)[0]
-        raise BatchError(f"pack {b}: sequence {k + 1} is not contiguous (tokens {first[b, k]}..{last[b, k]} with gaps)")
+        raise BatchError(f"pack {_row(rows, b)}: sequence {k + 1} is not contiguous (tokens {first[b, k]}..{last[b, k]} with gaps)")
     real = sequence_ids > 0
     first_of_token = np.take_along_axis(first, np.clip(sequence_ids - 1, 0, K - 1), axis=1)  # [B, S]
     wrong_position = real & (arrays["position_ids"] != np.arange(S)[None, :] - first_of_token)
     if wrong_position.any():
         b, t = np.argwhere(wrong_position)[0]
         raise BatchError(
-            f"pack {b}: token {t} of sequence {sequence_ids[b, t]} has position_id {arrays['position_ids'][b, t]}, "
+            f"pack {_row(rows, b)}: token {t} of sequence {sequence_ids[b, t]} has position_id {arrays['position_ids'][b, t]}, "
             "positions must restart at 0 for every sequence"
         )
     weights = arrays["nsp_weights"]
     if np.any((weights != 0) != present) or np.any((weights != 0) & (weights != 1)):
         b = int(np.argwhere(((weights != 0) != present) | ((weights != 0) & (weights != 1)))[0][0])
-        raise BatchError(f"pack {b}: nsp_weights must be 1 exactly for the sequences present in sequence_ids")
+        raise BatchError(f"pack {_row(rows, b)}: nsp_weights must be 1 exactly for the sequences present in sequence_ids")
     wrong_cls = present & (arrays["cls_positions"] != first)
     if wrong_cls.any():
         b, k = np.argwhere(wrong_cls)[0]
-        raise BatchError(f"pack {b}: cls_positions[{k}]={arrays['cls_positions'][b, k]} is not sequence {k + 1}'s first token {first[b, k]}")
+        raise BatchError(f"pack {_row(rows, b)}: cls_positions[{k}]={arrays['cls_positions'][b, k]} is not sequence {k + 1}'s first token {first[b, k]}")
 
     used = arrays["mlm_sequence_ids"] > 0
     owner = np.take_along_axis(sequence_ids, arrays["mlm_positions"], axis=1)
@@ -355,10 +369,10 @@ def validate_batch(batch: Mapping[str, Any], config: Optional[Any] = None) -> No
     if wrong_owner.any():
         b, m = np.argwhere(wrong_owner)[0]
         raise BatchError(
-            f"pack {b}: masked slot {m} points at position {arrays['mlm_positions'][b, m]} of sequence {owner[b, m]}, "
+            f"pack {_row(rows, b)}: masked slot {m} points at position {arrays['mlm_positions'][b, m]} of sequence {owner[b, m]}, "
             f"but mlm_sequence_ids says {arrays['mlm_sequence_ids'][b, m]}"
         )
     at_cls = used & (arrays["mlm_positions"] == np.take_along_axis(first, arrays["mlm_sequence_ids"].clip(1, K) - 1, axis=1))
     if at_cls.any():
         b, m = np.argwhere(at_cls)[0]
-        raise BatchError(f"pack {b}: masked slot {m} points at a [CLS] token")
+        raise BatchError(f"pack {_row(rows, b)}: masked slot {m} points at a [CLS] token")

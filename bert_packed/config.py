@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -36,6 +38,14 @@ CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 
 class ConfigError(ValueError):
     """A user mistake in the configuration; the message is one line naming the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a command-line mistake as one line and exit 2, like every other
+    user mistake (argparse's default prints the usage block first). For run.py and our CLIs."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def _choices(*values: str) -> Dict[str, Any]:
@@ -67,6 +77,16 @@ class ModelConfig:
     # "token": mean over the masked tokens of the step (canonical BERT);
     # "sequence": mean per sequence, then over sequences (the paper's Listing 1).
     mlm_loss_normalization: str = field(default="token", metadata=_choices("token", "sequence"))
+    # Hugging Face BERT directory or this project's checkpoint to start from (null = random
+    # init); the model's shape then comes from the checkpoint (bert_packed/hf_io.py).
+    init_checkpoint: Optional[str] = None
+    # Tokenizer shipped with the Hugging Face export (a tokenizer directory or vocab.txt);
+    # null = the init checkpoint's.
+    tokenizer: Optional[str] = None
+    pad_token_id: Optional[int] = 0
+    tie_word_embeddings: bool = True
+    # Dropout before a task head; null = hidden_dropout_prob (Hugging Face's rule).
+    classifier_dropout: Optional[float] = None
 
 
 @dataclass
@@ -121,6 +141,13 @@ class OptimizerConfig:
     eps: float = 1e-6
     # Global gradient-norm clip; null = none (LAMB's trust ratio already bounds steps).
     max_grad_norm: Optional[float] = None
+    # LAMB trust ratio phi(||w||) / ||u|| with phi(z) = min(z, max_weight_norm), for the
+    # weight-decayed tensors; null = no clamp (the published LAMB).
+    max_weight_norm: Optional[float] = None
+    # The same for biases and LayerNorm parameters (not decayed). 0 = no trust ratio for them,
+    # a plain Adam-style step: Graphcore's BERT choice. With the trust ratio a LayerNorm gain's
+    # step grows with its own norm and can run away (norms of 1e17, then NaN); null = unclamped.
+    bias_max_weight_norm: Optional[float] = 0.0
 
 
 @dataclass
@@ -154,9 +181,17 @@ class TrainConfig:
     # null = runs/<config name>
     output_dir: Optional[str] = None
     tensorboard: bool = True
+    # Write the Hugging Face export (model + tokenizer) to <output_dir>/hf at the end.
+    hf_export: bool = True
     # torch intra-op threads (null = torch's default, one per core). Small models gain
     # nothing from more threads, and on a shared machine spinning threads stall badly.
     num_threads: Optional[int] = None
+    # A backend may skip an update by design (fp16 loss scaling after an overflow); this many
+    # skipped steps in a row stop the run (the loss scale can no longer recover).
+    max_consecutive_skipped_steps: int = 20
+    # Distributed runs (torchrun): a collective that waits longer than this (a hung or dead
+    # rank) ends the job with an error instead of gloo's/NCCL's 30-minute default.
+    collective_timeout_minutes: float = 10.0
 
 
 @dataclass
@@ -176,10 +211,15 @@ class IPUConfig:
     available_memory_proportion: List[float] = field(default_factory=lambda: [0.1, 0.15, 0.15, 0.15])
     enable_half_partials: bool = True
     half_precision: bool = True
+    # Gradient accumulators (PopTorch optimizer accum_type): "auto" = fp16 with half_precision
+    # (Graphcore's choice: half the memory; PopTorch then keeps a running mean, which cannot
+    # overflow), else fp32. LAMB's two moments are always fp32.
+    accumulator_dtype: str = field(default="auto", metadata=_choices("auto", "fp16", "fp32"))
     stochastic_rounding: bool = True
     loss_scaling: float = 8192.0
-    # null = no executable cache (recompile every run).
-    executable_cache_dir: Optional[str] = None
+    # PopTorch's executable cache: BERT-Large compiles for tens of minutes, a cached executable
+    # loads in seconds. A relative path is relative to the working directory; null = off.
+    executable_cache_dir: Optional[str] = "runs/executable_cache"
     synthetic_data: bool = False
     log_cycle_count: bool = False
     optimizer_state_offchip: bool = True
@@ -192,6 +232,10 @@ class IPUConfig:
     @property
     def ipus_per_replica(self) -> int:
         return len(self.layers_per_ipu)
+
+    @property
+    def fp16_accumulators(self) -> bool:
+        return self.accumulator_dtype == "fp16" or (self.accumulator_dtype == "auto" and self.half_precision)
 
 
 @dataclass
@@ -216,6 +260,40 @@ class CUDAConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """Fine-tuning (``task`` null = pre-training). Data: CSV/TSV/JSONL files with named columns,
+    tokenised with the checkpoint's tokenizer, packed with data.packing_algorithm at depth
+    data.max_sequences_per_pack into rows of data.max_sequence_length (bert_packed/finetune)."""
+
+    task: Optional[str] = None
+    train_file: Optional[str] = None
+    # null = hold out validation_fraction of the training rows (seeded).
+    validation_file: Optional[str] = None
+    validation_fraction: float = 0.1
+    text_column: str = "text"
+    text_pair_column: Optional[str] = None
+    label_column: str = "label"
+    # Hugging Face's names; null = from the labels (lists: multi-label, fractional numbers or
+    # num_labels 1: regression, else single-label).
+    problem_type: Optional[str] = field(default=None, metadata=_choices(
+        None, "single_label_classification", "multi_label_classification", "regression"))
+    # null = from the data (string labels: their count; integer labels: the largest + 1).
+    num_labels: Optional[int] = None
+    # Multi-label labels written as one string: the separator between label names.
+    label_separator: str = ","
+    # false = one sequence per row (padded), the baseline to compare packing with.
+    packing: bool = True
+    # A text longer than data.max_sequence_length: "truncate" (with a warning) or "error".
+    truncation: str = field(default="truncate", metadata=_choices("truncate", "error"))
+    # Passes over the training data; sets train.steps unless --steps / --set train.steps is given.
+    epochs: Optional[float] = 3.0
+    # eval_* key selecting the best model (null = accuracy / f1_micro / pearson by problem type).
+    metric_for_best_model: Optional[str] = None
+    # At the end, export and predict with the best evaluated weights (not the last).
+    load_best_model_at_end: bool = True
+
+
+@dataclass
 class Config:
     """The whole run. ``name`` is the config file's name (for the default output dir)."""
 
@@ -225,6 +303,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     ipu: IPUConfig = field(default_factory=IPUConfig)
     cuda: CUDAConfig = field(default_factory=CUDAConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     name: str = "default"
 
     def to_dict(self) -> Dict[str, Any]:
@@ -232,7 +311,7 @@ class Config:
         return out
 
 
-SECTIONS = ("model", "data", "optimizer", "train", "ipu", "cuda")
+SECTIONS = ("model", "data", "optimizer", "train", "ipu", "cuda", "finetune")
 # Sections that only some backends read; a --set for one of them while another backend
 # is chosen gets a warning.
 BACKEND_SECTIONS = {"ipu": ("ipu", "mock"), "cuda": ("cuda",)}
@@ -269,6 +348,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check ``value`` against annotation ``tp``; int is accepted where float is expected."""
     origin = typing.get_origin(tp)
@@ -288,8 +370,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif tp is float:
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
     elif tp is str:
         ok = isinstance(value, str)
     if not ok:
@@ -316,7 +402,8 @@ def _set_value(config: Config, section: str, key: str, value: Any, source: str) 
     tp, choices = types[key]
     value = _coerce(value, tp, f"{source}: {section}.{key}")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{source}: {section}.{key} must be one of {', '.join(choices)}, got {value!r}")
+        names = ", ".join("null" if c is None else str(c) for c in choices)
+        raise ConfigError(f"{source}: {section}.{key} must be one of {names}, got {value!r}")
     setattr(obj, key, value)
 
 
@@ -330,6 +417,15 @@ def _parse_override(text: str) -> tuple:
     except yaml.YAMLError:
         value = raw
     return section.strip(), key.strip(), value
+
+
+def config_from_dict(values: Dict[str, Any], name: str = "checkpoint") -> Config:
+    """A Config from ``Config.to_dict()`` output (e.g. the one a checkpoint keeps), checked like YAML."""
+    config = Config(name=name)
+    for section, entries in values.items():
+        for key, value in (entries or {}).items():
+            _set_value(config, section, key, value, name)
+    return config
 
 
 def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
@@ -363,6 +459,14 @@ def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = Non
     # them. (A shared YAML such as phase2.yaml carries an ipu section for every backend;
     # warning about it on every cpu run would be noise.)
     config._from_cli = from_cli  # type: ignore[attr-defined]
+    if config.model.init_checkpoint:
+        # The model's shape comes from the checkpoint, so validation and the printed config see it.
+        from bert_packed import hf_io
+
+        try:
+            hf_io.resolve_model_config(config.model, hf_io.read_pretrained(config.model.init_checkpoint, weights=False))
+        except hf_io.CheckpointError as exc:  # a config problem to every caller of load_config
+            raise ConfigError(str(exc)) from None
     return config
 
 
@@ -389,24 +493,59 @@ def gradient_accumulation(config: Config, backend: str, world_size: int = 1) -> 
 def validate(config: Config, backend: str, world_size: int = 1) -> List[str]:
     """Raise ConfigError on an inconsistent config; return warnings (one line each)."""
     m, d, t, o = config.model, config.data, config.train, config.optimizer
+    positives = {
+        "model.vocab_size": m.vocab_size, "model.hidden_size": m.hidden_size,
+        "model.num_hidden_layers": m.num_hidden_layers, "model.num_attention_heads": m.num_attention_heads,
+        "model.intermediate_size": m.intermediate_size, "model.max_position_embeddings": m.max_position_embeddings,
+        "data.max_sequences_per_pack": d.max_sequences_per_pack, "data.max_sequence_length": d.max_sequence_length,
+        "data.max_masked_tokens": d.max_masked_tokens, "data.num_sequences": d.num_sequences,
+        "data.num_eval_sequences": d.num_eval_sequences,
+        "train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation": t.gradient_accumulation,
+        "train.steps": t.steps, "train.log_every": t.log_every, "train.eval_batches": t.eval_batches,
+        "train.max_consecutive_skipped_steps": t.max_consecutive_skipped_steps,
+    }
+    if t.num_threads is not None:
+        positives["train.num_threads"] = t.num_threads
+    if t.global_batch_size is not None:
+        positives["train.global_batch_size"] = t.global_batch_size
+    for key, value in positives.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    non_negatives = {"train.seed": t.seed, "train.eval_every": t.eval_every,
+                     "train.checkpoint_every": t.checkpoint_every, "optimizer.learning_rate": o.learning_rate,
+                     "optimizer.weight_decay": o.weight_decay, "model.initializer_range": m.initializer_range}
+    for key, value in non_negatives.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    for key, value in (("optimizer.max_weight_norm", o.max_weight_norm),
+                       ("optimizer.bias_max_weight_norm", o.bias_max_weight_norm)):
+        if value is not None and value < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 = no trust ratio) or null (no clamp), got {value}")
+    strictly_positive = {"optimizer.eps": o.eps, "model.layer_norm_eps": m.layer_norm_eps,
+                         "train.collective_timeout_minutes": t.collective_timeout_minutes}
+    if o.max_grad_norm is not None:
+        strictly_positive["optimizer.max_grad_norm"] = o.max_grad_norm
+    for key, value in strictly_positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    for key, value in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2),
+                       ("model.hidden_dropout_prob", m.hidden_dropout_prob),
+                       ("model.attention_probs_dropout_prob", m.attention_probs_dropout_prob)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {value}")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"
         )
+    if m.type_vocab_size < 2:
+        # Pre-training sequences are [CLS] A [SEP] B [SEP] with segment ids 0 and 1 (NSP).
+        raise ConfigError(f"model.type_vocab_size={m.type_vocab_size} but pre-training (next-sentence "
+                          f"prediction) uses segment ids 0 and 1; set model.type_vocab_size=2")
     if d.max_sequence_length > m.max_position_embeddings:
         raise ConfigError(
             f"data.max_sequence_length={d.max_sequence_length} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}; raise the latter or shorten the sequences"
         )
-    positives = {
-        "model.num_hidden_layers": m.num_hidden_layers, "data.max_sequences_per_pack": d.max_sequences_per_pack,
-        "data.max_sequence_length": d.max_sequence_length, "data.max_masked_tokens": d.max_masked_tokens,
-        "train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation": t.gradient_accumulation,
-        "train.steps": t.steps, "data.num_sequences": d.num_sequences,
-    }
-    for key, value in positives.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
     if not 0.0 < d.mask_probability < 1.0:
         raise ConfigError(f"data.mask_probability must be in (0, 1), got {d.mask_probability}")
     if not 0.0 <= o.warmup_fraction <= 1.0:
@@ -423,7 +562,11 @@ def validate(config: Config, backend: str, world_size: int = 1) -> List[str]:
             )
     if backend in ("ipu", "mock"):
         ipu = config.ipu
-        if sum(ipu.layers_per_ipu) != m.num_hidden_layers or any(n < 0 for n in ipu.layers_per_ipu):
+        negative = [n for n in ipu.layers_per_ipu if n < 0]
+        if negative or not ipu.layers_per_ipu:
+            raise ConfigError(f"ipu.layers_per_ipu={ipu.layers_per_ipu}: give one count >= 0 per IPU "
+                              f"(encoder layers on that IPU)")
+        if sum(ipu.layers_per_ipu) != m.num_hidden_layers:
             raise ConfigError(
                 f"ipu.layers_per_ipu={ipu.layers_per_ipu} sums to {sum(ipu.layers_per_ipu)} but "
                 f"model.num_hidden_layers={m.num_hidden_layers}; make them agree"
@@ -433,8 +576,19 @@ def validate(config: Config, backend: str, world_size: int = 1) -> List[str]:
                 f"ipu.available_memory_proportion has {len(ipu.available_memory_proportion)} entries; "
                 f"give 1 or one per IPU ({len(ipu.layers_per_ipu)})"
             )
+        bad = [p for p in ipu.available_memory_proportion if not 0.0 < p <= 1.0]
+        if bad:
+            raise ConfigError(f"ipu.available_memory_proportion={ipu.available_memory_proportion}: each entry is a "
+                              f"fraction of tile memory in (0, 1], got {bad[0]}")
         if ipu.replication_factor < 1 or ipu.device_iterations < 1:
             raise ConfigError("ipu.replication_factor and ipu.device_iterations must be >= 1")
+        if ipu.embedding_serialization_factor < 1 or m.vocab_size % ipu.embedding_serialization_factor:
+            raise ConfigError(
+                f"ipu.embedding_serialization_factor={ipu.embedding_serialization_factor} must be >= 1 and divide "
+                f"model.vocab_size={m.vocab_size}; pick a divisor (1 = no serialization)"
+            )
+        if not ipu.loss_scaling > 0:
+            raise ConfigError(f"ipu.loss_scaling must be > 0, got {ipu.loss_scaling}")
     warns = []
     from_cli = getattr(config, "_from_cli", {})
     for section, backends in BACKEND_SECTIONS.items():
@@ -460,7 +614,7 @@ def dump(config: Config) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bert_packed.config", description="Print a resolved config.")
+    parser = ArgumentParser(prog="python -m bert_packed.config", description="Print a resolved config.")
     parser.add_argument("name", nargs="?", default="demo", help="configs/NAME[.yaml] or a path (default: demo)")
     parser.add_argument("--backend", default="cpu", help="validate for this backend (default: cpu)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel processes to validate for")

@@ -31,9 +31,13 @@ __all__ = [
     "MLM_LOSS_NORMALIZATIONS",
     "mlm_loss_terms",
     "nsp_loss_terms",
+    "classification_loss_terms",
     "normalize",
     "step_counts",
     "add_step_normalizers",
+    "add_sequence_normalizer",
+    "metric_keys",
+    "step_normalizers",
 ]
 
 MLM_LOSS_NORMALIZATIONS = ("token", "sequence")
@@ -72,7 +76,10 @@ def mlm_loss_terms(
     num_packs, num_slots, vocab_size = logits.shape
     dtype = torch.float32
     valid = (sequence_ids > 0).to(dtype)  # [B, M]
-    nll = F.cross_entropy(logits.reshape(-1, vocab_size).float(), labels.reshape(-1), reduction="none")
+    # Cross entropy in the logits' own precision, the per-token losses then in fp32 (Graphcore's
+    # BERT): no fp32 copy of the [B, M, V] logits, the largest activation of IPU 0 in fp16.
+    # (CUDA autocast runs cross_entropy in fp32 itself.)
+    nll = F.cross_entropy(logits.reshape(-1, vocab_size), labels.reshape(-1), reduction="none").float()
     nll = nll.view(num_packs, num_slots) * valid
     correct = (logits.argmax(dim=-1) == labels).to(dtype) * valid
     num_tokens = valid.sum(dim=1)
@@ -112,6 +119,41 @@ def nsp_loss_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
     nll = nll.view(num_packs, num_slots) * weights
     correct = (logits.argmax(dim=-1) == labels).float() * weights
     return {"loss_sum": nll.sum(dim=1), "correct_sum": correct.sum(dim=1), "count": weights.sum(dim=1)}
+
+
+def classification_loss_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                              problem_type: str) -> Dict[str, torch.Tensor]:
+    """Per-pack numerators and counts of a per-sequence classification or regression loss.
+
+    Args:
+        logits: ``[B, K, C]`` one row of scores per sequence slot.
+        labels: ``single_label_classification``: int ``[B, K]``; ``multi_label_classification``:
+            0/1 floats ``[B, K, C]``; ``regression``: floats ``[B, K]`` (C = 1) or ``[B, K, C]``.
+            Any valid value in empty slots.
+        weights: ``[B, K]`` 1.0 where sequence k exists.
+        problem_type: one of Hugging Face's three names.
+
+    Each sequence's loss is Hugging Face's for that problem type on that sequence alone
+    (cross-entropy; binary cross-entropy with logits averaged over the C labels; squared
+    error averaged over the C outputs). Returns ``[B]`` float tensors ``loss_sum``,
+    ``count`` (sequences) and, for the two classification types, ``correct_sum``
+    (multi-label: every label right at logit > 0).
+    """
+    if problem_type == "single_label_classification":
+        return nsp_loss_terms(logits, labels, weights)
+    weights = weights.float()
+    logits = logits.float()
+    if problem_type == "multi_label_classification":
+        targets = labels.float()
+        per_sequence = F.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(dim=-1)
+        correct = ((logits > 0) == (targets > 0.5)).all(dim=-1).float() * weights
+        return {"loss_sum": (per_sequence * weights).sum(dim=1), "correct_sum": correct.sum(dim=1),
+                "count": weights.sum(dim=1)}
+    if problem_type == "regression":
+        targets = labels.float().reshape(logits.shape)
+        per_sequence = ((logits - targets) ** 2).mean(dim=-1)
+        return {"loss_sum": (per_sequence * weights).sum(dim=1), "count": weights.sum(dim=1)}
+    raise ValueError(f"unknown problem_type {problem_type!r}")
 
 
 def normalize(per_pack_sum: torch.Tensor, count: torch.Tensor, normalizer: Optional[torch.Tensor]) -> torch.Tensor:
@@ -194,3 +236,56 @@ def add_step_normalizers(
             batch["mlm_normalizer"] = np.full((num_packs,), mlm_count, dtype=np.float32)
             batch["nsp_normalizer"] = np.full((num_packs,), nsp_count, dtype=np.float32)
     return list(micro_batches)
+
+
+def add_sequence_normalizer(
+    micro_batches: Sequence[MutableMapping[str, object]],
+    weight_field: str = "label_weights",
+    field: str = "normalizer",
+    *,
+    all_reduce: Optional[Callable[[torch.Tensor], object]] = None,
+) -> List[MutableMapping[str, object]]:
+    """Set ``field`` (float32 ``[B]``) in every micro-batch to the step's sequence count.
+
+    The count is ``weight_field`` summed over ``micro_batches`` (and over processes by
+    ``all_reduce``, as in ``add_step_normalizers``): with it each micro-batch's loss is its
+    share of the step's per-sequence mean. Modifies the dicts in place and returns the list.
+    """
+    count = float(sum(float(_as_numpy(b[weight_field]).sum()) for b in micro_batches))
+    if all_reduce is not None:
+        total = torch.tensor([count], dtype=torch.float64)
+        all_reduce(total)
+        count = float(total[0])
+    for batch in micro_batches:
+        reference = batch["input_ids"]
+        num_packs = int(reference.shape[0])
+        if isinstance(reference, torch.Tensor):
+            batch[field] = torch.full((num_packs,), count, dtype=torch.float32, device=reference.device)
+        else:
+            batch[field] = np.full((num_packs,), count, dtype=np.float32)
+    return list(micro_batches)
+
+
+# ----------------------------------------------------------------------------- per model
+
+# Pre-training's keys, for a model that declares none.
+PRETRAINING_METRICS = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
+PRETRAINING_COUNTS = ("num_sequences", "num_mlm_tokens")
+
+
+def metric_keys(model) -> Tuple[str, ...]:
+    """The output keys every backend sums over micro-batches and replicas: the model's
+    ``metric_names`` (normalised by the step's global counts, so their sum is the step's mean)
+    then its ``count_names`` (this batch's counts)."""
+    return (tuple(getattr(model, "metric_names", PRETRAINING_METRICS))
+            + tuple(getattr(model, "count_names", PRETRAINING_COUNTS)))
+
+
+def step_normalizers(model, micro_batches, *, all_reduce=None) -> List[MutableMapping[str, object]]:
+    """Copies of one step's ``micro_batches`` carrying the step's global counts as ``model``
+    wants them (its ``add_step_normalizers``; pre-training's for a model without one)."""
+    batches = [dict(b) for b in micro_batches]
+    add = getattr(model, "add_step_normalizers", None)
+    if add is not None:
+        return add(batches, all_reduce=all_reduce)
+    return add_step_normalizers(batches, model.config.mlm_loss_normalization, all_reduce=all_reduce)

@@ -37,7 +37,8 @@ from torch import nn
 
 from bert_packed import attention as attention_registry
 from bert_packed.attention import profiler_scope
-from bert_packed.losses import MLM_LOSS_NORMALIZATIONS, mlm_loss_terms, normalize, nsp_loss_terms
+from bert_packed.losses import (MLM_LOSS_NORMALIZATIONS, add_sequence_normalizer, add_step_normalizers,
+                                 classification_loss_terms, mlm_loss_terms, normalize, nsp_loss_terms)
 
 __all__ = [
     "ModelConfigError",
@@ -52,6 +53,7 @@ __all__ = [
     "BertForSequenceClassification",
     "PRETRAINING_FIELDS",
     "CLASSIFICATION_FIELDS",
+    "PROBLEM_TYPES",
     "hf_state_dict",
     "load_hf_state_dict",
 ]
@@ -73,6 +75,8 @@ PRETRAINING_FIELDS = (
 OPTIONAL_FIELDS = ("mlm_normalizer", "nsp_normalizer")  # [B] float, the step's global counts
 # Packed sequence classification: one label per packed sequence.
 CLASSIFICATION_FIELDS = ("input_ids", "segment_ids", "position_ids", "sequence_ids", "cls_positions", "labels", "label_weights")
+# Hugging Face's names (``BertConfig.problem_type``); None resolves as Hugging Face does.
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 
 
 class ModelConfigError(ValueError):
@@ -105,10 +109,14 @@ class BertConfig:
     type_vocab_size: int = 2
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
+    pad_token_id: Optional[int] = 0  # None: no padding row in the word embeddings (Hugging Face allows null)
+    # The MLM decoder shares the word-embedding matrix (False: a checkpoint's own decoder matrix).
+    tie_word_embeddings: bool = True
     # Sequence classification head (BertForSequenceClassification).
     num_labels: int = 2
     classifier_dropout: Optional[float] = None  # None: use hidden_dropout_prob, as Hugging Face does
+    # None: Hugging Face's rule at config time: num_labels == 1 is regression, else single-label.
+    problem_type: Optional[str] = None
     # Packing.
     max_sequences_per_pack: int = 3
     max_masked_tokens_per_pack: int = 78
@@ -150,8 +158,16 @@ class BertConfig:
                 f"model config: mlm_loss_normalization must be one of {MLM_LOSS_NORMALIZATIONS}, "
                 f"got {self.mlm_loss_normalization!r}"
             )
-        if not 0 <= self.pad_token_id < self.vocab_size:
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ModelConfigError(f"model config: pad_token_id={self.pad_token_id} is outside the vocabulary")
+        if self.problem_type is not None and self.problem_type not in PROBLEM_TYPES:
+            raise ModelConfigError(f"model config: problem_type must be one of {', '.join(PROBLEM_TYPES)} or null, "
+                                   f"got {self.problem_type!r}")
+        if self.problem_type == "single_label_classification" and self.num_labels < 2:
+            raise ModelConfigError("model config: single_label_classification needs num_labels >= 2 (one label is "
+                                   "a constant: its loss would be 0); use problem_type regression for one score")
+        if self.problem_type == "multi_label_classification" and self.num_labels < 1:
+            raise ModelConfigError("model config: multi_label_classification needs num_labels >= 1")
         try:
             attention_registry.get_attention(self.attention_implementation)
         except attention_registry.AttentionError as error:
@@ -160,6 +176,13 @@ class BertConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def resolved_problem_type(self) -> str:
+        """``problem_type``, or Hugging Face's default for ``num_labels`` (1: regression)."""
+        if self.problem_type is not None:
+            return self.problem_type
+        return "regression" if self.num_labels == 1 else "single_label_classification"
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -190,9 +213,12 @@ class BertConfig:
         keys = (
             "vocab_size hidden_size num_hidden_layers num_attention_heads intermediate_size hidden_act "
             "hidden_dropout_prob attention_probs_dropout_prob max_position_embeddings type_vocab_size "
-            "initializer_range layer_norm_eps pad_token_id num_labels classifier_dropout"
+            "initializer_range layer_norm_eps pad_token_id num_labels classifier_dropout tie_word_embeddings"
         ).split()
-        return {k: getattr(self, k) for k in keys}
+        out = {k: getattr(self, k) for k in keys}
+        if self.problem_type is not None:
+            out["problem_type"] = self.problem_type
+        return out
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -488,9 +514,22 @@ class BertForPreTraining(BertPreTrainedModel):
         self.cls.apply(self._init_weights)
         self.tie_weights()
 
+    # What the backends sum over micro-batches and replicas: the step's shares of the loss
+    # and metrics (normalised by the step's counts), then this batch's counts.
+    metric_names = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
+    count_names = ("num_sequences", "num_mlm_tokens")
+    normalizer_fields = OPTIONAL_FIELDS
+
     def tie_weights(self) -> None:
-        """Share the MLM decoder weight with the word embeddings (call again after replacing either)."""
-        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+        """Share the MLM decoder weight with the word embeddings (call again after replacing either).
+
+        Nothing to do with ``tie_word_embeddings: false`` (a checkpoint with its own decoder matrix)."""
+        if self.config.tie_word_embeddings:
+            self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+
+    def add_step_normalizers(self, micro_batches, *, all_reduce=None):
+        """Give every pack of one optimizer step the step's global counts (see ``bert_packed.losses``)."""
+        return add_step_normalizers(micro_batches, self.config.mlm_loss_normalization, all_reduce=all_reduce)
 
     def forward(
         self,
@@ -542,26 +581,52 @@ class BertForPreTraining(BertPreTrainedModel):
 
 
 class BertForSequenceClassification(BertPreTrainedModel):
-    """Packed sequence classification: one label per packed sequence, from its own [CLS].
+    """Packed sequence classification: one logit row per packed sequence, from its own [CLS].
 
     Hugging Face's flattening collator gives one loss per *row*; here every sequence of
     the pack is classified and weighted on its own. ``model(**batch)`` with the fields of
-    ``CLASSIFICATION_FIELDS``: ``cls_positions``, ``labels`` ``[B,K]`` (int64) and
-    ``label_weights`` ``[B,K]`` (1.0 where sequence k exists), plus optional
-    ``normalizer`` ``[B]`` (the step's sequence count, as for NSP). Returns ``loss``
-    (mean cross-entropy per sequence), ``accuracy``, ``logits`` ``[B,K,num_labels]`` and
-    ``num_sequences``.
+    ``CLASSIFICATION_FIELDS``: ``cls_positions`` ``[B,K]``, ``label_weights`` ``[B,K]``
+    (1.0 where sequence k exists) and ``labels`` by ``config.resolved_problem_type``
+    (Hugging Face's names and losses):
+
+    * ``single_label_classification``: int64 ``[B,K]``, cross-entropy; metric ``accuracy``;
+    * ``multi_label_classification``: float ``[B,K,num_labels]`` of 0/1, binary
+      cross-entropy with logits averaged over the labels; metric ``accuracy`` = exact match
+      (every label right at logit > 0);
+    * ``regression``: float ``[B,K]`` (``num_labels`` 1) or ``[B,K,num_labels]``, mean
+      squared error averaged over the labels.
+
+    Every loss is a mean over *sequences* (each sequence's own loss, weighted by
+    ``label_weights``), divided by the optional ``normalizer`` ``[B]`` (the step's sequence
+    count, as for NSP) or by the batch's own count: the sequence-weighted loss of Hugging
+    Face's unpacked ``BertForSequenceClassification`` (whose means over the batch's
+    elements are the same numbers when every sequence has ``num_labels`` labels).
+    Returns ``logits`` ``[B,K,num_labels]``, and with labels ``loss``, the metrics of
+    ``metric_names`` and ``num_sequences``.
     """
+
+    count_names = ("num_sequences",)
+    normalizer_fields = ("normalizer",)
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
         self.num_labels = config.num_labels
+        self.problem_type = config.resolved_problem_type
         self.bert = BertModel(config)
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.classifier.apply(self._init_weights)
+
+    @property
+    def metric_names(self):
+        return ("loss",) if self.problem_type == "regression" else ("loss", "accuracy")
+
+    def add_step_normalizers(self, micro_batches, *, all_reduce=None):
+        """Set ``normalizer`` (float32 ``[B]``) in every micro-batch to the step's sequence count
+        (``label_weights`` summed over all micro-batches, and over processes by ``all_reduce``)."""
+        return add_sequence_normalizer(micro_batches, "label_weights", "normalizer", all_reduce=all_reduce)
 
     def forward(
         self,
@@ -582,11 +647,12 @@ class BertForSequenceClassification(BertPreTrainedModel):
         if labels is None:
             return outputs
         if label_weights is None:
-            label_weights = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
+            label_weights = torch.ones(cls_positions.shape, dtype=torch.float32, device=cls_positions.device)
         with profiler_scope("packing/loss_unpacking"):
-            terms = nsp_loss_terms(logits, labels, label_weights)
+            terms = classification_loss_terms(logits, labels, label_weights, self.problem_type)
             outputs["loss"] = normalize(terms["loss_sum"], terms["count"], normalizer)
-            outputs["accuracy"] = normalize(terms["correct_sum"], terms["count"], normalizer)
+            if "correct_sum" in terms:
+                outputs["accuracy"] = normalize(terms["correct_sum"], terms["count"], normalizer)
             outputs["num_sequences"] = terms["count"].sum()
         return outputs
 

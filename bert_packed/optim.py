@@ -68,14 +68,16 @@ class Lamb(torch.optim.Optimizer):
         bias_correction: bool = True,
         max_weight_norm: Optional[float] = None,
     ):
-        if lr < 0.0:
-            raise OptimConfigError(f"LAMB lr must be >= 0, got {lr}")
+        if not lr >= 0.0 or not math.isfinite(lr):
+            raise OptimConfigError(f"LAMB lr must be a finite number >= 0, got {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise OptimConfigError(f"LAMB betas must be in [0, 1), got {tuple(betas)}")
-        if eps <= 0.0:
-            raise OptimConfigError(f"LAMB eps must be > 0, got {eps}")
-        if weight_decay < 0.0:
-            raise OptimConfigError(f"LAMB weight_decay must be >= 0, got {weight_decay}")
+        if not 0.0 < eps < math.inf:
+            raise OptimConfigError(f"LAMB eps must be a finite number > 0, got {eps}")
+        if not 0.0 <= weight_decay < math.inf:
+            raise OptimConfigError(f"LAMB weight_decay must be a finite number >= 0, got {weight_decay}")
+        if max_weight_norm is not None and not 0.0 <= max_weight_norm < math.inf:
+            raise OptimConfigError(f"LAMB max_weight_norm must be null or a finite number >= 0, got {max_weight_norm}")
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -164,9 +166,21 @@ def build_optimizer(
     weight_decay: float = 0.01,
     bias_correction: bool = True,
     max_weight_norm: Optional[float] = None,
+    bias_max_weight_norm: Optional[float] = 0.0,
 ) -> torch.optim.Optimizer:
-    """``"lamb"`` (ours) or ``"adamw"`` (torch's) over ``parameter_groups(model, weight_decay)``."""
-    groups = parameter_groups(model, weight_decay)
+    """``"lamb"`` (ours) or ``"adamw"`` (torch's) over ``parameter_groups(model, weight_decay)``.
+
+    LAMB: ``max_weight_norm`` clamps the trust ratio's ``||w||`` of the decayed weights (None =
+    unclamped); ``bias_max_weight_norm`` that of biases and LayerNorm parameters. Its default 0
+    switches their trust ratio off (a plain Adam-style step), Graphcore's choice: with the trust
+    ratio a LayerNorm gain's step is proportional to its own norm, so the gains can grow
+    geometrically (the tiny config reached norms of 1e17 and NaN at step ~2000). None keeps the
+    published LAMB for them too.
+    """
+    if name == "lamb":
+        groups = parameter_groups(model, weight_decay, bias_max_weight_norm=bias_max_weight_norm)
+    else:
+        groups = parameter_groups(model, weight_decay)
     if name == "lamb":
         return Lamb(groups, lr=lr, betas=tuple(betas), eps=eps, bias_correction=bias_correction, max_weight_norm=max_weight_norm)
     if name == "adamw":

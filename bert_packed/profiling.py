@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from bert_packed.data.vocab import atomic_path, write_text_atomic
+from bert_packed.io import atomic_path, write_text_atomic
 
 DEPTHS = (1, 2, 3, 4, 8, 16)
 CATEGORIES = ("mask", "attention", "loss_unpacking", "rest")
@@ -287,7 +287,7 @@ def pva_total_cycles(report) -> Optional[float]:
     return float(sum(step.ipus[0].cycles for step in execution.steps))
 
 
-def measure_throughput(config, backend_name: str, packed_depth: int, *, num_steps: int,
+def measure_throughput(config, make_backend: Callable[[], Any], packed_depth: int, *, num_steps: int,
                        progress: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
     """Train packed (``packed_depth``) and padded (depth 1) side by side: ``num_steps`` of each.
 
@@ -300,11 +300,11 @@ def measure_throughput(config, backend_name: str, packed_depth: int, *, num_step
     this is the long-run rate; ``measured_sequences_per_second`` counts only the sequences
     that were in the timed steps (noisier for few steps). ``speedup`` uses total times;
     ``speedup_median_steps`` the median step time of each mode (robust to bursts of other
-    work on a shared machine).
+    work on a shared machine). ``make_backend()`` returns a fresh, unprepared backend object
+    (one per mode: both stay prepared side by side).
     """
     import torch
 
-    from backends import get_backend
     from bert_packed.data.generated import GeneratedSource
     from bert_packed.train import build_model, build_optimizer
 
@@ -318,7 +318,7 @@ def measure_throughput(config, backend_name: str, packed_depth: int, *, num_step
         torch.manual_seed(config.train.seed)
         model = build_model(cfg)
         optimizer, scheduler = build_optimizer(cfg, model)
-        backend = get_backend(backend_name)
+        backend = make_backend()
         backend.prepare(model, optimizer, cfg, scheduler=scheduler)
         it = iter(source)
         backend.train_step([next(it)])  # warm-up (compilation, allocators), not timed
@@ -462,19 +462,23 @@ _COST_NOTES = {
 }
 
 
-def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[int] = DEPTHS,
+def run_profile(config, backend, output_dir: str, *, depths: Sequence[int] = DEPTHS,
                 num_repeats: int = 3, throughput: bool = True, throughput_steps: int = 8,
                 report_reader: Optional[Callable[[str], Any]] = None, show_progress: bool = True,
-                execute: Optional[bool] = None) -> Dict:
-    """Profile every depth on ``backend_name`` and write overhead.json/.md/.png to ``output_dir``.
+                execute: Optional[bool] = None, make_backend: Optional[Callable[[], Any]] = None) -> Dict:
+    """Profile every depth on ``backend`` (a backend object; ``run.py`` resolves names) and write
+    overhead.json/.md/.png to ``output_dir``.
 
     ``report_reader(profile_dir) -> pva report or None`` reads PopVision reports (default:
     ``pva.openReport`` on the newest ``*.pop``; tests inject a fake). ``execute``: run the model
-    on the mock (default: no, BERT-Large is priced from shapes on the meta device). Returns the
-    report dict.
+    on the mock (default: no, BERT-Large is priced from shapes on the meta device).
+    ``make_backend()``: fresh backend objects for the side-by-side throughput runs (default:
+    ``type(backend)()``). Returns the report dict.
     """
-    from backends import get_backend
-
+    if isinstance(backend, str):
+        raise TypeError(f"run_profile() takes a backend object, not the name {backend!r}: "
+                        f"resolve it with backends.get_backend({backend!r})")
+    backend_name = backend.name
     depths = sorted({int(d) for d in depths} | {1})
     if any(d < 1 for d in depths):
         raise ProfilingError(f"packing depths must be >= 1, got {depths}")
@@ -482,7 +486,6 @@ def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[
     B, S = config.train.micro_batch_size, config.data.max_sequence_length
     packing = packing_statistics(config, depths, data_lengths(config))
 
-    backend = get_backend(backend_name)
     model = build_profile_model(config, backend_name, execute)
     batches = profile_batches(config, depths, B)
     deterministic = backend_name in DETERMINISTIC_BACKENDS
@@ -544,7 +547,7 @@ def run_profile(config, backend_name: str, output_dir: str, *, depths: Sequence[
             report["throughput"] = estimated_throughput(rows, packed_depth, B)
         else:
             tbar = tqdm(total=2 * throughput_steps, desc="throughput", disable=not show_progress, leave=False)
-            report["throughput"] = measure_throughput(config, backend_name, packed_depth,
+            report["throughput"] = measure_throughput(config, make_backend or type(backend), packed_depth,
                                                       num_steps=throughput_steps, progress=tbar.update)
             tbar.close()
 

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 from scipy import integrate, optimize, stats
 
-from bert_packed.data.vocab import atomic_path, write_text_atomic
+from bert_packed.io import atomic_path, write_text_atomic
 
 PAPER_ALPHA_8 = 1.6038
 PAPER_BETA_8 = 0.1288

@@ -31,10 +31,11 @@ import torch
 
 from bert_packed import attention as attention_registry
 from bert_packed.config import ConfigError
-from bert_packed.losses import add_step_normalizers
+from bert_packed.losses import step_normalizers
 from ipu import options as ipu_options
 from ipu import pipeline
 from ipu.cost_model import estimate_cycles
+from ipu import memory
 
 def _bert_config(model):
     """The ``BertConfig`` of a (possibly wrapped) BERT model, or None."""
@@ -85,6 +86,37 @@ def estimate_run_cycles(info: Dict[str, Any]) -> Dict[str, Any]:
     num_micro_batches = int(info["device_iterations"]) * int(info["gradient_accumulation"])
     return {"total": int(estimate["total"]) * num_micro_batches, "per_micro_batch": int(estimate["total"]),
             "breakdown": estimate.get("breakdown"), "unit": "estimated cycles"}
+
+
+def estimate_run_memory(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """``ipu.memory`` estimate of what the (mock) executor compiles: the layout from its pipeline
+    plan, the shapes from its inputs, precisions from the model and optimizer, optimizer state
+    placement and replicas (all PopRun instances) from its options. None for a non-BERT model."""
+    config = _bert_config(info["model"])
+    plan, options = info.get("pipeline") or {}, info["options"]
+    shapes = {path.split("'")[1]: shape for path, shape, _ in info["signature"] if "'" in path}
+    if config is None or "input_ids" not in shapes or "mlm_positions" not in shapes or not plan.get("blocks"):
+        return None
+    layers_per_ipu = [0] * plan["num_ipus_per_replica"]
+    for block_id, ipu_id, _ in plan["blocks"]:
+        if str(block_id).startswith("Encoder"):
+            layers_per_ipu[ipu_id] += 1
+    location = options.TensorLocations.location_optimizer
+    optimizer = info.get("optimizer")
+    weight_dtype = next(info["model"].parameters()).dtype
+    accum = getattr(optimizer, "accum_type", None) or torch.float32
+    proportions = options.available_memory_proportion
+    layout = memory.Layout(
+        layers_per_ipu=layers_per_ipu, micro_batch_size=int(shapes["input_ids"][0]),
+        sequence_length=int(shapes["input_ids"][1]), max_masked_tokens_per_pack=int(shapes["mlm_positions"][1]),
+        replicas=options.replication_factor * options.Distributed.num_distributed_processes,
+        weight_bytes=torch.finfo(weight_dtype).bits // 8, accumulator_bytes=torch.finfo(accum).bits // 8,
+        optimizer_state_offchip=location.get("onChip", 1) == 0,
+        replicated_tensor_sharding=bool(location.get("useReplicatedTensorSharding", 0)),
+        recompute_checkpoint_every_layer=plan.get("num_recomputation_checkpoints", 0) > 0,
+        embedding_serialization_factor=max(plan.get("serialization_factors") or [1]),
+        available_memory_proportion=[proportions.get(i, 0.6) for i in range(len(layers_per_ipu))])
+    return memory.estimate_memory(config, layout)
 
 
 @contextlib.contextmanager
@@ -140,7 +172,7 @@ class PopTorchBackend:
     def __init__(self, poptorch=None, popart=None, popdist=None) -> None:
         self.poptorch = poptorch
         self.popart = popart
-        self.popdist = popdist
+        self.popdist = ipu_options.init_popdist(popdist)
         self.model = self.config = self.scheduler = None
         self.host_optimizer = self.optimizer = None
         self.training_model = self.inference_model = None
@@ -150,12 +182,16 @@ class PopTorchBackend:
     @staticmethod
     def process_shard():
         """(instance index, number of instances) under PopRun, else None (see ipu.options.data_shard)."""
-        popdist = ipu_options.import_popdist()
+        popdist = ipu_options.init_popdist(ipu_options.import_popdist())
         return None if popdist is None else ipu_options.data_shard(popdist)
 
     # -- setup --------------------------------------------------------------------------------
-    def prepare(self, model, optimizer, config, scheduler=None, **kwargs) -> None:
+    def prepare(self, model, optimizer, config, scheduler=None, *, offline: bool = False,
+                report_dir: Optional[str] = None, **kwargs) -> None:
         """Annotate, cast and wrap ``model`` for PopTorch; replace ``optimizer`` by PopTorch's.
+
+        ``offline``: compile for a GC200 without attaching to one (``compile_offline``);
+        ``report_dir``: Poplar writes its reports (memory, even when out of memory) there.
 
         The loop's ``scheduler`` keeps driving ``optimizer`` (the host one); after every call the
         new learning rates are copied over and pushed with ``setOptimizer`` (PopTorch only sees
@@ -184,12 +220,41 @@ class PopTorchBackend:
         self.optimizer = pipeline.build_optimizer(optimizer, poptorch, config)
         num_total = ipu_options.num_total_replicas(config, self.popdist)
         wrapper = pipeline.TrainingWrapper(self.model, poptorch, loss_multiplier=ga * num_total)
-        opts = ipu_options.build_options(poptorch, config, training=True, popdist=self.popdist, popart=self.popart)
+        opts = ipu_options.build_options(poptorch, config, training=True, popdist=self.popdist, popart=self.popart,
+                                         offline=offline, profile_dir=report_dir)
         self.training_model = poptorch.trainingModel(wrapper, opts, optimizer=self.optimizer)
         # The loop checkpoints and restores the optimizer it built; the state that matters is
         # PopTorch's (on the device for real IPUs), so its state_dict/load_state_dict go there.
         optimizer.state_dict = self.optimizer.state_dict
         optimizer.load_state_dict = self._load_optimizer_state
+
+    def memory_estimate(self, config) -> Dict[str, Any]:
+        """``ipu.memory`` per-IPU estimate of ``config``'s training layout (all replicas counted
+        for sharding, PopRun instances included)."""
+        from bert_packed.train import build_model
+
+        with torch.device("meta"):  # the model's sizes, no weights
+            bert_config = build_model(config).config
+        layout = memory.layout_from_config(config, replicas=ipu_options.num_total_replicas(config, self.popdist))
+        return memory.estimate_memory(bert_config, layout)
+
+    def compile_offline(self, model, optimizer, config, report_dir: str):
+        """Compile the training executable for a GC200 without an IPU (``useOfflineIpuTarget``),
+        with Poplar writing its memory report to ``report_dir`` even when the layout does not
+        fit (``debug.allowOutOfMemory`` + ``autoReport.all``). Returns the executable."""
+        from bert_packed.data import empty_batch
+
+        self.prepare(model, optimizer, config, offline=True, report_dir=report_dir)
+        d = config.data
+        batch = empty_batch(config.train.micro_batch_size, d.max_sequence_length, d.max_sequences_per_pack,
+                            d.max_masked_tokens_per_pack)
+        batches = self._normalise([batch] * self.micro_batches_per_step) * self.steps_per_call
+        host = stack_host_batch(batches, num_steps=self.steps_per_call,
+                                gradient_accumulation=config.train.gradient_accumulation,
+                                num_replicas=config.ipu.replication_factor)
+        with no_profiler_scopes():
+            self.training_model.compile(**host)
+        return self.training_model
 
     def _load_optimizer_state(self, state_dict) -> None:
         self.optimizer.load_state_dict(state_dict)
@@ -197,27 +262,36 @@ class PopTorchBackend:
             self.training_model.setOptimizer(self.optimizer)
 
     def sync_to_host(self) -> None:
-        """Copy the device weights into the host model (before checkpointing or host evaluation)."""
+        """The trained weights into the host model (before checkpointing or host evaluation).
+
+        ``copyWeightsToHostIfNeeded`` copies only when the device has newer weights and is safe
+        in every state: a detached training executable already copied them when it detached
+        (PopTorch refuses copies to or from a detached executable).
+        """
         if self.training_model is not None and self.training_model.isCompiled():
-            self.training_model.copyWeightsToHost()
+            self.training_model.copyWeightsToHostIfNeeded()
 
     # -- training -----------------------------------------------------------------------------
     def _normalise(self, step_batches, model=None):
         """The step's global counts in every pack (kept if the loop already filled them)."""
-        if all("mlm_normalizer" in b and "nsp_normalizer" in b for b in step_batches):
+        model = model or self.model
+        fields = getattr(model, "normalizer_fields", ("mlm_normalizer", "nsp_normalizer"))
+        if all(all(name in b for name in fields) for b in step_batches):
             return step_batches
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         # Under PopRun the counts are summed over all instances.
-        return add_step_normalizers([dict(b) for b in step_batches], (model or self.model).config.mlm_loss_normalization,
-                                    all_reduce=torch.distributed.all_reduce if distributed else None)
+        return step_normalizers(model, step_batches, all_reduce=torch.distributed.all_reduce if distributed else None)
 
-    def _switch_to(self, executor, other) -> None:
-        """Only one executable holds the IPUs: detach the other one (weights go to the host)."""
+    @staticmethod
+    def _switch_to(executor, other) -> None:
+        """Only one executable holds the IPUs. PopTorch's way to move between two: detach the
+        other (a training executable copies its weights to the host as it detaches), attach this
+        one (attaching uploads the host weights; a first call compiles and uploads instead).
+        Weights are never copied to or from a detached executable: PopTorch refuses that."""
         if other is not None and other.isAttachedToDevice():
-            other.copyWeightsToHost()
             other.detachFromDevice()
-            if executor.isCompiled():
-                executor.copyWeightsToDevice()
+        if executor.isCompiled() and not executor.isAttachedToDevice():
+            executor.attachToDevice()
 
     def train_step(self, micro_batches):
         n, num_steps = self.micro_batches_per_step, self.steps_per_call
@@ -255,7 +329,7 @@ class PopTorchBackend:
         several steps per call their mean is reported for each (the split is not returned).
         """
         values = {}
-        for name, tensor in zip(pipeline.METRIC_NAMES, outputs):
+        for name, tensor in zip(pipeline.metric_names(self.model), outputs):
             flat = tensor.detach().double().reshape(-1)
             if self.config.ipu.output_mode == "all":
                 values[name] = flat.reshape(num_steps, -1).sum(dim=1).tolist()
@@ -288,7 +362,35 @@ class PopTorchBackend:
                 outputs = self.inference_model(**host)
         finally:
             self.model.train(was_training)
-        return {name: float(t.double().sum()) for name, t in zip(pipeline.METRIC_NAMES, outputs)}
+        return {name: float(t.double().sum()) for name, t in zip(pipeline.metric_names(self.model), outputs)}
+
+    @torch.no_grad()
+    def predict_step(self, batch, names=("logits",)):
+        """The model's ``names`` outputs for one micro-batch (e.g. per-sequence logits), as float32
+        numpy arrays: forward only on one replica, an executable of its own per set of names."""
+        poptorch = self.poptorch
+        executors = self.__dict__.setdefault("_predict_models", {})
+        names = tuple(names)
+        if names not in executors:
+            opts = ipu_options.build_options(poptorch, self.config, training=False, popdist=None, popart=self.popart,
+                                             device_iterations=1, replication_factor=1)
+            opts.setExecutionStrategy(poptorch.ShardedExecution(poptorch.AutoStage.AutoIncrement))
+            opts.outputMode(poptorch.OutputMode.All)
+            executors[names] = poptorch.inferenceModel(pipeline.PredictWrapper(self.model, names), opts)
+        executor = executors[names]
+        host = stack_host_batch([batch], num_steps=1, gradient_accumulation=1, num_replicas=1)
+        self._switch_to(executor, self.training_model)
+        self._switch_to(executor, self.inference_model)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with no_profiler_scopes():
+                outputs = executor(**host)
+        finally:
+            self.model.train(was_training)
+            if executor.isAttachedToDevice():  # free the IPUs: training re-attaches its own executable
+                executor.detachFromDevice()
+        return {name: t.detach().float().numpy() for name, t in zip(names, outputs)}
 
     # -- profiling ----------------------------------------------------------------------------
     def profile(self, model, batch, *, num_repeats: int = 5, profile_dir: Optional[str] = None,
@@ -344,7 +446,9 @@ class PopTorchBackend:
         return result
 
 
-def install_mock_cycle_estimator(mock_poptorch) -> None:
-    """Make the mock's ``cycleCount()`` return ``estimate_run_cycles(...)["total"]``."""
+def install_mock_estimators(mock_poptorch) -> None:
+    """The mock's ``cycleCount()`` returns ``estimate_run_cycles(...)["total"]``; its compile
+    estimates memory with ``estimate_run_memory`` (and warns above an IPU's memory)."""
     mock_poptorch.set_cycle_estimator(lambda info: estimate_run_cycles(info)["total"])
+    mock_poptorch.set_memory_estimator(estimate_run_memory)
 

@@ -8,7 +8,8 @@ import types
 
 from ipu import mock_poptorch
 
-_DEFAULTS = {"set": False, "num_instances": 1, "instance_index": 0, "num_local_replicas": 1, "ipus_per_replica": 1}
+_DEFAULTS = {"set": False, "num_instances": 1, "instance_index": 0, "num_local_replicas": 1, "ipus_per_replica": 1,
+             "init_calls": 0}
 _state = dict(_DEFAULTS)
 
 
@@ -19,6 +20,16 @@ def configure(*, num_instances, instance_index, num_local_replicas, ipus_per_rep
 
 def reset():
     _state.update(_DEFAULTS)
+    globals().pop("_packed_bert_initialised", None)
+
+
+def init():
+    """``popdist.init()``: what Graphcore's PopRun examples call first (counted for tests)."""
+    _state["init_calls"] += 1
+
+
+def init_calls():
+    return _state["init_calls"]
 
 
 def isPopdistEnvSet():

@@ -34,6 +34,16 @@ def import_popdist() -> Optional[Any]:
     return popdist if popdist.isPopdistEnvSet() else None
 
 
+def init_popdist(popdist: Optional[Any]) -> Optional[Any]:
+    """``popdist.init()`` once per process under PopRun, as Graphcore's PopRun examples do
+    (nlp/bert/pytorch/args.py ``init_popdist``) before any popdist query or Options; returns
+    ``popdist`` (None without PopRun)."""
+    if popdist is not None and not getattr(popdist, "_packed_bert_initialised", False):
+        popdist.init()
+        popdist._packed_bert_initialised = True
+    return popdist
+
+
 def data_shard(popdist: Optional[Any] = None) -> Tuple[int, int]:
     """``(instance_index, num_instances)``: which share of the data this host process reads.
 
@@ -52,15 +62,32 @@ def num_total_replicas(config, popdist: Optional[Any] = None) -> int:
     return int(popdist.getNumTotalReplicas())
 
 
+# Graphcore's PopART settings for BERT (examples nlp/bert/pytorch/ipu_options.py and
+# optimum-graphcore ipu_configuration.py), set for every executable:
+PATTERNS = {"TiedGather": True, "TiedGatherAccumulate": True, "UpdateInplacePrioritiesForIpu": True}
+POPART_OPTIONS = {
+    # Schedule gradient consumers (the accumulation) early: their inputs die sooner.
+    "scheduleNonWeightUpdateGradientConsumersEarly": True,
+    # Outline (share code for) repeated subgraphs above this estimated saving: less code memory.
+    "outlineThreshold": 10.0,
+}
+ENGINE_OPTIONS = {"opt.useAutoloader": "true", "target.syncReplicasIndependently": "true"}
+# Poplar writes its memory report even when the graph does not fit (compile-only, profiling).
+REPORT_ENGINE_OPTIONS = {"debug.allowOutOfMemory": "true", "autoReport.all": "true"}
+
+
 def build_options(poptorch, config, *, training: bool = True, popdist: Optional[Any] = None,
                   popart: Optional[Any] = None, log_cycle_count: Optional[bool] = None,
                   profile_dir: Optional[str] = None, device_iterations: Optional[int] = None,
-                  gradient_accumulation: Optional[int] = None, replication_factor: Optional[int] = None):
+                  gradient_accumulation: Optional[int] = None, replication_factor: Optional[int] = None,
+                  offline: bool = False):
     """A ``poptorch.Options`` for ``config`` (a ``bert_packed.config.Config``).
 
-    Keyword overrides exist for the backend's own uses (profiling, evaluation); by default
-    every value comes from the config: ``ipu.*`` plus ``train.gradient_accumulation`` (per
-    replica, already packing-adjusted by the loop) and ``train.seed``.
+    Keyword overrides exist for the backend's own uses (profiling, evaluation, compile-only);
+    by default every value comes from the config: ``ipu.*`` plus ``train.gradient_accumulation``
+    (per replica, already packing-adjusted by the loop) and ``train.seed``. ``profile_dir``
+    makes Poplar write its reports there (with ``debug.allowOutOfMemory``, so a layout that
+    does not fit still reports); ``offline`` compiles for a GC200 without attaching to one.
     """
     ipu = config.ipu
     rf = ipu.replication_factor if replication_factor is None else replication_factor
@@ -84,6 +111,11 @@ def build_options(poptorch, config, *, training: bool = True, popdist: Optional[
         # scales each micro-batch's loss by the number of micro-batches so that the mean of the
         # gradients is the global-count-normalised gradient (see ipu/backend.py).
         opts.Training.accumulationAndReplicationReductionType(poptorch.ReductionType.Mean)
+        # The strategy PopTorch picks itself from the optimizer's accum_type, stated: a running
+        # mean for fp16 accumulators (bounded by the largest micro-batch gradient), the sum
+        # divided at the end for fp32 ones (faster; no overflow risk in fp32).
+        opts.Training.setMeanAccumulationAndReplicationReductionStrategy(
+            poptorch.MeanReductionStrategy.Running if ipu.fp16_accumulators else poptorch.MeanReductionStrategy.Post)
 
     if ipu.output_mode != "default":
         opts.outputMode(getattr(poptorch.OutputMode, OUTPUT_MODES[ipu.output_mode]))
@@ -104,8 +136,8 @@ def build_options(poptorch, config, *, training: bool = True, popdist: Optional[
     if ipu.synthetic_data:
         opts.enableSyntheticData(True)
     opts.logCycleCount(bool(ipu.log_cycle_count if log_cycle_count is None else log_cycle_count))
-    if profile_dir:
-        opts.enableProfiling(profile_dir)
+    if offline:
+        opts.useOfflineIpuTarget(2)  # 2 = Mk2 (GC200), the IPU-M2000's processor
 
     # Optimizer state (LAMB's two moments: 2x the weights) in Streaming Memory, sharded over
     # the replicas so each only streams its 1/R share; sharding needs more than one replica.
@@ -125,4 +157,13 @@ def build_options(poptorch, config, *, training: bool = True, popdist: Optional[
         opts._Popart.set("accumulateOuterFragmentSettings.excludedVirtualGraphs", ["0"])
         opts._Popart.set("subgraphCopyingStrategy",
                          int(popart.SubgraphCopyingStrategy.JustInTime) if popart else 1)
+    for key, value in POPART_OPTIONS.items():
+        opts._Popart.set(key, value)
+    # TiedGather(Accumulate): the MLM decoder and the word embedding share one weight and one
+    # accumulator instead of a transposed copy of the 30522 x 1024 table on IPU 0.
+    opts._Popart.setPatterns(dict(PATTERNS))
+    engine = dict(ENGINE_OPTIONS)
+    if profile_dir:
+        engine.update(REPORT_ENGINE_OPTIONS, **{"autoReport.directory": profile_dir})
+    opts._Popart.setEngineOptions(engine)
     return opts

@@ -22,9 +22,16 @@ import torch
 from torch import nn
 
 from bert_packed.config import ConfigError
+from bert_packed.losses import PRETRAINING_COUNTS, PRETRAINING_METRICS, metric_keys
 
 # Outputs the training wrapper returns, in order (the first is the one loss PopTorch trains).
-METRIC_NAMES = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "num_sequences", "num_mlm_tokens")
+METRIC_NAMES = PRETRAINING_METRICS + PRETRAINING_COUNTS  # a pre-training model's outputs
+
+
+def metric_names(model) -> tuple:
+    """The scalar outputs the wrappers return for ``model`` (its declared metric and count keys;
+    pre-training's ``METRIC_NAMES`` for a model that declares none)."""
+    return metric_keys(model)
 
 
 def layer_ipus(layers_per_ipu: List[int], num_layers: int) -> List[int]:
@@ -95,7 +102,7 @@ def parallelize(model, ipu_config, poptorch):
             layer.register_forward_hook(_checkpoint_output(poptorch))
     # The pooler runs first among the heads (pool -> cls), so the "Heads" block starts there.
     poptorch.BeginBlock(model.bert.pooler, "Heads", ipu_id=0)
-    if ipu_config.embedding_serialization_factor > 1:
+    if ipu_config.embedding_serialization_factor > 1 and hasattr(model, "cls"):  # task heads have no decoder
         _serialize_decoder(model.cls.predictions.decoder, poptorch, ipu_config.embedding_serialization_factor)
     return model
 
@@ -116,7 +123,7 @@ class TrainingWrapper(nn.Module):
     def forward(self, **batch):
         out = self.model(**batch)
         final_loss = self._poptorch.identity_loss(out["loss"] * self.loss_multiplier, reduction="none")
-        return (final_loss,) + tuple(out[name].float() for name in METRIC_NAMES)
+        return (final_loss,) + tuple(out[name].float() for name in metric_names(self.model))
 
 
 class EvalWrapper(nn.Module):
@@ -128,7 +135,20 @@ class EvalWrapper(nn.Module):
 
     def forward(self, **batch):
         out = self.model(**batch)
-        return tuple(out[name].float() for name in METRIC_NAMES)
+        return tuple(out[name].float() for name in metric_names(self.model))
+
+
+class PredictWrapper(nn.Module):
+    """Forward only, returning the model's ``names`` outputs (e.g. per-sequence logits)."""
+
+    def __init__(self, model, names):
+        super().__init__()
+        self.model = model
+        self.names = tuple(names)
+
+    def forward(self, **batch):
+        out = self.model(**batch)
+        return tuple(out[name].float() for name in self.names)
 
 
 def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
@@ -153,9 +173,12 @@ def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
         bias_correction = {bool(g.get("bias_correction", True)) for g in torch_optimizer.param_groups}
         if len(bias_correction) != 1:
             raise ConfigError("poptorch.optim.LAMB has one bias_correction for all groups; the groups differ")
-        # fp32 gradient accumulators: a step sums GA x replicas loss-scaled gradients, which
-        # overflows fp16 (Graphcore's BERT accumulates in fp16; we trade that memory for range).
-        accum = torch.float32
+        # Gradient accumulators in fp16 by default (Graphcore's BERT and optimum-graphcore): one
+        # copy of the weights in fp16 instead of fp32. PopTorch then keeps their running mean
+        # (MeanReductionStrategy.Running, set in ipu/options.py), never the sum of GA x replicas
+        # loss-scaled gradients, so they cannot overflow where one micro-batch's gradient does
+        # not. LAMB's first and second moments stay fp32 (in Streaming Memory, sharded).
+        accum = torch.float16 if config.ipu.fp16_accumulators else torch.float32
         return poptorch.optim.LAMB(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]),
                                    eps=float(defaults["eps"]), weight_decay=float(defaults["weight_decay"]),
                                    bias_correction=bias_correction.pop(), loss_scaling=loss_scaling,
@@ -165,7 +188,10 @@ def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
     if isinstance(torch_optimizer, torch.optim.AdamW):
         return poptorch.optim.AdamW(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]),
                                     eps=float(defaults["eps"]), weight_decay=float(defaults["weight_decay"]),
-                                    loss_scaling=loss_scaling)
+                                    loss_scaling=loss_scaling,
+                                    accum_type=torch.float16 if config.ipu.fp16_accumulators else torch.float32,
+                                    first_order_momentum_accum_type=torch.float32,
+                                    second_order_momentum_accum_type=torch.float32)
     raise ConfigError(f"the IPU path supports optimizer.name lamb or adamw, not {type(torch_optimizer).__name__}")
 
 

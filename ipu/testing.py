@@ -67,3 +67,62 @@ def random_micro_batches(seed: int, num: int, config) -> List[Dict[str, np.ndarr
                                 max_sequences_per_pack=d.max_sequences_per_pack,
                                 max_masked_tokens_per_pack=d.max_masked_tokens_per_pack,
                                 vocab_size=config.model.vocab_size) for _ in range(num)]
+
+
+# The fp16 mock-vs-cpu comparison (tests/test_ipu_readiness.py, benchmarks/ipu_fp16_mock_curve.py):
+# phase2 shrunk, replication 2 x accumulation 8 on a 4-stage pipeline (embeddings on IPU 0, one
+# layer on each of IPU 1 and 2, the heads back on IPU 0), fp16 with loss scaling, constant LR.
+FP16_CURVE = TINY_MODEL + [
+    "model.num_hidden_layers=2", "ipu.layers_per_ipu=[0,1,1]", "model.hidden_dropout_prob=0.0",
+    "data.max_sequence_length=32", "train.micro_batch_size=1", "optimizer.schedule=constant",
+    "optimizer.warmup_fraction=0.0", "optimizer.learning_rate=0.02", "ipu.device_iterations=1",
+    "ipu.output_mode=sum", "train.gradient_accumulation=8", "ipu.replication_factor=2",
+    "ipu.loss_scaling=1024.0"]
+
+
+def prepared_pair(config, reference_config=None, backend_cls=None):
+    """``(backend, model, cpu, reference)``: a ``backend_cls`` (default MockBackend) prepared on
+    ``config`` and a CPUBackend on ``reference_config`` (default ``config``), with identical
+    initial weights (seed 0) and each its own optimizer from its config."""
+    import copy
+
+    import torch
+
+    from backends.cpu import CPUBackend
+    from backends.mock import MockBackend
+    from bert_packed.train import build_model, build_optimizer
+
+    reference_config = reference_config or config
+    torch.manual_seed(0)
+    model = build_model(config)
+    reference = copy.deepcopy(model)
+    backend, cpu = (backend_cls or MockBackend)(), CPUBackend()
+    backend.prepare(model, build_optimizer(config, model)[0], config)
+    cpu.prepare(reference, build_optimizer(reference_config, reference)[0], reference_config)
+    return backend, model, cpu, reference
+
+
+def mock_and_cpu_loss_curves(overrides=(), steps: int = 50, num_batches: int = 4, seed: int = 1):
+    """Per-step losses of the mock (phase2 + FP16_CURVE + ``overrides``) and of the cpu fp32
+    reference on the same global batches (``num_batches`` of them, cycled, so the loss falls).
+
+    The cpu takes each step's packs as ONE micro-batch of all of them: with the step's global
+    counts in every pack that is the same step (docs/internals.md), and 16x fewer forwards.
+    Returns (mock_losses, cpu_losses, mock_backend).
+    """
+    from bert_packed.config import load_config
+
+    config = load_config("phase2", FP16_CURVE + list(overrides))
+    per_step = config.train.gradient_accumulation * config.ipu.replication_factor
+    reference_config = load_config("phase2", FP16_CURVE + list(overrides) + [
+        "train.gradient_accumulation=1", f"train.micro_batch_size={per_step * config.train.micro_batch_size}",
+        "ipu.half_precision=false"])
+    mock, _, cpu, _ = prepared_pair(config, reference_config)
+    batches = random_micro_batches(seed, per_step * num_batches, config)
+    mock_losses, cpu_losses = [], []
+    for step in range(steps):
+        step_batches = batches[(step % num_batches) * per_step:(step % num_batches + 1) * per_step]
+        mock_losses.append(mock.train_step([dict(b) for b in step_batches])["loss"])
+        merged = {k: np.concatenate([b[k] for b in step_batches]) for k in step_batches[0]}
+        cpu_losses.append(cpu.train_step([merged])["loss"])
+    return np.array(mock_losses), np.array(cpu_losses), mock

@@ -73,7 +73,10 @@ def train_both(config, num_calls):
     return mock, model, reference, mock_steps, cpu_steps
 
 
-def assert_same_training(model, reference, mock_steps, cpu_steps):
+def assert_same_training(mock, model, reference, mock_steps, cpu_steps):
+    # The device holds its own weights: the host model has the trained ones after sync_to_host
+    # (what the loop calls before checkpointing), not before.
+    mock.sync_to_host()
     assert len(mock_steps) == len(cpu_steps)
     for step, (m, c) in enumerate(zip(mock_steps, cpu_steps)):
         for name in METRICS:
@@ -98,7 +101,7 @@ def test_mock_equals_cpu_rf2_ga4_di2():
     config = fp32_config([4], ga=4)
     mock, model, reference, mock_steps, cpu_steps = train_both(config, num_calls=2)
     assert mock.micro_batches_per_step == 8 and mock.steps_per_call == 2
-    assert_same_training(model, reference, mock_steps, cpu_steps)
+    assert_same_training(mock, model, reference, mock_steps, cpu_steps)
     # Evaluation (an inference executable on the same weights) agrees as well.
     batch = random_micro_batches(7, 1, config)[0]
     mock_eval, cpu_eval = mock.eval_step(dict(batch)), cpu_backend_for(reference, config).eval_step(dict(batch))
@@ -110,7 +113,7 @@ def test_mock_equals_cpu_with_output_mode_sum():
     """phase2's OutputMode.Sum (one value per replica, summed over the call) with one step per call."""
     config = fp32_config([4], ga=4, extra=["ipu.output_mode=sum", "ipu.device_iterations=1"])
     mock, model, reference, mock_steps, cpu_steps = train_both(config, num_calls=2)
-    assert_same_training(model, reference, mock_steps, cpu_steps)
+    assert_same_training(mock, model, reference, mock_steps, cpu_steps)
 
 
 def test_mock_equals_cpu_rf2_di2_four_ipu_pipeline():
@@ -118,7 +121,7 @@ def test_mock_equals_cpu_rf2_di2_four_ipu_pipeline():
     mock, model, reference, mock_steps, cpu_steps = train_both(config, num_calls=1)
     plan = mock.training_model.pipeline
     assert plan["stage_ipus"] == [0, 1, 2, 3, 0] and plan["num_ipus"] == 8
-    assert_same_training(model, reference, mock_steps, cpu_steps)
+    assert_same_training(mock, model, reference, mock_steps, cpu_steps)
 
 
 def test_ga4_is_too_shallow_for_the_four_ipu_pipeline():

@@ -66,20 +66,23 @@ CHECKS = {
     "output_mode": lambda v, o, b, s: o.output_mode == {"all": 2, "sum": 3, "final": 0, "default": 4}[v],
     "available_memory_proportion": lambda v, o, b, s: o.available_memory_proportion
     == {i: p for i, p in enumerate(v if len(v) > 1 else v * len(b.config.ipu.layers_per_ipu))},
-    "enable_half_partials": lambda v, o, b, s: o.Precision.partials_type == ("half" if v else "float"),
+    "enable_half_partials": lambda v, o, b, s: o._Popart.options["partialsTypeMatMuls"] == ("half" if v else "float"),
     "half_precision": lambda v, o, b, s: all(p.dtype == (torch.float16 if v else torch.float32)
                                              for p in b.model.parameters()),
-    "stochastic_rounding": lambda v, o, b, s: o.Precision.stochastic_rounding == v
-    and o._Popart.enableStochasticRounding == v,
+    "accumulator_dtype": lambda v, o, b, s: b.optimizer.accum_type == (
+        torch.float16 if v == "fp16" or (v == "auto" and b.config.ipu.half_precision) else torch.float32)
+    and o.Training.meanAccumulationAndReplicationReductionStrategy == (
+        poptorch.MeanReductionStrategy.Running if b.optimizer.accum_type == torch.float16
+        else poptorch.MeanReductionStrategy.Post),
+    "stochastic_rounding": lambda v, o, b, s: o._Popart.options["enableStochasticRounding"] == v,
     "loss_scaling": lambda v, o, b, s: b.optimizer.loss_scaling == v,
-    "executable_cache_dir": lambda v, o, b, s: o.executable_cache_dir == (v or "")
-    and o._Popart.exists("cachePath") == bool(v),
-    "synthetic_data": lambda v, o, b, s: o.synthetic_data == v,
-    "log_cycle_count": lambda v, o, b, s: o.log_cycle_count == v
-    and o._Popart.instrumentWithHardwareCycleCounter == v,
-    "optimizer_state_offchip": lambda v, o, b, s: o.TensorLocations.location_optimizer["on_chip"] == (not v),
+    "executable_cache_dir": lambda v, o, b, s: o._Popart.options.get("cachePath") == v
+    and o._Popart.options.get("enableEngineCaching", False) == bool(v),
+    "synthetic_data": lambda v, o, b, s: o._Popart.options.get("syntheticDataMode", 0) == (2 if v else 0),
+    "log_cycle_count": lambda v, o, b, s: o._Popart.options["instrumentWithHardwareCycleCounter"] == v,
+    "optimizer_state_offchip": lambda v, o, b, s: o.TensorLocations.location_optimizer["onChip"] == int(not v),
     "replicated_tensor_sharding": lambda v, o, b, s:
-    o.TensorLocations.location_optimizer["replicated_tensor_sharding"] == (v and o.replication_factor > 1),
+    o.TensorLocations.location_optimizer["useReplicatedTensorSharding"] == int(v and o.replication_factor > 1),
     "recompute_checkpoint_every_layer": lambda v, o, b, s:
     b.training_model.pipeline["num_recomputation_checkpoints"] == (sum(b.config.ipu.layers_per_ipu) if v else 0),
     "auto_round_num_ipus": lambda v, o, b, s: o.auto_round_num_ipus == v,
@@ -102,12 +105,31 @@ def test_phase2_ipu_section_is_all_in_the_options():
     assert backend.training_model.pipeline["stage_ipus"] == [0, 1, 2, 3, 0]
 
 
+def test_phase2_options_carry_graphcores_memory_settings():
+    """Issue 12 point 1, as phase2.yaml builds them: fp16 gradient accumulators with fp32 LAMB
+    moments and PopTorch's Running mean reduction, Graphcore BERT's PopART patterns, session and
+    engine options, and the executable cache on by default."""
+    config, backend, _ = prepared([])
+    opts, optimizer = backend.training_model.options, backend.optimizer
+    assert optimizer.accum_type == torch.float16
+    assert optimizer.first_order_momentum_accum_type == optimizer.second_order_momentum_accum_type == torch.float32
+    assert opts.Training.meanAccumulationAndReplicationReductionStrategy == poptorch.MeanReductionStrategy.Running
+    assert opts.Training.accumulation_and_replication_reduction_type == poptorch.ReductionType.Mean
+    popart = opts._Popart.options
+    assert popart["patterns"] == {"TiedGather": True, "TiedGatherAccumulate": True,
+                                  "UpdateInplacePrioritiesForIpu": True}
+    assert popart["scheduleNonWeightUpdateGradientConsumersEarly"] is True and popart["outlineThreshold"] == 10.0
+    assert popart["engineOptions"]["opt.useAutoloader"] == "true"
+    assert popart["engineOptions"]["target.syncReplicasIndependently"] == "true"
+    assert popart["enableEngineCaching"] is True and popart["cachePath"] == config.ipu.executable_cache_dir
+
+
 def test_every_other_value_is_carried_too():
     """Flip every field away from phase2's value; each check must follow."""
     flipped = ["ipu.layers_per_ipu=[12,12]", "ipu.replication_factor=2", "ipu.device_iterations=2",
                "ipu.output_mode=all", "ipu.available_memory_proportion=[0.3]", "ipu.enable_half_partials=false",
                "ipu.half_precision=false", "ipu.stochastic_rounding=false", "ipu.loss_scaling=128.0",
-               "ipu.executable_cache_dir=cache", "ipu.synthetic_data=true", "ipu.log_cycle_count=true",
+               "ipu.accumulator_dtype=fp16", "ipu.executable_cache_dir=null", "ipu.synthetic_data=true", "ipu.log_cycle_count=true",
                "ipu.optimizer_state_offchip=false", "ipu.replicated_tensor_sharding=false",
                "ipu.recompute_checkpoint_every_layer=false", "ipu.auto_round_num_ipus=false",
                "ipu.embedding_serialization_factor=1", "train.gradient_accumulation=5", "train.steps=10"]
@@ -150,7 +172,7 @@ def test_poprun_options_come_from_popdist(poprun):
     assert ipu_options.data_shard(poprun) == (1, 2)
     assert ipu_options.num_total_replicas(config, poprun) == 4
     # Sharding the optimizer state is over all 4 replicas of the two instances.
-    assert opts.TensorLocations.location_optimizer["replicated_tensor_sharding"] is True
+    assert opts.TensorLocations.location_optimizer["useReplicatedTensorSharding"] == 1
 
 
 def test_poprun_replicas_must_match_the_config(poprun):

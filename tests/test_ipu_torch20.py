@@ -46,13 +46,14 @@ TORCH_2_0 = {
     "Tensor.mean": {"dim", "keepdim"}, "Tensor.to": {"dtype", "device"}, "Tensor.masked_fill": set(),
     "Tensor.__get__": set(), "Tensor.__set__": set(),  # property access (.grad, .data, .shape)
 }
+TORCH_2_0["Tensor.split"] = {"dim"}  # Tensor.split(split_size, dim=0) in 2.0
 TORCH_2_0.update({f"Tensor.{name}": set() for name in (
     "__and__", "__eq__", "__float__", "__getitem__", "__invert__", "__mul__", "__add__", "__radd__", "__rsub__",
     "__truediv__", "__or__", "__ne__", "__gt__", "__lt__", "__neg__", "__rmul__", "__sub__", "__setitem__",
     "add", "clone", "copy_", "detach", "dim", "div", "div_", "double", "expand", "float", "gt", "mul", "mul_", "ne",
     "reshape", "sqrt", "sub", "t", "transpose", "view", "half", "int", "long", "unsqueeze", "squeeze", "contiguous",
     "permute", "size", "eq", "item", "exp", "log", "max", "min", "abs", "type_as", "new_zeros", "fill_", "zero_",
-    "masked_fill_", "view_as", "expand_as", "flatten", "split", "chunk", "__len__", "numel", "tolist", "cpu",
+    "masked_fill_", "view_as", "expand_as", "flatten", "chunk", "__len__", "numel", "tolist", "cpu",
     "requires_grad_", "to", "float", "bool", "logical_and", "all", "any", "lt", "le", "ge", "sign", "rsqrt", "pow",
     "neg", "sigmoid", "tanh", "softmax", "log_softmax", "matmul", "bmm", "baddbmm", "addmm", "index_select")})
 
@@ -82,7 +83,7 @@ def _api_name(func):
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     module = getattr(func, "__module__", None) or ""
     owner, _, name = qualname.rpartition(".")
-    if owner in ("TensorBase", "Tensor", "getset_descriptor"):
+    if owner in ("TensorBase", "_TensorBase", "Tensor", "getset_descriptor"):  # _TensorBase: torch 2.0
         return f"Tensor.{name}"
     if owner == "_VariableFunctionsClass":
         return f"torch.{name}"

@@ -68,19 +68,21 @@ def test_options_freeze_after_use_by_an_executor_and_a_dataloader():
     poptorch.DataLoader(loader_opts, torch.utils.data.TensorDataset(*data(8)), batch_size=2)
     with pytest.raises(AttributeError, match="Can't modify frozen Options"):
         loader_opts.replicationFactor(2)
-    assert opts.clone()._is_frozen
+    clone = opts.clone()  # PopTorch: clone() is an unfrozen deep copy
+    assert not clone._is_frozen and clone.deviceIterations(2).device_iterations == 2
 
 
 def test_options_reject_unknown_keys_wrong_types_and_bad_reductions():
     opts = poptorch.Options()
-    with pytest.raises(AttributeError, match="Invalid option"):
+    with pytest.raises(AssertionError, match="Invalid option"):  # PopTorch: an assert in OptionsDict.set
         opts.set(no_such_option=1)
     with pytest.raises(AssertionError, match="Unexpected type"):
         opts.deviceIterations("2")
     with pytest.raises(ValueError):
         opts.Training.accumulationAndReplicationReductionType(poptorch.ReductionType.NoReduction)
-    with pytest.raises(ValueError):
+    with pytest.raises(AssertionError, match="EveryN anchor must have output_return_period"):
         opts.outputMode(poptorch.OutputMode.EveryN)  # needs a period
+    opts.outputMode(poptorch.OutputMode.All, 3)  # PopTorch ignores (and logs) a period for other modes
 
 
 # -- batching -----------------------------------------------------------------------------------
@@ -88,7 +90,7 @@ def test_options_reject_unknown_keys_wrong_types_and_bad_reductions():
 def test_host_batch_must_be_a_multiple_of_di_rf_ga():
     model = poptorch.trainingModel(Toy(), options(di=2, rf=2, ga=3))
     x, y = data(2 * 2 * 3 * 2 + 1)
-    with pytest.raises(poptorch.Error, match=r"Invalid batch dimension.*= 12"):
+    with pytest.raises(AssertionError, match=r"Invalid batch dimension.*= 12"):  # PopTorch's assert
         model(x, y)
 
 
@@ -131,7 +133,8 @@ def test_one_update_per_accumulation_with_gradients_reduced_over_replicas(reduct
     step = optimizer.step
     optimizer.step = lambda *a, **k: (calls.append(1), step(*a, **k))[1]
     x, y = data(di * ga * rf * mb)
-    poptorch.trainingModel(model, opts, optimizer=optimizer)(x, y)
+    wrapped = poptorch.trainingModel(model, opts, optimizer=optimizer)
+    wrapped(x, y)
     assert len(calls) == di  # one update per device iteration = per gradient accumulation
 
     # Plain torch: micro-batch (i, g, r) is row block ((i*ga + g)*rf + r); per iteration the
@@ -146,6 +149,9 @@ def test_one_update_per_accumulation_with_gradients_reduced_over_replicas(reduct
             for p in reference.parameters():
                 grad = p.grad / (ga * rf) if reduction == "Mean" else p.grad
                 p -= lr * grad
+    # The device holds its own weights: the host's change only when copied back (PopTorch).
+    assert torch.equal(model.lin.weight, Toy().lin.weight)
+    wrapped.copyWeightsToHost()
     torch.testing.assert_close(model.lin.weight, reference.lin.weight, rtol=0, atol=1e-6)
 
 
@@ -170,12 +176,15 @@ def test_device_keeps_old_hyperparameters_until_set_optimizer():
     wrapped = poptorch.trainingModel(model, options(), optimizer=optimizer)
     x, y = data(2)
     wrapped(x, y)
+    wrapped.copyWeightsToHost()
     before = model.lin.weight.detach().clone()
     optimizer.param_groups[0]["lr"] = 0.5  # host change only: PopTorch needs setOptimizer
     wrapped(x, y)
+    wrapped.copyWeightsToHost()
     torch.testing.assert_close(model.lin.weight.detach(), before, rtol=0, atol=0)
     wrapped.setOptimizer(optimizer)
     wrapped(x, y)
+    wrapped.copyWeightsToHost()
     assert not torch.equal(model.lin.weight.detach(), before)
 
 
@@ -194,8 +203,8 @@ def test_outputs_per_output_mode(mode, period):
         losses = ((preds - y.view(di * ga, rf, mb)) ** 2).mean(-1)  # [runs, rf]
     if mode == "All":
         expected_out, expected_loss = preds.reshape(-1), losses.reshape(-1)
-    elif mode == "EveryN":
-        expected_out, expected_loss = preds[1::2].reshape(-1), losses[1::2].reshape(-1)
+    elif mode == "EveryN":  # every 2nd device iteration, all its ga micro-batches (PopART's anchors)
+        expected_out, expected_loss = preds[ga:].reshape(-1), losses[ga:].reshape(-1)
     elif mode == "Final":
         expected_out, expected_loss = preds[-1].reshape(-1), losses[-1]
     else:
@@ -264,7 +273,7 @@ def test_wrapping_twice_and_changing_inputs_are_errors():
 
 
 def test_inference_rejects_gradient_accumulation_and_returns_all_by_default():
-    with pytest.raises(poptorch.Error, match="gradientAccumulation to 1 for inference"):
+    with pytest.raises(poptorch.Error, match="gradientAccumulation to 1 or leave it as its default"):
         poptorch.inferenceModel(Toy(), options(ga=2))
     out, _ = poptorch.inferenceModel(Toy(), options(di=2, rf=2))(*data(8))
     assert out.shape == (8,)
@@ -377,23 +386,269 @@ def test_no_hardware_claims():
         poptorch.ipuHardwareVersion()
 
 
-@pytest.mark.parametrize("accum_type, finite", [(torch.float32, True), (torch.float16, False)])
-def test_gradients_accumulate_in_the_optimizers_accum_type(accum_type, finite):
-    # fp16 weights, loss scaling 30000: one micro-batch's gradient fits fp16 (max 65504), the
-    # sum of four does not; PopART accumulates in accum_type, and so does the mock.
+# -- weights live on the device: copies, detach/attach (PopTorch _poplar_executor.py) ----------
+
+def trained_toy(**kwargs):
+    model = Toy()
+    wrapped = poptorch.trainingModel(model, options(**kwargs), optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1))
+    return model, wrapped
+
+
+def test_weights_move_only_to_or_from_an_attached_executable():
+    model, wrapped = trained_toy()
+    initial = model.lin.weight.detach().clone()
+    with pytest.raises(poptorch.Error, match="not been compiled"):
+        wrapped.copyWeightsToHost()
+    wrapped(*data(2))
+    with torch.no_grad():
+        assert torch.equal(model.lin.weight, initial)  # the host keeps its copy until asked
+    wrapped.detachFromDevice()  # a training executable copies its weights to the host as it detaches
+    trained = model.lin.weight.detach().clone()
+    assert not torch.equal(trained, initial)
+    for copy_weights in (wrapped.copyWeightsToHost, wrapped.copyWeightsToDevice):
+        with pytest.raises(poptorch.Error, match="detached executable"):
+            copy_weights()
+    with pytest.raises(poptorch.Error, match="Device is not attached"):
+        wrapped.detachFromDevice()
+    with torch.no_grad():
+        model.lin.weight.zero_()  # a host change reaches the device when it attaches again
+    wrapped.attachToDevice()
+    with pytest.raises(poptorch.Error, match="Device is already attached"):
+        wrapped.attachToDevice()
+    wrapped.copyWeightsToHost()
+    assert torch.count_nonzero(model.lin.weight) == 0
+
+
+def test_copy_weights_to_host_if_needed_and_the_implicit_copies():
+    model, wrapped = trained_toy()
+    wrapped(*data(2))
+    assert wrapped.copyWeightsToHostIfNeeded() is True
+    assert wrapped.copyWeightsToHostIfNeeded() is False  # nothing new on the device
+    wrapped(*data(2))
+    # PopTorch's wrapped module copies the device weights back when its parameters are read.
+    state = model.state_dict()
+    assert torch.equal(state["lin.weight"], wrapped._device_state["lin.weight"])
+    assert model.copyWeightsToHostIfNeeded() is False
+
+
+def test_an_inference_model_of_the_trained_module_sees_the_trained_weights():
+    model, wrapped = trained_toy()
+    inference = poptorch.inferenceModel(model, options())
+    x, y = data(2)
+    wrapped(x, y)
+    wrapped.detachFromDevice()
+    out, _ = inference(x, y)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model.lin(x).squeeze(-1), rtol=0, atol=0)
+
+
+def test_two_executables_cannot_hold_the_whole_system_at_once(monkeypatch):
+    monkeypatch.setenv("MOCK_POPTORCH_NUM_IPUS", "2")
+    training = poptorch.trainingModel(Staged([0, 1]), pipelined(ga=3))
+    training(*data(3))
+    inference = poptorch.inferenceModel(Staged([0, 1]), options().setExecutionStrategy(
+        poptorch.ShardedExecution(poptorch.AutoStage.SameAsIpu)))
+    with pytest.raises(poptorch.Error, match="Failed to acquire 2 IPUs"):
+        inference(*data(1))
+    training.detachFromDevice()
+    assert torch.isfinite(inference(*data(1)))
+
+
+def test_offline_executables_compile_but_never_run():
+    model = Toy()
+    opts = options().useOfflineIpuTarget(2)
+    assert opts.connection_type == poptorch.ConnectionType.Never
+    wrapped = poptorch.trainingModel(model, opts)
+    x, y = data(2)
+    wrapped.compile(x, y)
+    assert wrapped.isCompiled() and not wrapped.isAttachedToDevice()
+    with pytest.raises(AssertionError, match="offline device"):
+        wrapped(x, y)
+    with pytest.raises(AssertionError, match="offline device"):
+        wrapped.attachToDevice()
+
+
+# -- PopTorch's own checks ---------------------------------------------------------------------
+
+def test_a_0d_input_is_a_batch_of_one():
+    class Scale(Toy):
+        def forward(self, x, y, scale):
+            out, loss = super().forward(x, y)
+            return out * scale, loss
+
+    x, y = data(4)
+    with pytest.raises(AssertionError, match=r"In the input torch.Size\(\[\]\), the batch dimension \(1\)"):
+        poptorch.trainingModel(Scale(), options(ga=2))(x, y, torch.tensor(2.0))
+    out, _ = poptorch.trainingModel(Scale(), options())(x[:1], y[:1], torch.tensor(2.0))  # factor 1: fine
+    assert out.shape == (1,)
+
+
+def test_serialized_matmul_argument_checks():
+    lhs, rhs = torch.randn(2, 4), torch.randn(4, 6)
+    with pytest.raises(AssertionError):
+        poptorch.serializedMatMul(lhs, rhs, "output_channels", 2)
+    with pytest.raises(AssertionError):
+        poptorch.serializedMatMul(lhs, rhs, poptorch.MatMulSerializationMode.OutputChannels, 2.0)
+    # Eager (outside an executable) it is a plain matmul, as PopTorch's CPU op.
+    torch.testing.assert_close(poptorch.serializedMatMul(lhs, rhs, poptorch.MatMulSerializationMode.OutputChannels, 4),
+                               lhs @ rhs)
+
+    class Serialized(nn.Module):
+        def __init__(self, mode, factor):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 6))
+            self.mode, self.factor = mode, factor
+
+        def forward(self, x):
+            out = poptorch.serializedMatMul(x, self.w, self.mode, self.factor)
+            return poptorch.identity_loss(out.sum(), reduction="none")
+
+    mode = poptorch.MatMulSerializationMode
+    with pytest.raises(poptorch.Error, match="Invalid serialisation factor 4 for output channels dim 6"):
+        poptorch.trainingModel(Serialized(mode.OutputChannels, 4), options())(torch.randn(2, 4))
+    with pytest.raises(poptorch.Error, match="Invalid serialisation factor 3 for reducing dimension 4"):
+        poptorch.trainingModel(Serialized(mode.ReducingDim, 3), options())(torch.randn(2, 4))
+    with pytest.raises(poptorch.Error, match="Invalid serialisation factor 0. Serialisation factor must be"):
+        poptorch.trainingModel(Serialized(mode.InputChannels, 0), options())(torch.randn(2, 4))
+    assert torch.isfinite(poptorch.trainingModel(Serialized(mode.OutputChannels, 3), options())(torch.randn(2, 4)))
+
+
+def test_every_n_is_every_nth_device_iteration_and_not_for_pipelines():
+    def run(model, opts, n):
+        return poptorch.trainingModel(model, opts, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.0))(*data(n))
+
+    with pytest.raises(poptorch.Error, match="Return period must be <= to the number of batches per step"):
+        run(Toy(), options(di=2).outputMode(poptorch.OutputMode.EveryN, 4), 2)
+    with pytest.raises(poptorch.Error, match="Return period must be a factor of the number of batches per step"):
+        run(Toy(), options(di=3).outputMode(poptorch.OutputMode.EveryN, 2), 3)
+    with pytest.raises(poptorch.Error, match="EVERYN is not valid for pipelined models"):
+        run(Staged([0, 1]), pipelined(di=2, ga=3).outputMode(poptorch.OutputMode.EveryN, 2), 6)
+    out, loss = run(Toy(), options(di=4, ga=3).outputMode(poptorch.OutputMode.EveryN, 2), 12)
+    assert out.shape == (2 * 3,) and loss.shape == (2 * 3,)  # di / N x ga values (PopART's anchor count)
+
+
+def test_option_keys_are_poptorchs():
+    opts = poptorch.Options()
+    opts.Training.setMeanAccumulationAndReplicationReductionStrategy(poptorch.MeanReductionStrategy.Running)
+    assert opts.Training.meanAccumulationAndReplicationReductionStrategy == poptorch.MeanReductionStrategy.Running
+    opts.TensorLocations.setOptimizerLocation(
+        poptorch.TensorLocationSettings().useOnChipStorage(False).useReplicatedTensorSharding(True))
+    assert opts.TensorLocations.location_optimizer == {"onChip": 0, "useReplicatedTensorSharding": 1}
+    opts._Popart.setPatterns({"TiedGather": True}, 3)
+    assert opts._Popart.options["patterns_level"] == 3 and opts._Popart.options["patterns"] == {"TiedGather": True}
+    opts.enableExecutableCaching("cache")
+    assert opts._Popart.options["cachePath"] == "cache" and opts._Popart.options["enableEngineCaching"] is True
+    with pytest.raises(AssertionError, match="numIOTiles must be an even number between 32 and 192."):
+        opts.TensorLocations.numIOTiles(33)
+    with pytest.raises(AttributeError):
+        opts.executable_cache_dir  # noqa: B018 (PopTorch keeps no such option)
+
+
+def test_unknown_popart_options_fail_the_compile():
+    opts = options()
+    opts._Popart.set("noSuchSessionOption", True)
+    with pytest.raises(poptorch.Error, match="Unknown bool option noSuchSessionOption"):
+        poptorch.trainingModel(Toy(), opts)(*data(1))
+
+
+# -- gradient accumulation in fp16: Running vs Post (PopART optimizerdecompose.cpp) ------------
+
+def fp16_accumulation(reduction, ga=4, rf=1, strategy=None):
+    """fp16 weights, loss scaling 30000: one micro-batch's weight gradient (22500) fits fp16
+    (max 65504), the SUM of four (90000) does not; their mean does."""
     model = Toy().half()
     with torch.no_grad():
         model.lin.weight.fill_(0.5)
-    optimizer = poptorch.optim.SGD(model.parameters(), lr=0.0, loss_scaling=30000.0, accum_type=accum_type)
-    wrapped = poptorch.trainingModel(model, options(ga=4), optimizer=optimizer)
-    x = torch.full((4, 3), 0.5, dtype=torch.half)
-    y = torch.zeros(4, dtype=torch.half)
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=0.0, loss_scaling=30000.0, accum_type=torch.float16)
+    opts = options(ga=ga, rf=rf)
+    opts.Training.accumulationAndReplicationReductionType(reduction)
+    if strategy is not None:
+        opts.Training.setMeanAccumulationAndReplicationReductionStrategy(strategy)
+    wrapped = poptorch.trainingModel(model, opts, optimizer=optimizer)
     grads = []
     step = optimizer.step
     optimizer.step = lambda *a, **k: (grads.append(model.lin.weight.grad.clone()), step(*a, **k))[1]
-    wrapped(x, y)
-    # d/dw mean((0.75)^2) per row = 2 * 0.75 * 0.5 = 0.75 per input; Mean over 4 micro-batches = 0.75.
-    if finite:
-        torch.testing.assert_close(grads[0].float(), torch.full((1, 3), 0.75), rtol=1e-3, atol=0)
-    else:
-        assert not torch.isfinite(grads[0]).all()
+    wrapped(torch.full((ga * rf, 3), 0.5, dtype=torch.half), torch.zeros(ga * rf, dtype=torch.half))
+    return wrapped, grads[0]
+
+
+@pytest.mark.parametrize("ga, rf", [(4, 1), (2, 2)])
+def test_fp16_accumulators_overflow_as_a_sum_but_not_as_a_running_mean(ga, rf):
+    # d/dw mean((0.75)^2) = 2 * 0.75 * 0.5 = 0.75 per input, x 30000 loss scaling = 22500 per micro-batch.
+    Running, Post = poptorch.MeanReductionStrategy.Running, poptorch.MeanReductionStrategy.Post
+    # Mean reduction: an fp16 accum_type makes PopTorch choose Running, even over an explicit Post.
+    wrapped, grad = fp16_accumulation(poptorch.ReductionType.Mean, ga, rf, strategy=Post)
+    assert wrapped.options.Training.meanAccumulationAndReplicationReductionStrategy == Running
+    torch.testing.assert_close(grad.float(), torch.full((1, 3), 0.75), rtol=1e-3, atol=0)
+    # Sum reduction accumulates (and all-reduces) the sum in the fp16 accumulator: 90000 > 65504.
+    _, grad = fp16_accumulation(poptorch.ReductionType.Sum, ga, rf)
+    assert not torch.isfinite(grad).any()
+
+
+def test_post_is_the_fp32_default_and_running_cannot_be_switched_in_after_compiling():
+    model = Toy()
+    wrapped = poptorch.trainingModel(model, options(ga=2), optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1))
+    assert wrapped.options.Training.meanAccumulationAndReplicationReductionStrategy == poptorch.MeanReductionStrategy.Post
+    wrapped(*data(2))
+    with pytest.raises(ValueError, match="meanAccumulationAndReplicationReductionStrategy to poptorch"):
+        wrapped.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.1, accum_type=torch.float16))
+
+
+def test_mean_reduction_divides_by_the_global_replicas_under_poprun(monkeypatch):
+    """With two PopRun instances Mean divides by GA x (replicas of BOTH); the gradients of the
+    other instance arrive through the all-reduce (here a one-process group stands in for it,
+    so this instance's gradient is halved)."""
+    import torch.distributed as dist
+
+    def grad_with(num_instances):
+        model = Toy()
+        opts = options(ga=2)
+        opts.Distributed.configureProcessId(0, num_instances)
+        optimizer = poptorch.optim.SGD(model.parameters(), lr=1.0)
+        wrapped = poptorch.trainingModel(model, opts, optimizer=optimizer)
+        wrapped(*data(2))
+        wrapped.copyWeightsToHost()
+        return Toy().lin.weight - model.lin.weight  # lr 1: the update is the gradient
+
+    single = grad_with(1)
+    with pytest.raises(poptorch.Error, match="torch.distributed"):
+        grad_with(2)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    try:
+        torch.testing.assert_close(grad_with(2), single / 2, rtol=1e-6, atol=1e-7)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp16_storage_without_fp16_kernels():
+    """An fp16 model trains in the mock as fp16 storage + fp32 arithmetic: the same numbers as an
+    fp32 model whose weights and module outputs are rounded to fp16 (no fp16 CPU kernel needed,
+    which torch 2.0.1 lacks)."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = copy.deepcopy(net).half()
+
+        def forward(self, x, y):
+            return F.mse_loss(self.net(x).squeeze(-1), y)
+
+    model = Half()
+    wrapped = poptorch.trainingModel(model, options(), optimizer=poptorch.optim.SGD(model.parameters(), lr=0.0))
+    x, y = data(4)
+    loss = wrapped(x.half(), y.half())
+
+    def rounded(t):
+        return t.to(torch.float16).float()
+
+    with torch.no_grad():
+        reference = copy.deepcopy(net)
+        for p in reference.parameters():
+            p.copy_(rounded(p))
+        h = rounded(reference[0](rounded(x)))
+        h = rounded(reference[2](rounded(torch.tanh(h))))
+        expected = F.mse_loss(h.squeeze(-1), rounded(y))
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    assert all(p.dtype == torch.float16 for p in model.parameters())  # the host keeps fp16 storage

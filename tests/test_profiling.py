@@ -6,6 +6,7 @@ import types
 import numpy as np
 import pytest
 
+from backends import get_backend
 from bert_packed import profiling
 from bert_packed.config import load_config
 
@@ -161,7 +162,7 @@ def _check_report(report, output_dir, depths):
 
 def test_cpu_report_end_to_end(tmp_path):
     config = load_config("phase2_base", TINY)
-    report = profiling.run_profile(config, "cpu", str(tmp_path), depths=(1, 2, 3), num_repeats=2,
+    report = profiling.run_profile(config, get_backend("cpu"), str(tmp_path), depths=(1, 2, 3), num_repeats=2,
                                    throughput_steps=2, show_progress=False)
     on_disk = _check_report(report, str(tmp_path), (1, 2, 3))
     assert on_disk["unit"] == "ms"
@@ -190,7 +191,7 @@ def _mock_available():
 def test_mock_phase2_bert_large_is_priced_from_shapes(tmp_path):
     # BERT-Large at S=512 on the meta device: shapes only, nothing executed, so this is fast.
     config = load_config("phase2", FAST_PACKER)
-    report = profiling.run_profile(config, "mock", str(tmp_path), show_progress=False)
+    report = profiling.run_profile(config, get_backend("mock"), str(tmp_path), show_progress=False)
     on_disk = _check_report(report, str(tmp_path), profiling.DEPTHS)
     assert on_disk["unit"] == "estimated cycles"
     rows = {row["depth"]: row for row in on_disk["rows"]}
@@ -213,7 +214,7 @@ def test_mock_executes_through_cycle_count_and_reads_pva(tmp_path):
         seen.append(profile_dir)
         return types.SimpleNamespace(execution=types.SimpleNamespace(totalCycles=types.SimpleNamespace(total=42)))
 
-    report = profiling.run_profile(config, "mock", str(tmp_path), depths=(1, 3), report_reader=fake_reader,
+    report = profiling.run_profile(config, get_backend("mock"), str(tmp_path), depths=(1, 3), report_reader=fake_reader,
                                    show_progress=False, execute=True)
     _check_report(report, str(tmp_path), (1, 3))
     assert report["unit"] == "estimated cycles"

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from backends.cpu import CPUBackend
 from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from bert_packed.config import load_config
 from bert_packed.train import train
@@ -29,7 +30,7 @@ def _lines(directory):
 
 def test_tiny_run_learns_and_writes_metrics_and_summary(tmp_path):
     config = load_config("tiny", ["train.eval_every=30", "train.eval_batches=2"])
-    summary = train(config, "cpu", output_dir=str(tmp_path), show_progress=False)
+    summary = train(config, CPUBackend(), output_dir=str(tmp_path), show_progress=False)
     lines = _lines(tmp_path)
     assert [line["step"] for line in lines] == list(range(1, 61))
     assert all(METRIC_FIELDS <= set(line) for line in lines)
@@ -49,7 +50,7 @@ def test_tiny_run_learns_and_writes_metrics_and_summary(tmp_path):
 def test_packing_adjustment_divides_gradient_accumulation(tmp_path):
     config = load_config("tiny", ["train.steps=1", "train.gradient_accumulation=8",
                                   "train.packing_adjustment=gradient_accumulation"])
-    summary = train(config, "cpu", output_dir=str(tmp_path), show_progress=False)
+    summary = train(config, CPUBackend(), output_dir=str(tmp_path), show_progress=False)
     p = summary["packing_factor"]
     assert summary["gradient_accumulation"] == round(8 / p) < 8
     assert summary["packs_per_step"] == round(8 / p) * 8
@@ -60,9 +61,9 @@ def test_train_leaves_the_callers_config_as_given(tmp_path):
     # object must not divide the accumulation twice.
     config = load_config("tiny", ["train.steps=1", "train.gradient_accumulation=8",
                                   "train.packing_adjustment=gradient_accumulation"])
-    first = train(config, "cpu", output_dir=str(tmp_path / "a"), show_progress=False)
+    first = train(config, CPUBackend(), output_dir=str(tmp_path / "a"), show_progress=False)
     assert config.train.gradient_accumulation == 8
-    second = train(config, "cpu", output_dir=str(tmp_path / "b"), show_progress=False)
+    second = train(config, CPUBackend(), output_dir=str(tmp_path / "b"), show_progress=False)
     assert second["gradient_accumulation"] == first["gradient_accumulation"] < 8
 
 

@@ -1,16 +1,17 @@
 """Command line of the data pipeline: `python -m bert_packed.data {kjv,vocab,create,pack,stats}`.
 
-User mistakes print one line `error: ...` to stderr and exit 2 (no traceback).
+User mistakes (including OSErrors: a missing folder, an unwritable path) print one line
+`error: ...` to stderr and exit 2 (no traceback); Ctrl-C exits 130 leaving no partial output.
 """
-import argparse
 import json
 import sys
 
+from ..config import ArgumentParser
 from .errors import DataError
 
 
 def _parser():
-    parser = argparse.ArgumentParser(prog="python -m bert_packed.data",
+    parser = ArgumentParser(prog="python -m bert_packed.data",
                                      description="Real pre-training data: text -> HDF5 -> packed HDF5.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -116,6 +117,15 @@ def main(argv=None):
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # output folder is a file, unwritable path, disk full, ...
+        where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        # Outputs are written through temporary files that are removed on the way out, so
+        # an interrupted step leaves the previous outputs as they were.
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
     return 0
 
 

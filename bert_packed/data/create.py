@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from . import h5io
 from .errors import DataError
-from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
+from .errors import refuse_output_over_input
+from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab, utf8_lines
 
 Instance = collections.namedtuple(
     "Instance", "tokens segment_ids masked_positions masked_labels is_random_next")
@@ -63,15 +64,16 @@ def read_documents(input_paths, vocab_path, *, lowercase=True, batch_lines=4096,
     for path in input_paths:
         check_corpus_file(path)
         pending = []
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            for line in tqdm(handle, desc=f"tokenise {os.path.basename(path)}", unit=" lines",
-                             disable=not show_progress):
-                line = line.strip()
-                # A blank line is a document boundary; keep its place in the batch order.
-                pending.append(line if line else None)
-                if len(pending) >= batch_lines:
-                    flush(pending)
-                    pending = []
+        # Invalid UTF-8 is refused with file, line and byte (vocab.utf8_lines: one policy for
+        # `vocab` and `create`).
+        for line in tqdm(utf8_lines(path), desc=f"tokenise {os.path.basename(path)}", unit=" lines",
+                         disable=not show_progress):
+            line = line.strip()
+            # A blank line is a document boundary; keep its place in the batch order.
+            pending.append(line if line else None)
+            if len(pending) >= batch_lines:
+                flush(pending)
+                pending = []
         if pending:
             flush(pending)
         documents.append([])  # files never share a document
@@ -228,6 +230,7 @@ def create_pretraining_file(input_paths, vocab_path, output_path, *, max_seq_len
     if isinstance(input_paths, (str, os.PathLike)):
         input_paths = [input_paths]
     input_paths = [os.fspath(p) for p in input_paths]
+    refuse_output_over_input(output_path, input_paths + [os.fspath(vocab_path)])
     if max_seq_length < 5:
         raise DataError(f"--max-sequence-length {max_seq_length} is too short: [CLS] A [SEP] B [SEP] "
                         "needs at least 5")

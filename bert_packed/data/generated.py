@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator
 
 import numpy as np
 
-from bert_packed.data import Batch, DataError, empty_batch
+from bert_packed.data import Batch, DataError, EpochCursor, empty_batch
 
 PAD_ID, CLS_ID, SEP_ID, MASK_ID = 0, 101, 102, 103
 SPECIAL_IDS = (0, 100, 101, 102, 103)  # [PAD], [UNK], [CLS], [SEP], [MASK] in BERT's vocabulary
@@ -130,6 +130,7 @@ class GeneratedSource:
                 f"raise data.num_{'eval_' if split == 'eval' else ''}sequences"
             )
         self._next = rank  # next global micro-batch index this rank yields
+        self._cursor = EpochCursor(self.num_packs, micro_batch_size)
         self._order_epoch, self._order = None, None
 
     # -- the interface ----------------------------------------------------------------------
@@ -142,15 +143,26 @@ class GeneratedSource:
 
     def state_dict(self) -> Dict[str, Any]:
         return {"next_micro_batch": self._next, "num_packs": self.num_packs,
-                "micro_batch_size": self.micro_batch_size, "world_size": self.world_size}
+                "micro_batch_size": self.micro_batch_size, "world_size": self.world_size,
+                "cursor": self._cursor.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue after the checkpoint's last micro-batch; with another micro-batch size, at the
+        same pack of the same epoch (nothing skipped or repeated, see EpochCursor)."""
         mine = self.state_dict()
-        for key in ("num_packs", "micro_batch_size", "world_size"):
+        for key in ("num_packs", "world_size"):
             if state.get(key) != mine[key]:
                 raise DataError(f"checkpoint data state has {key}={state.get(key)}, this run {mine[key]}; "
                                 "resume with the same config and number of processes")
         self._next = int(state["next_micro_batch"])
+        cursor = EpochCursor(self.num_packs, int(state["micro_batch_size"]), state.get("cursor"))
+        if state["micro_batch_size"] == self.micro_batch_size:
+            self._cursor = cursor
+        else:
+            first = self._next - self.rank  # the step's first micro-batch: where the stream stands
+            epoch, offset = cursor.locate(first)
+            self._cursor = EpochCursor(self.num_packs, self.micro_batch_size,
+                                       {"base_global": first, "base_epoch": epoch, "base_offset": offset})
 
     # -- building micro-batches ------------------------------------------------------------
 
@@ -165,12 +177,12 @@ class GeneratedSource:
 
     def micro_batch(self, g: int) -> Batch:
         """Global micro-batch ``g`` (the same whichever rank builds it)."""
-        epoch, index = divmod(g, self.micro_batches_per_epoch)
+        epoch, start = self._cursor.locate(g)
         epoch = epoch if self.split == "train" else 0
         order = self._pack_order(epoch)
         B = self.micro_batch_size
         batch = empty_batch(B, self.S, self.K, self.M)
-        for row, pack_id in enumerate(order[index * B:(index + 1) * B]):
+        for row, pack_id in enumerate(order[start:start + B]):
             self._fill_pack(batch, row, int(pack_id), epoch)
         return batch
 

@@ -18,12 +18,13 @@ B = number of packs (see `PACKED_FIELDS`), and the packing statistics as attribu
 """
 import contextlib
 import os
+import re
 
 import numpy as np
 
 from ..collate import MLM_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS
 from .errors import DataError
-from .vocab import atomic_path
+from ..io import atomic_path
 
 # field -> (second dimension: S tokens, P masked slots, None for [N]; dtype written).
 UNPACKED_LAYOUT = {"input_ids": ("S", np.int32), "input_mask": ("S", np.int8), "segment_ids": ("S", np.int8),
@@ -49,6 +50,24 @@ def open_h5(path):
         reason = str(exc).split("(")[0].strip() or "unreadable"
         raise DataError(f"{path}: not a readable HDF5 file ({reason}); re-create it with "
                         "`python -m bert_packed.data create`") from None
+
+
+_READ_FAILURE = re.compile(r"read|inflate|decompress|checksum|filter|truncated|bad|corrupt|address", re.I)
+
+
+@contextlib.contextmanager
+def read_errors(path):
+    """Turn HDF5 read failures inside the block (h5py raises OSError for a corrupt or truncated
+    chunk, e.g. "Can't read data (inflate() failed)") into one-line DataErrors naming the file.
+    Other OSErrors (a write failing, a permission) pass through unchanged."""
+    try:
+        yield
+    except OSError as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if getattr(exc, "filename", None) or not _READ_FAILURE.search(message):
+            raise
+        raise DataError(f"{path}: the file is corrupt or truncated and cannot be read ({message}); "
+                        f"re-create it") from None
 
 
 def is_packed(handle):

@@ -13,10 +13,11 @@ Files that fit in `max_cache_bytes` (uncompressed) are read into memory once; la
 are read per micro-batch (sorted row reads, a larger HDF5 chunk cache).
 """
 import os
+import types
 
 import numpy as np
 
-from . import h5io
+from . import EpochCursor, h5io
 from .errors import DataError
 
 INT_FIELDS = tuple(name for name in h5io.PACKED_FIELDS if name != "nsp_weights")
@@ -32,7 +33,7 @@ class HDF5Source:
 
     def __init__(self, path, *, micro_batch_size, max_sequence_length, max_sequences_per_pack,
                  max_masked_tokens_per_pack, seed, rank=0, world_size=1, shuffle=True,
-                 max_cache_bytes=1 << 30):
+                 max_cache_bytes=1 << 30, vocab_size=None, type_vocab_size=2):
         self.path = os.fspath(path)
         self.micro_batch_size = int(micro_batch_size)
         self.max_sequence_length = int(max_sequence_length)
@@ -42,13 +43,16 @@ class HDF5Source:
         self.shuffle = bool(shuffle)
         if not 0 <= self.rank < self.world_size:
             raise DataError(f"rank {rank} is outside 0..{world_size - 1}")
+        self.vocab_size, self.type_vocab_size = vocab_size, type_vocab_size
         self._handle = h5io.open_h5(self.path)
         try:
-            self._open(max_cache_bytes)
+            with h5io.read_errors(self.path):
+                self._open(max_cache_bytes)
         except BaseException:
             self._handle.close()
             raise
         self._next_global_batch = self.rank
+        self._cursor = EpochCursor(self.num_items, self.micro_batch_size)
         self._order_epoch = self._order = None
 
     def _open(self, max_cache_bytes):
@@ -81,22 +85,50 @@ class HDF5Source:
             raise DataError(f"{path}: {self.num_items} items, fewer than one micro-batch of "
                             f"{self.micro_batch_size}; use a smaller micro-batch or more data")
         self._file_dims = (seq_len, max_k, max_m)
+        made_with = handle.attrs.get("vocab_size")
+        if self.vocab_size is not None and made_with is not None and int(made_with) > self.vocab_size:
+            raise DataError(f"{path}: the data's vocabulary ({int(made_with)} tokens) is larger than the model's "
+                            f"(model.vocab_size={self.vocab_size}); set model.vocab_size={int(made_with)}")
         size = sum(handle[name].size * handle[name].dtype.itemsize for name in names)
         if size <= max_cache_bytes:
             self._cache = {name: _read_all(handle[name]) for name in names}
+            # Range-checked once, now (a file too large to cache is checked per micro-batch).
+            for start in range(0, self.num_items, 4096):  # bounded temporaries (validate_batch is [B, S, K])
+                stop = min(self.num_items, start + 4096)
+                self._check({name: array[start:stop] for name, array in self._cache.items()},
+                            np.arange(start, stop))
         else:
             self._cache = None
             self._datasets = {name: handle[name] for name in names}
 
+    def _check(self, raw, rows):
+        """Range checks of file rows ``rows`` (their fields in ``raw``): DataError naming the file,
+        field, row and value."""
+        where = f"{self.path}"
+        if self.packed:
+            from bert_packed.collate import BatchError, validate_batch
+
+            limits = types.SimpleNamespace(
+                vocab_size=self.vocab_size if self.vocab_size is not None else np.iinfo(np.int64).max,
+                type_vocab_size=self.type_vocab_size, max_position_embeddings=self.max_sequence_length,
+                max_sequences_per_pack=self.max_sequences_per_pack,
+                max_masked_tokens_per_pack=self.max_masked_tokens_per_pack)
+            try:
+                validate_batch({name: np.asarray(raw[name]) for name in h5io.PACKED_FIELDS}, limits, rows=rows)
+            except BatchError as exc:
+                raise DataError(f"{where}: {exc}") from None
+            return
+        _check_unpacked_rows(raw, rows, where, vocab_size=self.vocab_size, type_vocab_size=self.type_vocab_size)
+
     # -- the stream ---------------------------------------------------------------------
 
     def _items(self, global_batch):
-        epoch, index = divmod(global_batch, self.num_batches_per_epoch)
+        epoch, start = self._cursor.locate(global_batch)
         if self._order_epoch != epoch:  # one permutation per epoch, not per micro-batch
             self._order = (_permutation(self.num_items, self.seed, epoch) if self.shuffle
                            else np.arange(self.num_items))
             self._order_epoch = epoch
-        return self._order[index * self.micro_batch_size:(index + 1) * self.micro_batch_size]
+        return self._order[start:start + self.micro_batch_size]
 
     def batch(self, global_batch):
         """Global micro-batch `global_batch` as a packed-batch dict (any rank may ask)."""
@@ -108,7 +140,11 @@ class HDF5Source:
             inverse = np.empty_like(order)
             inverse[order] = np.arange(order.size)
             sorted_rows = rows[order]
-            raw = {name: dataset[sorted_rows][inverse] for name, dataset in self._datasets.items()}
+            with h5io.read_errors(self.path):
+                raw = {name: dataset[sorted_rows][inverse] for name, dataset in self._datasets.items()}
+            if raw.get("next_sentence_labels") is not None:
+                raw["next_sentence_labels"] = raw["next_sentence_labels"].reshape(-1)
+            self._check(raw, rows)
         if self.packed:
             return self._pad_packed(raw)
         from .pack import collate_records
@@ -142,9 +178,13 @@ class HDF5Source:
     def state_dict(self):
         return {"next_global_batch": int(self._next_global_batch), "seed": self.seed,
                 "num_items": self.num_items, "world_size": self.world_size,
-                "file": os.path.basename(self.path)}
+                "file": os.path.basename(self.path), "micro_batch_size": self.micro_batch_size,
+                "cursor": self._cursor.state_dict()}
 
     def load_state_dict(self, state):
+        """Continue exactly after the checkpoint's last micro-batch. With another micro-batch
+        size the stream continues at the same item of the same epoch (no item skipped or
+        repeated; only the micro-batches' boundaries move)."""
         if int(state.get("num_items", self.num_items)) != self.num_items:
             raise DataError(f"{self.path}: the checkpoint was taken on data with "
                             f"{state['num_items']} items, this file has {self.num_items}; "
@@ -154,11 +194,21 @@ class HDF5Source:
             raise DataError(f"the data state (next micro-batch {next_global}) belongs to another "
                             f"rank than {self.rank} of {self.world_size}; resume with the same "
                             "number of processes")
+        old_size = int(state.get("micro_batch_size", self.micro_batch_size))
+        cursor = EpochCursor(self.num_items, old_size, state.get("cursor"))
+        if old_size == self.micro_batch_size:
+            self._cursor = cursor
+        else:
+            # The step's first micro-batch (rank 0's) is where the global stream stands.
+            first = next_global - self.rank
+            self._cursor = EpochCursor(self.num_items, self.micro_batch_size,
+                                       {"base_global": first, **dict(zip(("base_epoch", "base_offset"),
+                                                                         cursor.locate(first)))})
         self._next_global_batch = next_global
 
     @property
     def epoch(self):
-        return self._next_global_batch // self.num_batches_per_epoch
+        return self._cursor.locate(self._next_global_batch)[0]
 
     def close(self):
         self._handle.close()
@@ -181,3 +231,33 @@ def _as_batch_dtypes(batch):
     out = {name: np.ascontiguousarray(batch[name], dtype=np.int64) for name in INT_FIELDS}
     out["nsp_weights"] = np.ascontiguousarray(batch["nsp_weights"], dtype=np.float32)
     return out
+
+
+def _check_unpacked_rows(raw, rows, where, *, vocab_size, type_vocab_size):
+    """Range checks of NVIDIA-layout rows: DataError naming file, field, row and value."""
+    def fail(field, index, value, expected):
+        raise DataError(f"{where}: {field} of row {int(rows[index[0]])}: value {int(value)} {expected}")
+
+    ids, mask = np.asarray(raw["input_ids"]), np.asarray(raw["input_mask"]) != 0
+    positions, labels = np.asarray(raw["masked_lm_positions"]), np.asarray(raw["masked_lm_ids"])
+    used = positions != 0  # NVIDIA layout: unused masked slots hold position 0
+    lengths = mask.sum(axis=1)
+    checks = [("input_ids", ids, (ids < 0) | ((ids >= vocab_size) if vocab_size else False),
+               f"is outside the vocabulary [0, {vocab_size}) (model.vocab_size): the data's vocabulary is larger "
+               f"than the model's" if vocab_size else "is negative"),
+              ("masked_lm_ids", labels, used & ((labels < 0) | ((labels >= vocab_size) if vocab_size else False)),
+               f"is outside the vocabulary [0, {vocab_size}) (model.vocab_size)" if vocab_size else "is negative"),
+              ("segment_ids", np.asarray(raw["segment_ids"]),
+               mask & ((np.asarray(raw["segment_ids"]) < 0) | (np.asarray(raw["segment_ids"]) >= type_vocab_size)),
+               f"is outside [0, {type_vocab_size}) (model.type_vocab_size)"),
+              ("masked_lm_positions", positions, used & ((positions < 0) | (positions >= lengths[:, None])),
+               "is not a position inside its sequence (0 .. length - 1)"),
+              ("input_mask", mask, np.diff(mask.astype(np.int8), axis=1) > 0,
+               "marks a real token after padding (input_mask must be 1...1 0...0)"),
+              ("next_sentence_labels", np.asarray(raw["next_sentence_labels"]).reshape(-1),
+               ~np.isin(np.asarray(raw["next_sentence_labels"]).reshape(-1), (0, 1)), "is not 0 or 1")]
+    for field, values, bad, expected in checks:
+        bad = np.asarray(bad)
+        if bad.any():
+            index = np.argwhere(bad)[0]
+            fail(field, index, values[tuple(index)] if field != "input_mask" else 1, expected)

@@ -20,13 +20,13 @@ digest of every (tokens, labels) sequence before and after.
 """
 import hashlib
 import os
-import tempfile
 
 import numpy as np
 from tqdm import tqdm
 
 from . import h5io
-from .errors import DataError
+from ..io import make_folder, make_temp
+from .errors import DataError, refuse_output_over_input
 
 PACKED_DTYPES = {"input_ids": np.int32, "segment_ids": np.int8, "position_ids": np.int32,
                  "sequence_ids": np.int8, "mlm_positions": np.int32, "mlm_labels": np.int32,
@@ -118,7 +118,8 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
     """The whole `pack` step. Writes `output_path` atomically; returns the statistics dict."""
     if chunk_packs < 1 or read_rows < 1:
         raise DataError("--chunk-packs must be at least 1")
-    with h5io.open_h5(input_path) as handle:
+    refuse_output_over_input(output_path, [input_path])
+    with h5io.open_h5(input_path) as handle, h5io.read_errors(input_path):
         if h5io.is_packed(handle):
             raise DataError(f"{input_path}: this file is already packed; give the unpacked file")
         num_sequences, in_seq_len, num_predictions = h5io.check_unpacked(handle, input_path)
@@ -143,8 +144,8 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
         # lengths were checked to fit); the collator pads to the pack length.
         record_dtype = _record_dtype(min(seq_len, in_seq_len), num_predictions)
         folder = os.path.dirname(os.path.abspath(output_path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp_records = tempfile.mkstemp(dir=folder, prefix=".tmp-pack-", suffix=".bin")
+        make_folder(folder)
+        fd, tmp_records = make_temp(folder, prefix=".tmp-pack-", suffix=".bin")
         os.close(fd)
         try:
             _scatter_to_pack_order(handle, destination, record_dtype, tmp_records,
@@ -176,6 +177,8 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
                         for name, dataset in datasets.items():
                             dataset[p0:p1] = batch[name]
                         bar.update(p1 - p0)
+                if "vocab_size" in handle.attrs:  # so training can say when the model's is smaller
+                    out.attrs["vocab_size"] = int(handle.attrs["vocab_size"])
                 # Timings stay out of the file, so the same inputs give a byte-identical file.
                 out.attrs.update({key: value for key, value in stats.items()
                                   if value is not None and key != "planning_seconds"})

@@ -13,7 +13,7 @@ def dataset_stats(path, read_rows=1 << 16):
     padding_fraction, length_counts (sequences of length 1..S); packed files add
     max_sequences_per_pack, packing_factor, sequences_per_pack_counts (0..K), tokens_per_row
     histogram (tokens_per_row_counts, 1..S); unpacked files add theoretical_speedup."""
-    with h5io.open_h5(path) as handle:
+    with h5io.open_h5(path) as handle, h5io.read_errors(path):
         if h5io.is_packed(handle):
             num_rows, seq_len, max_k, max_m = h5io.check_packed(handle, path)
             length_counts = np.zeros(seq_len + 1, np.int64)
@@ -99,7 +99,7 @@ def plot_stats(stats, output_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .vocab import atomic_path
+    from ..io import atomic_path
 
     packed = stats["kind"] == "packed"
     figure, axes = plt.subplots(1, 2 if packed else 1, figsize=(11 if packed else 6, 4),

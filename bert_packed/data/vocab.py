@@ -4,9 +4,9 @@ The vocabulary file is the plain BERT `vocab.txt` (one token per line, the line 
 the id), so Google's and Hugging Face's vocabularies work as they are.
 """
 import os
-import tempfile
 
-from .errors import DataError
+from ..io import write_text_atomic
+from .errors import DataError, refuse_output_over_input
 
 # The order matters only for ids: [PAD] = 0 because the packed layout reads token 0 as
 # padding; the rest follow the Hugging Face convention.
@@ -26,10 +26,13 @@ def train_vocab(input_paths, vocab_size, output_path, *, lowercase=True, min_fre
     if isinstance(input_paths, (str, os.PathLike)):
         input_paths = [input_paths]
     input_paths = [os.fspath(p) for p in input_paths]
+    refuse_output_over_input(output_path, input_paths)
     if vocab_size < len(SPECIAL_TOKENS) + 1:
         raise DataError(f"--size {vocab_size} is too small: use at least {len(SPECIAL_TOKENS) + 1}")
     for path in input_paths:
         check_corpus_file(path)
+        for _ in utf8_lines(path):  # the same invalid-UTF-8 policy as `create` (see utf8_lines)
+            pass
     tokenizer = BertWordPieceTokenizer(clean_text=True, handle_chinese_chars=True,
                                        strip_accents=None, lowercase=lowercase)
     tokenizer.train(input_paths, vocab_size=vocab_size, min_frequency=min_frequency,
@@ -43,8 +46,29 @@ def train_vocab(input_paths, vocab_size, output_path, *, lowercase=True, min_fre
     return len(tokens)
 
 
+def utf8_lines(path):
+    """The lines of corpus file `path`, decoded as UTF-8 (line ends kept).
+
+    The one invalid-UTF-8 policy of `vocab` and `create`: a corpus must be UTF-8, and a byte
+    sequence that is not is refused with one line naming the file, line and byte offset (no
+    silent replacement or dropping: either would train on text that is not in the corpus).
+    Convert a file with `iconv -f <encoding> -t utf-8`, or drop bad bytes with `iconv -c`.
+    """
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad = raw[exc.start:exc.end].hex()
+                raise DataError(f"{path}: line {number}: invalid UTF-8 (byte 0x{bad} at column {exc.start + 1}); "
+                                f"corpora must be UTF-8: convert with iconv -f <encoding> -t utf-8, or drop bad "
+                                f"bytes with iconv -c -f utf-8 -t utf-8") from None
+
+
 def check_corpus_file(path):
-    """Raise DataError unless `path` is a readable, non-empty UTF-8 text file."""
+    """Raise DataError unless `path` is a readable, non-empty text file."""
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory; give corpus text files")
     if not os.path.isfile(path):
         raise DataError(f"{path}: corpus file not found")
     with open(path, "rb") as handle:
@@ -78,47 +102,3 @@ def load_vocab(path):
         raise DataError(f"{path}: [PAD] must be the first line (id 0), it is line "
                         f"{vocab['[PAD]'] + 1}")
     return vocab
-
-
-def write_text_atomic(path, text):
-    """Write `text` to `path` through a temporary file in the same folder and os.replace."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        publish(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-class atomic_path:
-    """Context manager: yields a temporary path next to `path`, os.replace'd onto it on success."""
-
-    def __init__(self, path):
-        self.path = os.fspath(path)
-
-    def __enter__(self):
-        folder = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(folder, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(self.path))
-        os.close(fd)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            publish(self.tmp, self.path)
-        elif os.path.exists(self.tmp):
-            os.unlink(self.tmp)
-        return False
-
-
-def publish(tmp, path):
-    """os.replace `tmp` onto `path` with the usual permissions (mkstemp makes files 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)

@@ -10,7 +10,7 @@ from . import optim  # noqa: F401  (poptorch.optim)
 from .enums import *  # noqa: F401,F403  (PopTorch re-exports its enums at top level)
 from .errors import Error, RecoverableError, UnrecoverableError  # noqa: F401
 from .executor import (DataLoader, PoplarExecutor, inferenceModel, num_available_ipus,  # noqa: F401
-                       set_cycle_estimator, trainingModel)
+                       set_cycle_estimator, set_memory_estimator, trainingModel)
 from .ops import (BeginBlock, Block, BlockFunction, identity_loss, ipu_print_tensor,  # noqa: F401
                   isRunningOnIpu, nop, recomputationCheckpoint, removeBlocks, serializedMatMul,
                   set_available_memory)

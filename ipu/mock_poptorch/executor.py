@@ -6,31 +6,49 @@ x gradient_accumulation`` rows, laid out ``[device_iterations, gradient_accumula
 micro_batch, ...]`` (PopART's order). The mock then does what the device does:
 
 * for each device iteration: for each accumulation step, for each replica: forward + backward
-  of that micro-batch; gradients are summed over accumulation steps and replicas (all replicas
-  hold the same weights, so summing into one ``.grad`` *is* the all-reduce), divided by
-  ``ga x replicas`` for ``ReductionType.Mean`` (PopTorch's default) or not for ``Sum``, and one
-  optimizer update follows. So one call makes ``device_iterations`` optimizer updates.
+  of that micro-batch; each replica accumulates its gradients in the optimizer's ``accum_type``
+  as PopART does: ``MeanReductionStrategy.Post`` sums them (and all-reduces the replicas with a
+  sum), ``Running`` keeps the running mean ``a = (1 - 1/(n+1)) a + g/(n+1)`` (and mean-reduces
+  the replicas), so an fp16 accumulator overflows exactly when the device's would; Post then
+  divides by accumulation x *global* replicas (``ReductionType.Mean``), the loss scale is undone
+  in fp32, and one optimizer update follows: ``device_iterations`` updates per call.
+* the device holds its OWN copy of the weights: runs update it, the host model changes only
+  through ``copyWeightsToHost`` (or implicitly, as in PopTorch: ``detachFromDevice``,
+  ``copyWeightsToHostIfNeeded`` and touching the wrapped model's parameters); copies need an
+  attached executable, attaching uploads the host weights.
+* fp16 models keep fp16 *storage* (weights, activations at module outputs, activation and weight
+  gradients are rounded to fp16) with fp32 arithmetic, so the mock needs no fp16 CPU kernels
+  (torch 2.0.1 has few) and gives the same numbers on every torch version.
 * outputs come back per ``OutputMode`` (All / EveryN / Final / Sum), with PopTorch's shapes.
 * training needs exactly one final loss (PopTorch's messages when there are none or several);
-  pipeline annotations are recorded at "compile" time (the first call) and checked.
+  pipeline annotations are recorded at "compile" time (the first call) and checked; unknown
+  PopART option keys fail the compile; ``useOfflineIpuTarget`` executables compile, never run.
 
-Numerics are eager PyTorch on the CPU; nothing here is a statement about IPU speed or memory.
+Numerics are eager PyTorch on the CPU; nothing here is a statement about IPU speed. The memory
+estimate (``set_memory_estimator``) is a model, reported as such.
 """
+import contextlib
+import copy
+import gc
 import os
 import warnings
+import weakref
 
 import torch
 
 from . import ops
-from .enums import OutputMode, ReductionType, AutoStage
+from .enums import AutoStage, ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
-from .options import Options, PipelinedExecution
+from .options import KNOWN_POPART_OPTIONS, Options, PipelinedExecution
+
+NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 
 # The IPU system the mock pretends to be attached to (an IPU-POD16 by default); a run that asks
 # for more IPUs fails at compile time as it would on the real system.
 DEFAULT_NUM_AVAILABLE_IPUS = 16
 
 _cycle_estimator = None  # fn(info dict) -> int; set by set_cycle_estimator (see ipu/backend.py)
+_memory_estimator = None  # fn(info dict) -> {"per_ipu_bytes": [...], "limit_bytes": int, "table": str} or None
 
 
 def set_cycle_estimator(fn):
@@ -39,8 +57,53 @@ def set_cycle_estimator(fn):
     _cycle_estimator = fn
 
 
+def set_memory_estimator(fn):
+    """Install the per-IPU memory estimate the compile checks (see ipu/memory.py): ``fn(info)``
+    returns ``{"per_ipu_bytes", "limit_bytes", "table"}`` or None when it cannot estimate."""
+    global _memory_estimator
+    _memory_estimator = fn
+
+
+class _RoundToHalf(torch.autograd.Function):
+    """fp16 storage on an fp32 tensor: round to the nearest fp16 value (overflow -> inf), both
+    the value and, in backward, its gradient. Only dtype conversions, which every torch has."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.to(torch.float16).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(torch.float16).to(grad.dtype)
+
+
+def _round_half(obj):
+    return _map(obj, lambda t: _RoundToHalf.apply(t) if t.dtype == torch.float32 else t)
+
+
+def _is_half(tensor):
+    return tensor.dtype == torch.float16
+
+
 def num_available_ipus():
     return int(os.environ.get("MOCK_POPTORCH_NUM_IPUS", DEFAULT_NUM_AVAILABLE_IPUS))
+
+
+_ATTACHED = weakref.WeakSet()  # executors holding IPUs of the (mock) system
+
+
+def _acquire(executor):
+    """Attach ``executor``'s IPUs; fails as Poplar does when the others hold too many."""
+    def held():
+        return sum(e.pipeline["num_ipus"] for e in _ATTACHED if e is not executor and e._attached)
+
+    needed, available = executor.pipeline["num_ipus"], num_available_ipus()
+    if held() + needed > available:
+        gc.collect()  # executables nobody references any more have released their IPUs
+    if held() + needed > available:
+        raise Error(f"Failed to acquire {needed} IPUs: {held()} of the (mock) system's {available} are attached to "
+                    f"another executable (detachFromDevice() it first)", type="poplar_error")
+    _ATTACHED.add(executor)
 
 
 def _raise_backward(*args, **kwargs):
@@ -111,36 +174,54 @@ class PoplarExecutor:
     """A model wrapped for the (mock) IPU. Call it like the model, with a whole run's data."""
 
     def __init__(self, model, options=None, training=True, optimizer=None):
-        if getattr(model, "_poptorch_executor", None) is not None:
-            raise RuntimeError("Model has already been wrapped in 'poptorch.trainingModel'. Call "
-                               "model.destroy() on the model to unwrap before wrapping again.")
-        options = Options() if options is None else options
-        options._freeze()  # the user's object can no longer change: the executable is fixed
-        self._options = options.clone()
-        self._training = training
-        if not training and self._options.Training.gradient_accumulation != 1:
-            raise Error("You must set Options.Training.gradientAccumulation to 1 for inference "
-                        "(for pipelined inference use Options.deviceIterations instead)")
-        if self._options.output_mode == OutputMode.Default:
-            self._output_mode = OutputMode.Final if training else OutputMode.All
+        if options is not None and not isinstance(options, Options):
+            raise Error(f"Invalid type: 'options' is of type {type(options)} (Expected poptorch.Options)")
+        if options is None:
+            options = Options()
         else:
-            self._output_mode = OutputMode(self._options.output_mode)
+            options._freeze()  # the user's object can no longer change: the executable is fixed
+            options = options.clone()
+        self._options = options
+        self._training = training
+        if options.defaultOutputMode():
+            options.outputMode(OutputMode.Final if training else OutputMode.All)
+        if not training and options.Training.gradient_accumulation != 1:
+            message = ("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave it as its "
+                       "default value (1) when running a poptorch.inferenceModel().")
+            if type(options._execution_strategy) is PipelinedExecution:
+                message += (" Use poptorch.Options().deviceIterations to process a sufficient number of batches "
+                            "each run for pipelined execution instead.")
+            raise Error(message)
         if training and optimizer is None:
             from .optim import SGD
             optimizer = SGD(model.parameters(), lr=0.01)
         self._user_model = model
-        self._optimizer = optimizer
-        self._device_hyperparameters = self._read_hyperparameters(optimizer)
+        self._optimizer = None
+        self._device_hyperparameters = None
         self._compiled = False
         self._attached = False
+        self._device_state = None  # name -> tensor: the IPU's copy of the weights and buffers
+        self._dirty_host_weights = False
+        self._host_weights_version = 0
+        self._quiet = 0            # >0: our own accesses to the model, no implicit weight copies
+        self._half = False         # fp16 storage emulated (model has fp16 weights)
+        self._meta = False         # weights on the meta device: compile (trace shapes) only
+        self._emulating = False    # inside a run: rounding hooks active
+        self._hooks = []
         self._signature = None
         self._final_loss_index = None
         self._num_loss_calls = None
         self.pipeline = None     # filled at compile: blocks, stages, IPUs (see _plan_pipeline)
+        self.memory_estimate = None  # filled at compile when an estimator is installed
         self._has_run = False
         self._last_run_info = None
-        self._accumulators = {}  # parameter -> summed gradient of the current accumulation
-        model._poptorch_executor = self
+        self._accumulators = {}  # replica -> accumulated gradients of all parameters, flat (accum_type)
+        self._trainable_cache = None
+        if training:
+            self.setOptimizer(optimizer)
+        options._freeze()
+        if training:
+            _wrap_user_model(model, self)
 
     # -- properties and plumbing ------------------------------------------------------------
     @property
@@ -157,39 +238,97 @@ class PoplarExecutor:
             raise AttributeError(name)
         return getattr(self._user_model, name)
 
+    @contextlib.contextmanager
+    def _internal(self):
+        """The executor's own accesses to the model's tensors (no implicit copyWeightsToHost)."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
+    def _state_tensors(self):
+        with self._internal():
+            return list(self._user_model.named_parameters()) + list(self._user_model.named_buffers())
+
     def isCompiled(self):
         return self._compiled
 
     def isAttachedToDevice(self):
         return self._compiled and self._attached
 
-    def detachFromDevice(self):
+    # -- attach / detach and weight copies (PopTorch _poplar_executor.py) --------------------
+    def _require_attached(self, what):
         if not self._compiled:
-            raise Error("Cannot detach: the model has not been compiled")
+            raise Error(NO_EXECUTABLE_ERR)
+        if not self._attached:
+            # PopART runs the WeightsToHost/FromHost program on the engine, which needs the
+            # device: on a detached executable Poplar fails to load the engine.
+            raise Error(f"{what}() on a detached executable: the weights can only move to or from an "
+                        f"executable attached to the IPUs (use detachFromDevice() on the other executable "
+                        f"and attachToDevice() on this one; attaching uploads the host weights)",
+                        type="poplar_error")
+
+    def detachFromDevice(self):
+        """Detach: a training executable first copies its weights to the host if they changed."""
+        if not self._compiled:
+            raise Error(NO_EXECUTABLE_ERR)
         if not self._attached:
             raise Error("Device is not attached")
+        if self._training:
+            self.copyWeightsToHostIfNeeded()
         self._attached = False
 
     def attachToDevice(self):
+        """Attach and upload the host weights (PopTorch's ``_on_device_attach``)."""
         if not self._compiled:
-            raise Error("Cannot attach: the model has not been compiled")
+            raise Error(NO_EXECUTABLE_ERR)
+        if self._options.connection_type == ConnectionType.Never:
+            raise AssertionError("Trying to attach to an offline device (ConnectionType.Never)")
         if self._attached:
             raise Error("Device is already attached")
+        _acquire(self)
         self._attached = True
+        self.copyWeightsToDevice()
+
+    def copyWeightsToHostIfNeeded(self):
+        """True if the host weights were out of date and have been updated."""
+        if self._dirty_host_weights:
+            self.copyWeightsToHost()
+            return True
+        return False
 
     def copyWeightsToHost(self):
-        if not self._compiled:
-            raise Error("Model has not been compiled yet: nothing to copy")
-        # Host and "device" share the parameter tensors in the mock: nothing to move.
+        self._require_attached("copyWeightsToHost")
+        self._dirty_host_weights = False
+        with torch.no_grad():
+            for name, tensor in self._state_tensors():
+                tensor.copy_(self._device_state[name])
+        self._host_weights_version += 1
 
     def copyWeightsToDevice(self):
-        if not self._compiled:
-            raise Error("Model has not been compiled yet: nothing to copy")
+        self._require_attached("copyWeightsToDevice")
+        self._dirty_host_weights = False
+        self._device_state = {name: tensor.detach().clone() for name, tensor in self._state_tensors()}
 
     def destroy(self):
+        if not self._compiled:
+            self._unwrap()
+            return
+        if self._training and self._attached:
+            self.copyWeightsToHostIfNeeded()
         self._compiled = False
         self._attached = False
-        self._user_model._poptorch_executor = None
+        self._device_state = None
+        self._unwrap()
+
+    def _unwrap(self):
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        base = getattr(type(self._user_model), "_poptorch_base_class", None)
+        if self._training and base is not None:
+            self._user_model.__class__ = base
 
     # -- optimizer: the device only sees hyperparameters pushed by setOptimizer -------------
     @staticmethod
@@ -202,10 +341,24 @@ class PoplarExecutor:
         """Push new hyperparameters (e.g. after ``scheduler.step()``) to the device.
 
         As in PopTorch, changing ``param_groups[i]["lr"]`` on the host without calling this
-        leaves the device on the old values; the mock reproduces that.
+        leaves the device on the old values; the mock reproduces that. An fp16 ``accum_type``
+        selects ``MeanReductionStrategy.Running`` before compilation and is refused after a
+        compilation with another strategy (PopTorch ``_optimizer_attributes.py``).
         """
         if not self._training:
             raise Error("setOptimizer is only valid for training models")
+        if getattr(optimizer, "accum_type", None) == torch.float16 and not getattr(optimizer, "use_combined_accum",
+                                                                                   False):
+            training = self._options.Training
+            if not self._compiled:
+                training._unfreeze()
+                training.setMeanAccumulationAndReplicationReductionStrategy(MeanReductionStrategy.Running)
+                if self._options._is_frozen:
+                    training._freeze()
+            elif training.meanAccumulationAndReplicationReductionStrategy != MeanReductionStrategy.Running:
+                raise ValueError("Invalid optimizer: the new optimizer would require changing options.Training."
+                                 "meanAccumulationAndReplicationReductionStrategy to poptorch.MeanReductionStrategy."
+                                 "Running but the executable is already compiled.")
         self._optimizer = optimizer
         self._device_hyperparameters = self._read_hyperparameters(optimizer)
 
@@ -221,24 +374,23 @@ class PoplarExecutor:
 
     # -- batching ---------------------------------------------------------------------------
     def _check_batch(self, args, kwargs):
+        """Per input (path, micro-batch shape, dtype); PopTorch's _narrow_tensor assertion."""
         o = self._options
         factor = _batch_factor(o)
         signature = []
         for path, tensor in _flatten(args, "args") + _flatten(kwargs, "kwargs"):
-            if tensor.dim() == 0:
-                signature.append((path, (), tensor.dtype))
-                continue
-            if tensor.shape[0] % factor:
-                raise Error(
-                    f"Invalid batch dimension: In the input {path}, the batch dimension "
-                    f"({tensor.shape[0]}) must be a multiple of Options.deviceIterations"
-                    f"({o.device_iterations}) * (Options.replicationFactor({o.replication_factor}) / "
+            batch = 1 if tensor.dim() == 0 else tensor.shape[0]  # a 0-d input counts as a batch of 1
+            if batch % factor:
+                raise AssertionError(
+                    f"Invalid batch dimension: In the input {tensor.shape}, the batch dimension ({batch}) must be "
+                    f"a multiple of Options.deviceIterations({o.device_iterations}) * "
+                    f"(Options.replicationFactor({o.replication_factor}) / "
                     f"Options.inputReplicaGrouping.input_group_size({o.input_group_size})) * "
-                    f"Options.Training.gradientAccumulation({o.Training.gradient_accumulation}) = "
-                    f"{factor} because it is used to calculate the batch size which will be executed "
-                    f"on the device in any given iteration. For a full explanation see the batching "
-                    f"semantics page of the documentation.")
-            signature.append((path, (tensor.shape[0] // factor,) + tuple(tensor.shape[1:]), tensor.dtype))
+                    f"Options.Training.gradientAccumulation({o.Training.gradient_accumulation}) = {factor} because "
+                    f"it is used to calculate the batch size which will be executed on the device in any given "
+                    f"iteration. For a full explanation see the batching semantics page of the documentation.")
+            shape = () if tensor.dim() == 0 else (batch // factor,) + tuple(tensor.shape[1:])
+            signature.append((path, shape, tensor.dtype))
         return signature
 
     def _micro_batch(self, obj, iteration, accumulation, replica):
@@ -248,27 +400,47 @@ class PoplarExecutor:
         data_replica = replica // o.input_group_size
 
         def take(tensor):
+            if self._meta:
+                tensor = tensor.to("meta")  # a model without weights traces on shapes alone
             if tensor.dim() == 0:
-                return tensor
+                return tensor.float() if self._half and _is_half(tensor) else tensor
             if tensor.requires_grad:
                 tensor = tensor.detach()
+            if self._half and _is_half(tensor):
+                tensor = tensor.float()  # fp16 values, fp32 arithmetic
             view = tensor.reshape(shape + (-1,) + tuple(tensor.shape[1:]))
             return view[iteration, accumulation, data_replica]
         return _map(obj, take)
 
-    # -- compile: trace once, check annotations and the loss --------------------------------
+    # -- compile: trace once, check annotations, options and the loss --------------------------
     def compile(self, *args, **kwargs):
         if self._compiled:
             warnings.warn("Call to compile() ignored: the executable is already compiled")
             return
         self._compile(args, kwargs)
 
+    def _check_popart_options(self):
+        for key, value in self._options._Popart.options.items():
+            if key not in KNOWN_POPART_OPTIONS:
+                kind = {bool: "bool", int: "uint64", float: "double", str: "string"}.get(type(value), "container")
+                raise Error(f"Unknown {kind} option {key}")
+
     def _compile(self, args, kwargs):
         for path, tensor in _flatten(args, "args") + _flatten(kwargs, "kwargs"):
             if tensor.requires_grad:
                 warnings.warn("Input tensor has requires_grad=True set. This tensor will be detached "
                               "because backward pass via inputs is not supported.")
+        self._check_popart_options()
         self._signature = self._check_batch(args, kwargs)
+        named = self._state_tensors()
+        self._half = any(_is_half(t) for _, t in named)
+        self._meta = any(t.is_meta for _, t in named)
+        if self._half and not self._hooks:
+            self._install_rounding()
+        # The upload that compiling does: the device starts from the host weights. (An offline
+        # executable never runs: it needs no copy.)
+        offline = self._options.connection_type == ConnectionType.Never
+        self._device_state = {name: tensor.detach() if offline else tensor.detach().clone() for name, tensor in named}
         micro_args = self._micro_batch(args, 0, 0, 0)
         micro_kwargs = self._micro_batch(kwargs, 0, 0, 0)
         # Trace with the micro batch; keep the host RNG untouched so the run that follows draws
@@ -276,18 +448,84 @@ class PoplarExecutor:
         rng_state = torch.get_rng_state()
         recorder = ops._Recorder()
         try:
-            with ops.recording(recorder), torch.set_grad_enabled(self._training):
+            with self._on_device(), ops.recording(recorder), torch.set_grad_enabled(self._training):
                 outputs = self._user_model(*micro_args, **micro_kwargs)
             if self._training:
                 self._final_loss_index = self._find_final_loss(recorder, outputs)
                 self._num_loss_calls = len(recorder.losses)
             self.pipeline = self._plan_pipeline(recorder)
+            self._check_output_mode()
         finally:
             torch.set_rng_state(rng_state)
+            for _, tensor in named:
+                tensor.grad = None
         if not _flatten(outputs, "output"):
             raise Error("Your compiled model is empty (All the operations have been optimised out)")
+        self._estimate_memory()
+        if self._options.connection_type != ConnectionType.Never:
+            _acquire(self)
+            self._attached = True  # the compiled engine is loaded with the weights uploaded above
         self._compiled = True
-        self._attached = True
+
+    def _estimate_memory(self):
+        """The installed per-IPU memory estimate; warns, with the figures, above an IPU's memory
+        (the real compile would fail with out-of-memory unless debug.allowOutOfMemory)."""
+        if _memory_estimator is None or not self._training:
+            return
+        info = {"model": self._user_model, "signature": self._signature, "pipeline": self.pipeline,
+                "training": self._training, "options": self._options, "optimizer": self._optimizer}
+        with self._internal():
+            estimate = _memory_estimator(info)
+        self.memory_estimate = estimate
+        if not estimate:
+            return
+        over = [i for i, b in enumerate(estimate["per_ipu_bytes"]) if b > estimate["limit_bytes"]]
+        if over:
+            figures = ", ".join(f"IPU{i} {b / 2**20:,.0f} MiB" for i, b in enumerate(estimate["per_ipu_bytes"]))
+            warnings.warn(f"estimated memory above the {estimate['limit_bytes'] / 2**20:,.0f} MiB of an IPU on "
+                          f"IPU{', IPU'.join(map(str, over))} ({figures}); the real compile would run out of "
+                          f"memory. Estimate (a model, not Poplar's report):\n{estimate.get('table', '')}")
+
+    def _install_rounding(self):
+        """fp16 storage of activations: every leaf module's outputs are rounded to fp16 in runs."""
+        def hook(module, inputs, output):
+            return _round_half(output) if self._emulating else None
+        for module in self._user_model.modules():
+            if not list(module.children()):
+                self._hooks.append(module.register_forward_hook(hook))
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        """During a run the model's tensors hold the DEVICE copy (fp32 working copies of fp16
+        storage); afterwards the device copy is stored back and the host's returns."""
+        named = self._state_tensors()
+        host = {}
+        for name, tensor in named:
+            host[name] = tensor.data
+            device = self._device_state[name]
+            tensor.data = device.float() if _is_half(device) else device
+            if isinstance(tensor, torch.nn.Parameter):
+                tensor.grad = None
+        self._quiet += 1
+        self._emulating = self._half
+        try:
+            yield
+        finally:
+            self._emulating = False
+            self._quiet -= 1
+            for name, tensor in named:
+                device = tensor.data
+                self._device_state[name] = device.half() if _is_half(self._device_state[name]) else device
+                tensor.data = host[name]
+                if isinstance(tensor, torch.nn.Parameter):
+                    tensor.grad = None
+
+    def _round_weights(self):
+        """After an update: weights stored in fp16 are rounded to fp16 (working copies are fp32)."""
+        with torch.no_grad():
+            for name, param in self._trainable():
+                if _is_half(self._device_state[name]):
+                    param.copy_(param.to(torch.float16).to(param.dtype))
 
     @staticmethod
     def _find_final_loss(recorder, outputs):
@@ -374,14 +612,43 @@ class PoplarExecutor:
                             f"pipeline stages ({depth})", type="popart_exception")
         return {"blocks": blocks, "num_stages": num_stages, "stage_ipus": merged,
                 "num_ipus_per_replica": num_ipus_per_replica, "num_ipus": num_ipus,
-                "num_recomputation_checkpoints": recorder.num_checkpoints}
+                "num_recomputation_checkpoints": recorder.num_checkpoints,
+                "serialization_factors": list(recorder.serialization_factors)}
+
+    def _check_output_mode(self):
+        """PopART's anchor checks for EveryN (dataflow.cpp, irlowering.cpp)."""
+        o = self._options
+        if OutputMode(o.output_mode) != OutputMode.EveryN:
+            return
+        period = o.output_return_period
+        if self.pipeline["num_stages"] > 1:
+            raise Error("AnchorReturnType::EVERYN is not valid for pipelined models", type="popart_exception")
+        if period > o.device_iterations:
+            raise Error("Return period must be <= to the number of batches per step", type="popart_exception")
+        if o.device_iterations % period:
+            raise Error("Return period must be a factor of the number of batches per step", type="popart_exception")
 
     # -- run --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self._options.connection_type == ConnectionType.Never:
+            raise AssertionError("Trying to run a model on an offline device (ConnectionType.Never): use "
+                                 "model.compile(inputs) instead of model(inputs)")
         if not self._compiled:
             self._compile(args, kwargs)
-        elif not self._attached:
+        if self._meta:
+            raise Error("The model's weights are on the meta device: it can be compiled (shapes), not run")
+        if not self._attached:
             self.attachToDevice()
+        if not self._training:
+            # As PopTorch: an inference model of a module that a trainingModel also wraps picks up
+            # the trained weights (implicit copyWeightsToHost on the training side, then upload).
+            sync = getattr(self._user_model, "copyWeightsToHostIfNeeded", None)
+            if callable(sync):
+                sync()
+                version = self._user_model._host_weights_version
+                if version is not None and version != self._host_weights_version:
+                    self.copyWeightsToDevice()
+                    self._host_weights_version = version
         signature = self._check_batch(args, kwargs)
         if signature != self._signature:
             raise Error("One or more input data types have changed since the last time the model was run: "
@@ -391,25 +658,35 @@ class PoplarExecutor:
         num_iterations, num_accumulations = o.device_iterations, o.Training.gradient_accumulation
         num_replicas = o.replication_factor
         outputs = []  # one nested structure per micro-batch, in [iteration, accumulation, replica] order
-        for iteration in range(num_iterations):
-            if self._training:
-                self._zero_grads()
-            for accumulation in range(num_accumulations):
-                for replica in range(num_replicas):
-                    micro_args = self._micro_batch(args, iteration, accumulation, replica)
-                    micro_kwargs = self._micro_batch(kwargs, iteration, accumulation, replica)
-                    outputs.append(self._run_micro_batch(micro_args, micro_kwargs))
-            if self._training:
-                self._reduce_gradients(num_accumulations * num_replicas)
-                self._optimizer_step()
-                self._zero_grads()
+        with self._on_device():
+            for iteration in range(num_iterations):
+                self._accumulators = {}
+                for accumulation in range(num_accumulations):
+                    for replica in range(num_replicas):
+                        micro_args = self._micro_batch(args, iteration, accumulation, replica)
+                        micro_kwargs = self._micro_batch(kwargs, iteration, accumulation, replica)
+                        outputs.append(self._run_micro_batch(micro_args, micro_kwargs, replica, accumulation))
+                if self._training:
+                    self._reduce_gradients()
+                    self._optimizer_step()
+                    self._round_weights()
+                    for _, param in self._trainable():
+                        param.grad = None
+        if self._training:
+            self._dirty_host_weights = True
         self._has_run = True
         self._last_run_info = {"signature": self._signature, "pipeline": self.pipeline, "training": self._training,
                                "device_iterations": num_iterations, "gradient_accumulation": num_accumulations,
                                "replication_factor": num_replicas, "model": self._user_model}
         return self._assemble_outputs(outputs)
 
-    def _run_micro_batch(self, args, kwargs):
+    def _trainable(self):
+        if self._trainable_cache is None:
+            with self._internal():
+                self._trainable_cache = [(name, p) for name, p in self._user_model.named_parameters() if p.requires_grad]
+        return self._trainable_cache
+
+    def _run_micro_batch(self, args, kwargs, replica, accumulation):
         if not self._training:
             with torch.no_grad(), ops.recording(ops._Recorder()):
                 return _map(self._user_model(*args, **kwargs), torch.Tensor.detach)
@@ -420,48 +697,86 @@ class PoplarExecutor:
             raise Error("The model's graph changed since compilation (a different number of losses)")
         loss = recorder.losses[self._final_loss_index][1]
         (loss * self._loss_scaling()).backward(torch.ones_like(loss))
-        self._accumulate_gradients()
+        self._accumulate_gradients(replica, accumulation)
         return _map(out, torch.Tensor.detach)
 
     def _loss_scaling(self):
         """The optimizer's static loss scale: the loss is multiplied by it, the gradients divided."""
         return float(getattr(self._optimizer, "loss_scaling", 1.0) or 1.0)
 
-    def _accumulate_gradients(self):
-        """Move this micro-batch's gradients into the accumulators, in the optimizer's
-        ``accum_type`` (PopART accumulates in that type, not in the weights' fp16)."""
-        dtype = getattr(self._optimizer, "accum_type", torch.float32)
-        for param in self._parameters():
-            if param.grad is None:
-                continue
-            grad = param.grad.to(dtype)
+    def _running_mean(self):
+        training = self._options.Training
+        return (training.accumulation_and_replication_reduction_type == ReductionType.Mean
+                and training.meanAccumulationAndReplicationReductionStrategy == MeanReductionStrategy.Running)
+
+    def _accumulate_gradients(self, replica, count):
+        """This micro-batch's gradients (fp16 where the weight is stored in fp16) into replica
+        ``replica``'s accumulator, in the optimizer's ``accum_type``; ``count`` micro-batches
+        are already in it. Arithmetic in fp32, the result rounded to ``accum_type`` (PopART's
+        AccumulateOp: Add for Post, Mean ``a = (1-b) a + b g`` with ``b = 1/(count+1)`` for Running).
+        All parameters' gradients are kept as one flat tensor (elementwise, so the same numbers)."""
+        dtype = getattr(self._optimizer, "accum_type", None) or torch.float32
+        grads = []
+        for name, param in self._trainable():
+            grad = param.grad
             param.grad = None
-            accumulator = self._accumulators.get(param)
-            self._accumulators[param] = grad if accumulator is None else accumulator.add_(grad)
+            if grad is None:
+                grad = torch.zeros_like(param)
+            if _is_half(self._device_state[name]):
+                grad = grad.to(torch.float16)  # the device's weight gradient is fp16 (overflow -> inf)
+            grads.append(grad.reshape(-1).float())
+        grad = torch.cat(grads)
+        previous = self._accumulators.get(replica)
+        if self._running_mean():
+            b = 1.0 / (count + 1)
+            value = grad * b if previous is None else previous.float() * (1.0 - b) + grad * b
+        else:
+            value = grad if previous is None else previous.float() + grad
+        self._accumulators[replica] = value.to(dtype)
 
-    def _parameters(self):
-        return [p for p in self._user_model.parameters() if p.requires_grad]
-
-    def _zero_grads(self):
+    def _reduce_gradients(self):
+        """Replicas' accumulators all-reduced (Post: sum, Running: mean, in ``accum_type``), then
+        the gradient the optimizer sees: Post and ``ReductionType.Mean`` divide by accumulation x
+        GLOBAL replicas (all PopRun instances), and the loss scale is undone (fp32)."""
+        o = self._options
+        running = self._running_mean()
+        num_processes = o.Distributed.num_distributed_processes
+        divisor = self._loss_scaling()
+        if o.Training.accumulation_and_replication_reduction_type == ReductionType.Mean and not running:
+            divisor *= o.Training.gradient_accumulation * o.replication_factor * num_processes
+        replicas = [self._accumulators[r] for r in sorted(self._accumulators)]
+        total = replicas[0]
+        for accumulator in replicas[1:]:
+            total = (total.float() + accumulator.float()).to(total.dtype)
+        if running:
+            total = (total.float() / len(replicas)).to(total.dtype)
+        if num_processes > 1:
+            total = self._all_reduce_instances(total, running)
+        grads = (total.float() / divisor).split([p.numel() for _, p in self._trainable()])
+        for (_, param), grad in zip(self._trainable(), grads):
+            param.grad = grad.view_as(param).to(param.dtype)
         self._accumulators = {}
-        for param in self._parameters():
-            param.grad = None
 
-    def _reduce_gradients(self, num_micro_batches):
-        """Gradients summed over accumulation and replicas -> PopTorch's reduction, loss scale undone."""
-        scale = self._loss_scaling()
-        if self._options.Training.accumulation_and_replication_reduction_type == ReductionType.Mean:
-            scale *= num_micro_batches
-        for param, accumulator in self._accumulators.items():
-            param.grad = (accumulator / scale if scale != 1.0 else accumulator).to(param.dtype)
-        self._accumulators = {}
+    @staticmethod
+    def _all_reduce_instances(total, running):
+        """Sum (Post) or mean (Running) over PopRun instances, through torch.distributed."""
+        distributed = torch.distributed
+        if not (distributed.is_available() and distributed.is_initialized()):
+            raise Error("The mock reduces gradients over PopRun instances through torch.distributed: initialise "
+                        "a process group in every instance")
+        reduced = total.float()
+        distributed.all_reduce(reduced)
+        if running:
+            reduced /= distributed.get_world_size()
+        return reduced.to(total.dtype)
 
     def _assemble_outputs(self, outputs):
         """Per output, stack the micro-batch values by OutputMode with PopTorch's shapes."""
         o = self._options
         num_replicas = o.replication_factor
+        num_accumulations = o.Training.gradient_accumulation
         num_runs = len(outputs) // num_replicas  # (iteration, accumulation) pairs
-        mode = self._output_mode
+        mode = OutputMode(o.output_mode)
         per_micro_batch = [_leaves(out) for out in outputs]
 
         def index(run, replica):
@@ -470,8 +785,10 @@ class PoplarExecutor:
         if mode == OutputMode.All:
             selected = [[index(r, p)] for r in range(num_runs) for p in range(num_replicas)]
         elif mode == OutputMode.EveryN:
+            # PopART returns every N-th device iteration ("batch"), all its micro-batches.
             period = o.output_return_period
-            selected = [[index(r, p)] for r in range(num_runs) if (r + 1) % period == 0 for p in range(num_replicas)]
+            selected = [[index(r, p)] for r in range(num_runs) if (r // num_accumulations + 1) % period == 0
+                        for p in range(num_replicas)]
         elif mode == OutputMode.Final:
             selected = [[index(num_runs - 1, p)] for p in range(num_replicas)]
         else:  # Sum over iterations and accumulation steps, per replica
@@ -509,21 +826,65 @@ class PoplarExecutor:
         Real PopTorch returns hardware-counter cycles; the mock returns a *model estimate* (see
         ``set_cycle_estimator``) and never a measurement.
         """
-        if not self._options.log_cycle_count:
+        if not self._options._Popart.options.get("instrumentWithHardwareCycleCounter"):
             raise Error("Cycle count logging is disabled. Please set option logCycleCount to True to enable.")
-        if not self._has_run:
+        if not self._compiled or not self._has_run:
             raise Error("Please run the model at least once before obtaining cycle count.")
         if _cycle_estimator is None:
             raise Error("The mock has no cycle estimator installed (poptorch.set_cycle_estimator)")
         return int(_cycle_estimator(self._last_run_info))
 
 
+def _wrap_user_model(model, executor):
+    """PopTorch's ``PoptorchModel``: the wrapped module's class gains ``copyWeightsToHostIfNeeded``
+    and copies the device weights to the host whenever its parameters, buffers or forward are
+    touched after a run (so ``model.state_dict()`` after training sees the trained weights)."""
+    parent = weakref.ref(executor)
+    base = type(model)
+
+    class PoptorchModel(base):
+        _poptorch_base_class = base
+
+        def copyWeightsToHostIfNeeded(self):
+            p = parent()
+            return p.copyWeightsToHostIfNeeded() if p is not None else False
+
+        def __getattribute__(self, name):
+            if name == "_host_weights_version":
+                p = parent()
+                return None if p is None else p._host_weights_version
+            if name in ("_buffers", "_parameters", "forward"):
+                p = parent()
+                if p is not None and not p._quiet and p._attached:
+                    p.copyWeightsToHostIfNeeded()
+            return object.__getattribute__(self, name)
+
+        def __getattr__(self, name):
+            attribute = super().__getattr__(name)
+            if isinstance(attribute, torch.nn.Parameter):
+                self.copyWeightsToHostIfNeeded()
+            return attribute
+
+    PoptorchModel.__name__ = base.__name__
+    PoptorchModel.__qualname__ = base.__qualname__
+    model.__class__ = PoptorchModel
+
+
 def trainingModel(model, options=None, optimizer=None):
+    if isinstance(model, PoplarExecutor):
+        model = model._user_model
+    if getattr(type(model), "_poptorch_base_class", None) is not None:
+        raise RuntimeError("Model has already been wrapped in 'poptorch.trainingModel'. Call "
+                           "model.destroy() on the model to unwrap before wrapping again.")
     return PoplarExecutor(model, options=options, training=True, optimizer=optimizer)
 
 
 def inferenceModel(model, options=None):
-    return PoplarExecutor(model, options=options, training=False)
+    """As PopTorch: a shallow copy of ``model`` (same parameters; ``eval()`` on the original
+    does not reach it). A module a trainingModel wraps keeps its implicit weight sync."""
+    if isinstance(model, PoplarExecutor):
+        model = model._user_model
+    return PoplarExecutor(copy.copy(model), options=options, training=False)
 
 
 class DataLoader(torch.utils.data.DataLoader):

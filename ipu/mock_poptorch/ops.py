@@ -25,6 +25,7 @@ class _Recorder:
         self.blocks = []         # [(user_id, ipu_id)] in execution order
         self.losses = []         # [(kind, tensor)] in call order; kind "identity_loss" or a function name
         self.num_checkpoints = 0
+        self.serialization_factors = []  # factor of every serializedMatMul, in call order
         self._auto_id = 0
 
     def next_auto_id(self):
@@ -179,6 +180,31 @@ def set_available_memory(tensor, available_memory_proportion):
 
 
 def serializedMatMul(lhs, rhs, mode, factor=0, keep_precision=False):
+    """``lhs @ rhs``. PopTorch asserts the argument types; inside an executable the compile
+    applies PopART's MatMulOp checks: a factor that is 0 or does not divide the serialised
+    dimension is an error (willow/src/op/matmul.cpp)."""
+    from .enums import MatMulSerializationMode
+
+    if not isinstance(keep_precision, bool) or not isinstance(factor, int):
+        raise AssertionError("serializedMatMul: factor must be an int and keep_precision a bool")
+    if not isinstance(mode, MatMulSerializationMode):
+        raise AssertionError("serializedMatMul: mode must be a poptorch.MatMulSerializationMode")
+    if _active() is not None and mode != MatMulSerializationMode.Disabled:
+        if factor == 0:
+            raise Error(f"Invalid serialisation factor {factor}. Serialisation factor must be a non-zero "
+                        f"positive integer.", type="popart_exception")
+        if mode == MatMulSerializationMode.InputChannels:
+            size, what = lhs.shape[-2], "input channels dim"
+            rule = "input_channels dim should be a multiple of the serialisation factor "
+        elif mode == MatMulSerializationMode.ReducingDim:
+            size, what = lhs.shape[-1], "reducing dimension"
+            rule = "reducing_dim dim should be a multiple of the serialisation factor "
+        else:
+            size, what = rhs.shape[-1], "output channels dim"
+            rule = "output_channels dim should be a multiple of the serialisation factor "
+        if size % factor:
+            raise Error(f"Invalid serialisation factor {factor} for {what} {size}. {rule}", type="popart_exception")
+        _active().serialization_factors.append(factor)
     return torch.matmul(lhs, rhs)
 
 

@@ -4,12 +4,17 @@ What is faithful (and tested): every setter returns ``self`` so calls chain; val
 snake_case attributes (``opts.device_iterations``, ``opts.Training.gradient_accumulation``);
 ``set`` rejects unknown keys and values of the wrong type; once an executor or DataLoader used
 the options they are frozen and any change raises ``AttributeError("Can't modify frozen Options")``.
+Keys are PopTorch's own (``meanAccumulationAndReplicationReductionStrategy``, ``onChip``,
+``patterns_level``, ...) and the PopART session options live in ``opts._Popart.options`` as in
+PopTorch, so code that reads them back works on both. Unknown PopART keys are refused at compile
+time (as PopTorch's ``SessionOptions`` does), see ``KNOWN_POPART_OPTIONS``.
 What is not: PopART/Poplar never see these values; the mock executor reads the ones that change
-numerics or shapes (iterations, replication, accumulation, reduction, output mode, execution
-strategy, cycle counting) and keeps the rest only so they can be inspected.
+numerics or shapes (iterations, replication, accumulation, reduction and its strategy, output
+mode, execution strategy, cycle counting, connection type) and keeps the rest for inspection.
 """
 import copy
 import json
+import os
 
 import torch
 
@@ -33,8 +38,8 @@ class _OptionsDict:
     def set(self, **kwargs):
         self._check_not_frozen()
         for option, value in kwargs.items():
-            if option not in self._values:
-                raise AttributeError(f"Invalid option {option}, valid options are {sorted(self._values)}")
+            if option not in self._values:  # PopTorch: an assert in OptionsDict.set
+                raise AssertionError(f"Invalid option {option}, valid options are {self._values.keys()}")
             default = self._values[option]
             if default is not None and not isinstance(value, type(default)):
                 raise AssertionError(f"Unexpected type {type(value)} for option {option}. "
@@ -44,8 +49,16 @@ class _OptionsDict:
 
     def createOrSet(self, **kwargs):
         self._check_not_frozen()
-        self._values.update(kwargs)
+        for option, value in kwargs.items():
+            if option in self._values:
+                self.set(**{option: value})
+            else:
+                self._values[option] = value
         return self
+
+    def deleteIfExists(self, option):
+        self._check_not_frozen()
+        self._values.pop(option, None)
 
     def exists(self, option):
         return option in self._values
@@ -61,7 +74,7 @@ class _OptionsDict:
         object.__setattr__(self, name, value)
 
     def _sub_options(self):
-        return [v for v in self.__dict__.values() if isinstance(v, _OptionsDict)]
+        return [v for v in self.__dict__.values() if isinstance(v, (_OptionsDict, _PopartOptions))]
 
     def _freeze(self):
         object.__setattr__(self, "_is_frozen", True)
@@ -76,7 +89,7 @@ class _OptionsDict:
     def toDict(self):
         out = dict(self._values)
         for name, sub in self.__dict__.items():
-            if isinstance(sub, _OptionsDict):
+            if isinstance(sub, (_OptionsDict, _PopartOptions)):
                 out[name] = sub.toDict()
         return out
 
@@ -96,11 +109,12 @@ class _JitOptions(_OptionsDict):
 
 
 class _TrainingOptions(_OptionsDict):
-    def __init__(self):
+    def __init__(self, popart_options):
+        # PopTorch's keys and enum-typed defaults (options.py _TrainingOptions.__init__).
         super().__init__(gradient_accumulation=1,
-                         accumulation_and_replication_reduction_type=int(ReductionType.Mean),
-                         mean_accumulation_and_replication_reduction_strategy=int(MeanReductionStrategy.Post),
-                         automatic_loss_scaling=False)
+                         accumulation_and_replication_reduction_type=ReductionType.Mean,
+                         meanAccumulationAndReplicationReductionStrategy=MeanReductionStrategy.Post)
+        object.__setattr__(self, "_popart", popart_options)
 
     def gradientAccumulation(self, gradient_accumulation):
         self.set(gradient_accumulation=gradient_accumulation)
@@ -109,105 +123,168 @@ class _TrainingOptions(_OptionsDict):
     def accumulationAndReplicationReductionType(self, reduction_type):
         if reduction_type not in (ReductionType.Sum, ReductionType.Mean):
             raise ValueError("Reduction type must be ReductionType.Sum or ReductionType.Mean")
-        self.set(accumulation_and_replication_reduction_type=int(reduction_type))
+        self.set(accumulation_and_replication_reduction_type=ReductionType(reduction_type))
         return self
 
     def setMeanAccumulationAndReplicationReductionStrategy(self, mean_reduction_strategy):
-        self.set(mean_accumulation_and_replication_reduction_strategy=int(mean_reduction_strategy))
+        """``Running``: the accumulator holds the running mean of the micro-batch gradients (and
+        replicas are mean-reduced), so it never exceeds the largest one; ``Post``: it holds the
+        sum, divided by accumulation x replicas at the update (PopART optimizerdecompose.cpp).
+        PopTorch picks Running itself when the optimizer's ``accum_type`` is float16."""
+        self.set(meanAccumulationAndReplicationReductionStrategy=MeanReductionStrategy(mean_reduction_strategy))
         return self
 
     def setAutomaticLossScaling(self, enabled):
-        self.set(automatic_loss_scaling=bool(enabled))
+        self._popart.set("automaticLossScalingSettings.enabled", bool(enabled))
         return self
 
 
-class _PopartOptions(_OptionsDict):
-    """Raw PopART session options (``opts._Popart.set(key, value)``), kept for inspection."""
+class _PopartOptions:
+    """Raw PopART session options (``opts._Popart.set(key, value)``), read back from ``.options``
+    as in PopTorch. Values are stored as given; keys are checked when a model compiles."""
 
     def __init__(self):
-        super().__init__()
-        self.createOrSet(instrumentWithHardwareCycleCounter=False, rearrangeAnchorsOnHost=False)
+        object.__setattr__(self, "_is_frozen", False)
+        object.__setattr__(self, "options", {})
+        self.set("instrumentWithHardwareCycleCounter", False)
+        self.set("rearrangeAnchorsOnHost", False)
+
+    def _check_not_frozen(self):
+        if self._is_frozen:
+            raise AttributeError(_FROZEN_MESSAGE)
+
+    def _freeze(self):
+        object.__setattr__(self, "_is_frozen", True)
+
+    def _unfreeze(self):
+        object.__setattr__(self, "_is_frozen", False)
 
     def set(self, key, value):  # noqa: A003 (PopTorch's signature: positional key, value)
         self._check_not_frozen()
-        if not isinstance(value, (int, float, str, list, set, dict)):
-            raise AssertionError(f"Unsupported type {type(value)} for PopART option {key}")
-        self._values[key] = value
+        self.options[key] = value
         return self
 
     def setEngineOptions(self, engine_options):
-        return self.set("engineOptions", dict(engine_options))
+        return self.set("engineOptions", engine_options)
 
     def setPatterns(self, patterns, level=2):
-        self.set("patterns", dict(patterns))
-        return self.set("patternsLevel", int(level))
+        if not isinstance(level, int) or not isinstance(patterns, dict):
+            raise AssertionError("setPatterns takes a dict of pattern names and an int level")
+        self.set("patterns_level", level)
+        return self.set("patterns", patterns)
+
+    def toDict(self):
+        return dict(self.options)
+
+
+# The PopART session option keys PopTorch SDK 3.4 accepts through ``_Popart.set`` (the names its
+# popart_compiler/source/SessionOptions.cpp registers); any other key fails the compile with
+# "Unknown <type> option <key>".
+KNOWN_POPART_OPTIONS = frozenset("""
+accumulateOuterFragmentSettings.excludedVirtualGraphs accumulateOuterFragmentSettings.schedule
+accumulationAndReplicationReductionType accumulationFactor aliasZeroCopy autoRecomputation
+autodiffSettings.stitchStrategy automaticLossScalingSettings.binEdgeLocation
+automaticLossScalingSettings.enabled automaticLossScalingSettings.gradientTensorTrackingMethod
+automaticLossScalingSettings.thresholdUpperCountProportion automaticLossScalingSettings.updatePeriod
+batchSerializationSettings.batchSchedule batchSerializationSettings.concatOnVirtualGraphChange
+batchSerializationSettings.factor batchSerializationSettings.method batchSerializationSettings.transformContext
+cachePath compilationProgressTotal compileEngine constantWeights convolutionOptions customCodeletCompileFlags
+customCodelets decomposeGradSum defaultBufferingDepth defaultPrefetchBufferingDepth delayVarUpdates
+disableGradAccumulationTensorStreams disableOptimizerStateTensorStreams dotChecks dotOpNames
+enableDistributedReplicatedGraphs enableEngineCaching enableExplicitIR enableExplicitMainLoops
+enableFloatingPointChecks enableFullyConnectedPass enableGradientAccumulation enableInplaceAmbiguityChecking
+enableLoadAndOffloadRNGState enableMergeExchange enableNonStableSoftmax enableOutlining
+enableOutliningCopyCostPruning enablePipelining enablePrefetchDatastreams enableReplicatedGraphs
+enableSerializedMatmuls enableStableNorm enableStochasticRounding enableSupportedDataTypeCasting engineOptions
+ensureFp32LossScaleTensor executionPhaseSettings.phases executionPhaseSettings.stages explicitRecomputation
+exportPoplarComputationGraph exportPoplarVertexGraph finalDotOp firstDotOp gclOptions globalReplicaOffset
+globalReplicationFactor groupHostSync groupNormStridedChannelGrouping hardwareInstrumentations
+instrumentWithHardwareCycleCounter kahnTieBreaker logDir looseThresholdAtPeak lstmOptions matmulOptions
+meanAccumulationAndReplicationReductionStrategy mergeVarUpdate mergeVarUpdateMemThreshold opxAliasChecking
+opxModifyChecking outlineSequenceBreakCost outlineThreshold partialsTypeMatMuls patterns patterns_level
+rearrangeAnchorsOnHost rearrangeStreamsOnHost reportOptions saveInitializersToFile
+scheduleNonWeightUpdateGradientConsumersEarly separateCallOpPdfs serializedPoprithmsShiftGraphsDir
+strictOpVersions subgraphCopyingStrategy swapLimitScheduler syntheticDataMode timeLimitScheduler
+transitiveClosureOptimizationThreshold updatableNamedBuffers useHostCopyOps virtualGraphMode
+""".split())
 
 
 class _PrecisionOptions(_OptionsDict):
+    """No keys of its own in PopTorch: every setter writes a PopART option."""
+
     def __init__(self, popart_options):
-        super().__init__(partials_type="float", stochastic_rounding=False, floating_point_exceptions=False)
+        super().__init__()
         object.__setattr__(self, "_popart", popart_options)
 
     def setPartialsType(self, dtype):
         if dtype not in (torch.float, torch.half):
             raise ValueError("Partials type must be torch.float or torch.half")
         name = "half" if dtype == torch.half else "float"
-        self.set(partials_type=name)
         self._popart.set("partialsTypeMatMuls", name)
+        self._popart.set("convolutionOptions", {"partialsType": name})
         return self
 
     def enableStochasticRounding(self, enabled):
-        self.set(stochastic_rounding=bool(enabled))
         self._popart.set("enableStochasticRounding", bool(enabled))
         return self
 
     def enableFloatingPointExceptions(self, enabled):
-        self.set(floating_point_exceptions=bool(enabled))
+        self._popart.set("enableFloatingPointChecks", bool(enabled))
         return self
 
 
 class TensorLocationSettings(_OptionsDict):
-    """Where a class of tensors lives (on chip or in Streaming Memory) and whether replicas shard it."""
+    """Where a class of tensors lives (on chip or in Streaming Memory) and whether replicas shard
+    it. Keys as PopTorch stores them (``onChip``, ``useReplicatedTensorSharding``: ints)."""
 
     def __init__(self):
-        super().__init__(on_chip=None, replicated_tensor_sharding=None, min_elements_off_chip=None,
-                         min_elements_rts=None, io_tiles_load=None, io_tiles_store=None)
+        super().__init__()
 
     def useOnChipStorage(self, use=True):
-        self.createOrSet(on_chip=use)
+        if use is None:
+            self.deleteIfExists("onChip")
+        else:
+            if not isinstance(use, bool):
+                raise AssertionError("useOnChipStorage takes a bool")
+            self.createOrSet(onChip=int(use))
         return self
 
     def useReplicatedTensorSharding(self, use=True):
-        self.createOrSet(replicated_tensor_sharding=use)
+        if not isinstance(use, bool):
+            raise AssertionError("useReplicatedTensorSharding takes a bool")
+        self.createOrSet(useReplicatedTensorSharding=int(use))
         return self
 
     def minElementsForOffChip(self, min_elements):
-        self.createOrSet(min_elements_off_chip=int(min_elements))
+        if not isinstance(min_elements, int):
+            raise AssertionError("min_elements must be an int")
+        self.createOrSet(minElementsForOffChip=min_elements)
         return self
 
     def minElementsForReplicatedTensorSharding(self, min_elements):
-        self.createOrSet(min_elements_rts=int(min_elements))
+        if not isinstance(min_elements, int):
+            raise AssertionError("min_elements must be an int")
+        self.createOrSet(minElementsForReplicatedTensorSharding=min_elements)
         return self
 
     def useIOTilesToLoad(self, use=True):
-        self.createOrSet(io_tiles_load=use)
+        self.createOrSet(useIOTilesToLoad=int(bool(use)))
         return self
 
     def useIOTilesToStore(self, use=True):
-        self.createOrSet(io_tiles_store=use)
+        self.createOrSet(useIOTilesToStore=int(bool(use)))
         return self
 
 
 class _TensorLocationOptions(_OptionsDict):
     def __init__(self):
-        super().__init__()
-        self.createOrSet(num_io_tiles=0, location_activation={}, location_weight={},
-                         location_optimizer={}, location_accumulator={})
+        super().__init__(location_activation={}, location_weight={}, location_optimizer={},
+                         location_accumulator={})
 
     def numIOTiles(self, num_tiles):
         if num_tiles % 2 or not 32 <= num_tiles <= 192:
-            raise AssertionError("Number of IO tiles must be an even number between 32 and 192")
-        self.createOrSet(num_io_tiles=num_tiles)
+            raise AssertionError("numIOTiles must be an even number between 32 and 192.")
+        self.createOrSet(numIOTiles=num_tiles)
         return self
 
     def _set_location(self, name, location):
@@ -305,20 +382,22 @@ class Options(_OptionsDict):
     """``poptorch.Options()``: defaults as in PopTorch SDK 3.4 (options.py 1146-1198)."""
 
     def __init__(self):
-        super().__init__(replication_factor=1, input_group_size=1, input_cgt=int(CommGroupType.Consecutive),
+        super().__init__(replication_factor=1, input_group_size=1, input_cgt=CommGroupType.Consecutive,
                          broadcast_buffers=True, device_iterations=1, log_dir=".", max_repeat_logs=4,
                          auto_round_num_ipus=False, anchored_tensors={}, output_mode=int(OutputMode.Default),
                          output_return_period=1, connection_type=int(ConnectionType.Always),
-                         sync_pattern=int(SyncPattern.Full), available_memory_proportion={},
-                         log_cycle_count=False, synthetic_data=False, executable_cache_dir="",
-                         use_ipu_model=False, model_name="", show_compilation_progress_bar=True)
+                         sync_pattern=int(SyncPattern.Full), available_memory_proportion={})
         self._Popart = _PopartOptions()
         self.Jit = _JitOptions()
         self.Precision = _PrecisionOptions(self._Popart)
-        self.Training = _TrainingOptions()
+        self.Training = _TrainingOptions(self._Popart)
         self.Distributed = _DistributedOptions()
         self.TensorLocations = _TensorLocationOptions()
         object.__setattr__(self, "_execution_strategy", PipelinedExecution())
+        object.__setattr__(self, "_show_compilation_progress_bar", True)
+        path = os.environ.get("POPTORCH_CACHE_DIR", "")
+        if path:  # as PopTorch: the environment turns the executable cache on
+            self.enableExecutableCaching(path)
 
     # -- batching ---------------------------------------------------------------------------
     def deviceIterations(self, device_iterations):
@@ -330,14 +409,16 @@ class Options(_OptionsDict):
         return self
 
     def inputReplicaGrouping(self, input_group_size, input_group_type):
-        self.set(input_group_size=input_group_size, input_cgt=int(input_group_type))
+        self.set(input_group_size=input_group_size, input_cgt=CommGroupType(input_group_type))
         return self
 
     def outputMode(self, output_mode, output_return_period=None):
-        if output_mode == OutputMode.EveryN and not (output_return_period and output_return_period > 0):
-            raise ValueError("output_return_period must be greater than 0 for OutputMode.EveryN")
-        if output_mode != OutputMode.EveryN and output_return_period is not None:
-            raise ValueError("output_return_period may only be set for OutputMode.EveryN")
+        if not isinstance(output_mode, OutputMode):
+            raise AssertionError("output_mode must be a poptorch.OutputMode")
+        if output_mode == OutputMode.EveryN:
+            if not (output_return_period and output_return_period > 0):
+                raise AssertionError("EveryN anchor must have output_return_period set to valid positive integer")
+        # Any other mode ignores a period (PopTorch logs that and goes on).
         self.set(output_mode=int(output_mode), output_return_period=output_return_period or 1)
         return self
 
@@ -358,7 +439,7 @@ class Options(_OptionsDict):
             if not key.startswith("IPU"):
                 raise AssertionError(f"Invalid key '{key}': keys must be of the form 'IPU<n>'")
             proportions[int(key[3:])] = float(value)
-        self.set(available_memory_proportion=proportions)
+        self.createOrSet(available_memory_proportion=proportions)
         return self
 
     def autoRoundNumIPUs(self, auto_round_num_ipus=True):
@@ -366,7 +447,7 @@ class Options(_OptionsDict):
         return self
 
     def useIpuModel(self, use_model):
-        self.set(use_ipu_model=bool(use_model))
+        self.createOrSet(use_model=bool(use_model))
         return self
 
     def connectionType(self, connection_type):
@@ -374,8 +455,11 @@ class Options(_OptionsDict):
         return self
 
     def useOfflineIpuTarget(self, ipu_version=2):
+        """Compile for an IPU of ``ipu_version`` without attaching to one (``ConnectionType.Never``):
+        the model can be ``compile()``d, never run (Graphcore's ``--compile-only``)."""
+        self.connectionType(ConnectionType.Never)
         self.createOrSet(ipu_version=ipu_version)
-        return self.connectionType(ConnectionType.Never)
+        return self
 
     def broadcastBuffers(self, broadcast_buffers=True):
         self.set(broadcast_buffers=bool(broadcast_buffers))
@@ -383,21 +467,18 @@ class Options(_OptionsDict):
 
     # -- caching, data, logging -------------------------------------------------------------
     def enableExecutableCaching(self, path):
-        self.set(executable_cache_dir=path or "")
-        if path:
+        if path is None:
+            self._Popart.set("enableEngineCaching", False)
+        else:
             self._Popart.set("cachePath", path)
             self._Popart.set("enableEngineCaching", True)
-        else:
-            self._Popart.set("enableEngineCaching", False)
         return self
 
     def enableSyntheticData(self, enabled):
-        self.set(synthetic_data=bool(enabled))
         self._Popart.set("syntheticDataMode", 2 if enabled else 0)
         return self
 
     def logCycleCount(self, log_cycle_count):
-        self.set(log_cycle_count=bool(log_cycle_count))
         self._Popart.set("instrumentWithHardwareCycleCounter", bool(log_cycle_count))
         return self
 
@@ -412,11 +493,11 @@ class Options(_OptionsDict):
         return self
 
     def modelName(self, name):
-        self.set(model_name=name)
+        self.createOrSet(model_name=name)
         return self
 
     def showCompilationProgressBar(self, show=True):
-        self.set(show_compilation_progress_bar=bool(show))
+        object.__setattr__(self, "_show_compilation_progress_bar", bool(show))
         return self
 
     def randomSeed(self, random_seed):
@@ -428,7 +509,7 @@ class Options(_OptionsDict):
 
     # -- container --------------------------------------------------------------------------
     def clone(self):
-        """Deep copy; the copy keeps the frozen state of the original."""
+        """An unfrozen deep copy (PopTorch: ``copy.deepcopy`` with ``_is_frozen`` reset)."""
         was_frozen = self._is_frozen
         self._unfreeze()
         try:
@@ -436,8 +517,6 @@ class Options(_OptionsDict):
         finally:
             if was_frozen:
                 self._freeze()
-        if was_frozen:
-            cloned._freeze()
         return cloned
 
     def toDict(self):

@@ -1,0 +1,145 @@
+"""Fine-tuning utilities on the command line.
+
+    python -m bert_packed.finetune export RUN_DIR|checkpoint.pt --output DIR [--tokenizer PATH]
+    python -m bert_packed.finetune predict --model DIR --input FILE [--text-column text]
+        [--text-pair-column C] [--output predictions.jsonl] [--max-sequence-length 128]
+    python -m bert_packed.finetune fortunes --output-dir DIR [--categories a b ...] [--seed 0]
+
+``export`` writes the Hugging Face directory of a run's checkpoint (any task; the tokenizer
+of ``--tokenizer``, ``model.tokenizer`` or the checkpoint the run started from).
+``predict`` classifies a CSV/TSV/JSONL file with an exported (or any Hugging Face)
+sequence-classification model on the CPU, packed, and writes one JSON line per row.
+``fortunes`` writes the fortune-cookie classification data (docs/finetuning.md).
+User mistakes: one ``error:`` line, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+from bert_packed.io import write_text_atomic
+
+
+def export(checkpoint: str, output: str, tokenizer: Optional[str] = None) -> str:
+    """Hugging Face export of this project's checkpoint (file or run directory)."""
+    from bert_packed import hf_io
+    from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+    from bert_packed.config import config_from_dict
+    from bert_packed.task import get_task
+
+    path = os.path.join(checkpoint, CHECKPOINT_NAME) if os.path.isdir(checkpoint) else checkpoint
+    if not os.path.isfile(path):
+        raise hf_io.CheckpointError(f"{checkpoint}: no {CHECKPOINT_NAME} (train with train.checkpoint_every > 0)")
+    state = load_checkpoint(path)
+    config = config_from_dict(state["config"])
+    if tokenizer:
+        config.model.tokenizer = tokenizer
+    task = get_task(config)
+    task.load_state_dict(state.get("task") or {})
+    init, config.model.init_checkpoint = config.model.init_checkpoint, None  # weights come from the checkpoint
+    model = task.build_model()
+    config.model.init_checkpoint = init  # its tokenizer, if nothing else names one
+    model.load_state_dict(state["model"])
+    return task.export(model, output)
+
+
+def predict(model_dir: str, input_path: str, output: str, *, text_column: str = "text",
+            text_pair_column: Optional[str] = None, max_sequence_length: int = 128, max_sequences_per_pack: int = 6,
+            micro_batch_size: int = 16) -> int:
+    """Classify ``input_path`` with the sequence-classification model in ``model_dir``; returns rows written."""
+    from functools import partial
+
+    import numpy as np
+    import torch
+
+    from bert_packed import hf_io
+    from bert_packed.collate import collate_classification
+    from bert_packed.finetune import data as ft_data
+    from bert_packed.finetune.classification import prediction_lines
+    from bert_packed.modeling import BertConfig, BertForSequenceClassification
+
+    pretrained = hf_io.read_pretrained(model_dir)
+    id2label, problem_type = hf_io.label_maps(pretrained.hf_config)
+    if not id2label:
+        raise hf_io.CheckpointError(f"{model_dir}: config.json has no id2label; not a sequence-classification model")
+    values = {k: v for k, v in pretrained.model_values.items() if k != "classifier_dropout"}
+    config = BertConfig(**values, num_labels=len(id2label), problem_type=problem_type,
+                        max_sequences_per_pack=max_sequences_per_pack)
+    if max_sequence_length > config.max_position_embeddings:
+        max_sequence_length = config.max_position_embeddings
+    model = BertForSequenceClassification(config).eval()
+    hf_io.load_weights(model, pretrained.state_dict, source=model_dir)
+    if pretrained.tokenizer_path is None:
+        raise hf_io.CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.json or vocab.txt)")
+    tokenizer = hf_io.load_tokenizer(pretrained.tokenizer_path)
+    columns = [text_column] + ([text_pair_column] if text_pair_column else [])
+    table = ft_data.read_table(input_path, columns)
+    encoded = ft_data.encode_texts(tokenizer, table[text_column], table[text_pair_column] if text_pair_column else None,
+                                   max_length=max_sequence_length, where=input_path)
+    collate = partial(collate_classification, max_sequence_length=max_sequence_length,
+                      max_sequences_per_pack=max_sequences_per_pack)
+    dataset = ft_data.PackedDataset(encoded, {"labels": np.zeros(len(encoded), np.int64)}, collate,
+                                    max_sequence_length=max_sequence_length,
+                                    max_sequences_per_pack=max_sequences_per_pack, algorithm="lpfhp", seed=0)
+    logits = np.zeros((len(encoded), config.num_labels), dtype=np.float32)
+    fields = ("input_ids", "segment_ids", "position_ids", "sequence_ids", "cls_positions")
+    with torch.no_grad():
+        for batch, rows in dataset.batches(micro_batch_size):
+            out = model(**{k: torch.from_numpy(batch[k]) for k in fields})["logits"].numpy()
+            logits[rows[rows >= 0]] = out[rows >= 0]
+    lines = prediction_lines(logits, config.resolved_problem_type, id2label)
+    write_text_atomic(output, "".join(json.dumps(line) + "\n" for line in lines))
+    return len(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bert_packed.finetune", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("export", help="Hugging Face export of a run's checkpoint")
+    p.add_argument("checkpoint", help="a run directory (with checkpoint.pt) or a checkpoint.pt file")
+    p.add_argument("--output", required=True, help="directory to write (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--tokenizer", help="tokenizer directory or vocab.txt to ship (default: the run's)")
+    p = sub.add_parser("predict", help="classify a file with a sequence-classification model directory")
+    p.add_argument("--model", required=True, help="a Hugging Face directory (e.g. a run's OUT/hf)")
+    p.add_argument("--input", required=True, help="CSV, TSV or JSONL file")
+    p.add_argument("--output", default="predictions.jsonl")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--text-pair-column")
+    p.add_argument("--max-sequence-length", type=int, default=128)
+    p = sub.add_parser("fortunes", help="write the fortune-cookie classification data (train.csv, validation.csv)")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--categories", nargs="+", help="fortune files (default: %(default)s)")
+    p.add_argument("--fortunes-dir", help="where the fortune files are (default: Debian's)")
+    p.add_argument("--validation-fraction", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "export":
+            print(export(args.checkpoint, args.output, args.tokenizer))
+        elif args.command == "predict":
+            count = predict(args.model, args.input, args.output, text_column=args.text_column,
+                            text_pair_column=args.text_pair_column, max_sequence_length=args.max_sequence_length)
+            print(f"{count} predictions -> {args.output}")
+        else:
+            from bert_packed.finetune import fortunes
+
+            counts = fortunes.write_fortunes_dataset(args.output_dir, args.fortunes_dir or fortunes.FORTUNES_DIR,
+                                                     args.categories or fortunes.DEFAULT_CATEGORIES,
+                                                     validation_fraction=args.validation_fraction, seed=args.seed)
+            print(json.dumps(counts))
+    except ValueError as exc:
+        if type(exc) is ValueError:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

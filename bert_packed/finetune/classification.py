@@ -1,0 +1,380 @@
+"""Packed sequence classification (single-label, multi-label, regression) as a task of the loop.
+
+    python run.py --config finetune_classification --init-checkpoint DIR \\
+        --set finetune.train_file=train.csv --set finetune.validation_file=dev.csv \\
+        --set finetune.text_column=sentence --set finetune.label_column=label --output-dir OUT
+
+The training and validation files are tokenised with the checkpoint's tokenizer, packed
+(several sequences, each with its own [CLS], per row of data.max_sequence_length tokens;
+``finetune.packing=false``: one per row) and trained with the per-sequence losses of
+``BertForSequenceClassification``. Every ``train.eval_every`` steps and at the end the whole
+validation set is evaluated (``bert_packed.finetune.metrics``); the best evaluation's
+weights are kept in ``OUT/best`` (a Hugging Face directory) and, with
+``finetune.load_best_model_at_end``, exported as ``OUT/hf`` with their metrics under
+``eval`` in ``OUT/summary.json`` and their predictions in ``OUT/predictions.jsonl``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from bert_packed.config import ConfigError
+from bert_packed.data import DataError
+from bert_packed.finetune import data as ft_data
+from bert_packed.finetune import metrics as ft_metrics
+from bert_packed.io import write_text_atomic
+from bert_packed.task import Task
+
+_INTEGER = re.compile(r"^[+-]?\d+$")
+PREDICTIONS_NAME = "predictions.jsonl"
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def _is_int(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and bool(_INTEGER.match(value.strip())))
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    try:
+        float(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def infer_problem_type(values: List[Any], num_labels: Optional[int]) -> str:
+    """Hugging Face's rule on the data: lists -> multi-label; num_labels 1 or fractional
+    numbers -> regression; anything else -> single-label."""
+    if any(isinstance(v, list) for v in values):
+        return "multi_label_classification"
+    if num_labels == 1:
+        return "regression"
+    if all(_is_number(v) for v in values) and not all(_is_int(v) for v in values):
+        return "regression"
+    return "single_label_classification"
+
+
+class Labels:
+    """Label names <-> ids for one job, fixed by the training data (or the checkpoint's labels)."""
+
+    def __init__(self, problem_type: str, num_labels: int, id2label: Dict[int, str], named: bool):
+        self.problem_type, self.num_labels, self.id2label, self.named = problem_type, num_labels, id2label, named
+        self.label2id = {name: i for i, name in id2label.items()}
+
+    @classmethod
+    def from_training(cls, values: List[Any], problem_type: Optional[str], num_labels: Optional[int],
+                      separator: str, checkpoint_labels: Optional[Dict[int, str]], where: str) -> "Labels":
+        problem_type = problem_type or infer_problem_type(values, num_labels)
+        if problem_type == "regression":
+            width = len(values[0]) if isinstance(values[0], list) else 1
+            if num_labels is not None and num_labels != width:
+                raise DataError(f"{where}: regression labels have {width} value(s) per row but finetune.num_labels="
+                                f"{num_labels}")
+            return cls(problem_type, width, {i: f"LABEL_{i}" for i in range(width)}, named=False)
+        items = [_split(v, separator) for v in values] if problem_type == "multi_label_classification" else [[v] for v in values]
+        flat = [x for row in items for x in row]
+        if flat and all(_is_int(x) for x in flat):  # integer labels are kept as they are
+            largest = max(int(x) for x in flat)
+            count = num_labels if num_labels is not None else largest + 1
+            return cls(problem_type, count, {i: f"LABEL_{i}" for i in range(count)}, named=False)
+        names = sorted({str(x) for x in flat})
+        if checkpoint_labels and set(names) <= set(checkpoint_labels.values()):
+            mapping = dict(checkpoint_labels)  # keep a fine-tuned checkpoint's label ids
+        else:
+            mapping = dict(enumerate(names))
+        if num_labels is not None and num_labels != len(mapping):
+            raise DataError(f"{where}: the labels are {len(mapping)} names ({_preview(mapping.values())}) but "
+                            f"finetune.num_labels={num_labels}; drop the setting or fix the labels")
+        return cls(problem_type, len(mapping), mapping, named=True)
+
+    def encode(self, values: List[Any], separator: str, where: str) -> np.ndarray:
+        """Model targets: int64 [N] (single-label), float32 multi-hot [N, C], float32 [N(, C)]."""
+        if self.problem_type == "regression":
+            out = np.zeros((len(values), self.num_labels), dtype=np.float32)
+            for i, value in enumerate(values):
+                row = value if isinstance(value, list) else [value]
+                if len(row) != self.num_labels or not all(_is_number(x) for x in row):
+                    raise DataError(f"{where}: row {i + 1}: label {value!r} is not {self.num_labels} number(s) "
+                                    f"(problem_type regression)")
+                out[i] = [float(x) for x in row]
+            return out[:, 0] if self.num_labels == 1 else out
+        multi = self.problem_type == "multi_label_classification"
+        out = np.zeros((len(values), self.num_labels), dtype=np.float32) if multi else np.zeros(len(values), np.int64)
+        for i, value in enumerate(values):
+            for item in (_split(value, separator) if multi else [value]):
+                label = self._id(item, i, where)
+                if multi:
+                    out[i, label] = 1.0
+                else:
+                    out[i] = label
+        return out
+
+    def _id(self, item: Any, row: int, where: str) -> int:
+        if self.named:
+            if str(item) not in self.label2id:
+                raise DataError(f"{where}: row {row + 1}: label {item!r} is not one of the training labels "
+                                f"({_preview(self.label2id)})")
+            return self.label2id[str(item)]
+        if not _is_int(item):
+            raise DataError(f"{where}: row {row + 1}: label {item!r} is not an integer class id")
+        label = int(item)
+        if not 0 <= label < self.num_labels:
+            raise DataError(f"{where}: row {row + 1}: label {label} is outside num_labels={self.num_labels} "
+                            f"(0..{self.num_labels - 1}); set finetune.num_labels or fix the label")
+        return label
+
+
+def _split(value: Any, separator: str) -> List[Any]:
+    if isinstance(value, list):
+        return value
+    text = str(value).strip()
+    return [part.strip() for part in text.split(separator) if part.strip()] if text else []
+
+
+def _preview(names, limit: int = 8) -> str:
+    names = [str(n) for n in names]
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+class ClassificationTask(Task):
+    """Sequence classification / regression fine-tuning (see the module docstring)."""
+
+    name = "classification"
+    always_evaluate = True  # summary.json reports the validation metrics
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.labels: Optional[Labels] = None
+        self.train_data = self.eval_data = None
+        self.eval_labels = None
+        self.eval_rows: List[int] = []
+        self.best: Dict[str, Any] = {}
+        self.best_logits: Optional[np.ndarray] = None
+        self.last_eval: Dict[str, Any] = {}
+        self._tokenizer = None
+
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self, *, rank: int = 0, world_size: int = 1, show_progress: bool = True) -> None:
+        super().setup(rank=rank, world_size=world_size, show_progress=show_progress)
+        c, f, d = self.config, self.config.finetune, self.config.data
+        if not f.train_file:
+            raise ConfigError("fine-tuning needs finetune.train_file (a CSV, TSV or JSONL file)")
+        if not f.packing:
+            d.max_sequences_per_pack = 1  # one sequence per row: the padded baseline
+        self._tokenizer = self.tokenizer()
+        if self._tokenizer is None:
+            raise ConfigError("fine-tuning needs a tokenizer: --init-checkpoint a Hugging Face directory with "
+                              "tokenizer files (tokenizer.json or vocab.txt), or set model.tokenizer")
+        if self._tokenizer.get_vocab_size() > c.model.vocab_size:
+            raise ConfigError(f"the tokenizer has {self._tokenizer.get_vocab_size()} tokens but the model's "
+                              f"vocab_size is {c.model.vocab_size}; use the checkpoint's own tokenizer")
+        columns = [f.text_column] + ([f.text_pair_column] if f.text_pair_column else []) + [f.label_column]
+        train = ft_data.read_table(f.train_file, columns)
+        if f.validation_file:
+            validation = ft_data.read_table(f.validation_file, columns)
+            validation_where = f.validation_file
+        else:
+            train, validation = _split_rows(train, f.validation_fraction, c.train.seed, f.train_file)
+            validation_where = f"{f.train_file} (validation part)"
+        checkpoint_labels = None
+        if self.pretrained is not None and self.pretrained.hf_config.get("id2label"):
+            from bert_packed.hf_io import label_maps
+
+            checkpoint_labels = label_maps(self.pretrained.hf_config)[0]
+        self.labels = Labels.from_training(train[f.label_column], f.problem_type, f.num_labels, f.label_separator,
+                                           checkpoint_labels, f.train_file)
+        self.metric_names = ("loss",) if self.labels.problem_type == "regression" else ("loss", "accuracy")
+        self.best_metric = "eval_" + (f.metric_for_best_model or ft_metrics.DEFAULT_BEST[self.labels.problem_type])
+        self.greater_is_better = self.best_metric not in ("eval_loss", "eval_mse")
+        self.train_data = self._dataset(train, f.train_file)
+        self.eval_data = self._dataset(validation, validation_where)
+        self.eval_labels = self.eval_data.samples["labels"]
+        self.note(f"fine-tuning {self.labels.problem_type} with {self.labels.num_labels} label(s): "
+                  f"{self.train_data.num_sequences} training and {self.eval_data.num_sequences} validation sequences; "
+                  f"{self.train_data.packing_factor:.2f} sequences per row "
+                  f"({self.train_data.algorithm}, at most {d.max_sequences_per_pack} per row of {d.max_sequence_length})")
+
+    def _dataset(self, table: Dict[str, List[Any]], where: str) -> ft_data.PackedDataset:
+        from functools import partial
+
+        from bert_packed.collate import collate_classification
+
+        c, f, d = self.config, self.config.finetune, self.config.data
+        encoded = ft_data.encode_texts(self._tokenizer, table[f.text_column],
+                                       table[f.text_pair_column] if f.text_pair_column else None,
+                                       max_length=d.max_sequence_length, truncation=f.truncation, where=where)
+        labels = self.labels.encode(table[f.label_column], f.label_separator, where)
+        collate = partial(collate_classification, max_sequence_length=d.max_sequence_length,
+                          max_sequences_per_pack=d.max_sequences_per_pack)
+        return ft_data.PackedDataset(encoded, {"labels": labels}, collate, max_sequence_length=d.max_sequence_length,
+                                     max_sequences_per_pack=d.max_sequences_per_pack,
+                                     algorithm=d.packing_algorithm, seed=c.train.seed)
+
+    def num_steps(self, packs_per_step: int) -> int:
+        f, t = self.config.finetune, self.config.train
+        if f.epochs is None or "steps" in getattr(self.config, "_from_cli", {}).get("train", ()):
+            return t.steps
+        return ft_data.epochs_to_steps(f.epochs, self.train_data.num_packs, packs_per_step)
+
+    # -- model ------------------------------------------------------------------------------
+    def model_class(self):
+        from bert_packed.modeling import BertForSequenceClassification
+
+        return BertForSequenceClassification
+
+    def bert_config_overrides(self) -> Dict[str, Any]:
+        return {"num_labels": self.labels.num_labels, "problem_type": self.labels.problem_type}
+
+    def export_labels(self) -> Optional[Dict[int, str]]:
+        return self.labels.id2label
+
+    def data_source(self, split: str, *, micro_batch_size: int, rank: int, world_size: int):
+        if split != "train":
+            raise ValueError("classification evaluates the whole validation set (evaluate), not a stream")
+        return self.train_data.source(micro_batch_size, rank, world_size)
+
+    # -- evaluation -------------------------------------------------------------------------
+    def prepare_evaluation(self, *, micro_batch_size: int, rank: int, world_size: int) -> None:
+        self._eval_batches = list(self.eval_data.batches(micro_batch_size))
+
+    def predict_logits(self, backend) -> np.ndarray:
+        """Logits [N, C] of every validation sequence (in file order) through ``backend``."""
+        if not getattr(self, "_eval_batches", None):
+            self.prepare_evaluation(micro_batch_size=self.config.train.micro_batch_size, rank=0, world_size=1)
+        logits = np.zeros((self.eval_data.num_sequences, self.labels.num_labels), dtype=np.float32)
+        for batch, rows in self._eval_batches:
+            out = backend.predict_step(batch, names=("logits",))["logits"]
+            present = rows >= 0
+            logits[rows[present]] = out[present]
+        return logits
+
+    def evaluate(self, backend) -> Dict[str, float]:
+        import torch
+
+        from bert_packed.losses import classification_loss_terms
+
+        logits = self.predict_logits(backend)
+        labels = self.eval_labels
+        weights = torch.ones((1, len(logits)))
+        terms = classification_loss_terms(torch.from_numpy(logits)[None], torch.from_numpy(labels)[None], weights,
+                                          self.labels.problem_type)
+        metrics = {"eval_loss": float(terms["loss_sum"].sum() / max(1, len(logits)))}
+        metrics.update({f"eval_{k}": v for k, v in ft_metrics.compute_metrics(logits, labels, self.labels.problem_type).items()})
+        self._last_logits = logits
+        return metrics
+
+    def _better(self, value: float) -> bool:
+        if value != value:  # NaN (e.g. Pearson of a constant prediction) is never better
+            return False
+        if "value" not in self.best:
+            return True
+        return value > self.best["value"] if self.greater_is_better else value < self.best["value"]
+
+    def on_evaluation(self, step: int, metrics: Dict[str, float], backend, model, output_dir: str) -> None:
+        self.last_eval = {"step": step, **metrics}
+        if self.best_metric not in metrics:
+            raise ConfigError(f"finetune.metric_for_best_model: no {self.best_metric} among the evaluation "
+                              f"metrics ({', '.join(k[5:] for k in metrics)})")
+        if not self._better(metrics[self.best_metric]):
+            return
+        self.best = {"value": metrics[self.best_metric], "step": step, "metrics": dict(metrics)}
+        self.best_logits = self._last_logits
+        if self.is_main and self.config.finetune.load_best_model_at_end:
+            sync_to_host = getattr(backend, "sync_to_host", None)
+            if callable(sync_to_host):
+                sync_to_host()
+            self.export(model, os.path.join(output_dir, "best"))
+
+    # -- end of run -------------------------------------------------------------------------
+    def finish(self, backend, model, output_dir: str, summary: Dict[str, Any]) -> None:
+        f = self.config.finetune
+        use_best = f.load_best_model_at_end and "step" in self.best
+        chosen = self.best if use_best else ({"step": self.last_eval.get("step"), "metrics": self.last_eval}
+                                             if self.last_eval else {})
+        if use_best and self.best["step"] != self.last_eval.get("step"):
+            from bert_packed import hf_io
+
+            best = hf_io.read_pretrained(os.path.join(output_dir, "best"))
+            hf_io.load_weights(model, best.state_dict, source=best.path)
+            self.note(f"loaded the best model (step {self.best['step']}, {self.best_metric} "
+                      f"{self.best['value']:.4f}) from {best.path}")
+        if chosen:
+            metrics = {k[len("eval_"):]: v for k, v in chosen["metrics"].items() if k.startswith("eval_")}
+            summary["eval"] = {**metrics, "step": chosen["step"]}
+        summary["labels"] = {str(i): name for i, name in self.labels.id2label.items()}
+        summary["problem_type"] = self.labels.problem_type
+        logits = self.best_logits if use_best else getattr(self, "_last_logits", None)
+        if self.is_main and logits is not None:
+            self._write_predictions(os.path.join(output_dir, PREDICTIONS_NAME), logits)
+            summary["predictions"] = os.path.join(output_dir, PREDICTIONS_NAME)
+        super().finish(backend, model, output_dir, summary)
+
+    def _write_predictions(self, path: str, logits: np.ndarray) -> None:
+        lines = prediction_lines(logits, self.labels.problem_type, self.labels.id2label, self.eval_labels)
+        write_text_atomic(path, "".join(json.dumps(line) + "\n" for line in lines))
+
+    def state_dict(self) -> Dict[str, Any]:
+        labels = {"problem_type": self.labels.problem_type, "num_labels": self.labels.num_labels,
+                  "id2label": {str(i): n for i, n in self.labels.id2label.items()}, "named": self.labels.named}
+        return {"best": dict(self.best), "last_eval": dict(self.last_eval), "labels": labels,
+                "best_logits": None if self.best_logits is None else self.best_logits.tolist()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("labels") and self.labels is None:  # export from a checkpoint, without the data
+            saved = state["labels"]
+            self.labels = Labels(saved["problem_type"], saved["num_labels"],
+                                 {int(i): n for i, n in saved["id2label"].items()}, saved["named"])
+        self.best = dict(state.get("best") or {})
+        self.last_eval = dict(state.get("last_eval") or {})
+        logits = state.get("best_logits")
+        self.best_logits = None if logits is None else np.asarray(logits, dtype=np.float32)
+
+
+def prediction_lines(logits: np.ndarray, problem_type: str, id2label: Dict[int, str],
+                     labels: Optional[np.ndarray] = None) -> List[Dict[str, Any]]:
+    """One JSON-able dict per sequence: ``row``, ``prediction`` (label name(s) or value(s)),
+    ``logits``, and ``label`` when the true labels are known."""
+    predicted = ft_metrics.predictions(logits, problem_type)
+
+    def named(value):
+        if problem_type == "single_label_classification":
+            return id2label[int(value)]
+        if problem_type == "multi_label_classification":
+            return [id2label[j] for j in np.flatnonzero(value)]
+        return float(value) if np.ndim(value) == 0 else [float(x) for x in value]
+
+    lines = []
+    for i in range(len(logits)):
+        line = {"row": i, "prediction": named(predicted[i]), "logits": [round(float(x), 6) for x in logits[i]]}
+        if labels is not None:
+            line["label"] = named(labels[i] > 0.5) if problem_type == "multi_label_classification" else named(labels[i])
+        lines.append(line)
+    return lines
+
+
+def _split_rows(table: Dict[str, List[Any]], fraction: float, seed: int, where: str) -> Tuple[Dict, Dict]:
+    """(train, validation): a seeded random ``fraction`` of the rows held out."""
+    num_rows = len(next(iter(table.values())))
+    if not 0.0 < fraction < 1.0:
+        raise ConfigError(f"finetune.validation_fraction must be in (0, 1) without a validation_file, got {fraction}")
+    num_validation = int(round(num_rows * fraction))
+    if num_validation < 1 or num_validation >= num_rows:
+        raise DataError(f"{where}: {num_rows} rows are too few to hold out {fraction:.0%} for validation; "
+                        f"give finetune.validation_file")
+    order = np.random.default_rng(seed).permutation(num_rows)
+    held = set(order[:num_validation].tolist())
+    pick = lambda keep: {k: [v[i] for i in range(num_rows) if (i in held) != keep] for k, v in table.items()}  # noqa: E731
+    return pick(True), pick(False)

@@ -1,0 +1,340 @@
+"""Checkpoints in and out: Hugging Face directories, this project's checkpoints, tokenizers.
+
+In (``model.init_checkpoint`` / ``--init-checkpoint``):
+
+* a Hugging Face directory: ``config.json`` plus ``model.safetensors`` (or a sharded
+  ``model.safetensors.index.json``) or ``pytorch_model.bin``, with the weights of a
+  ``BertForPreTraining``, ``BertModel`` or ``BertForSequenceClassification`` (any BERT
+  head); its tokenizer (``tokenizer.json`` or ``vocab.txt``) comes along;
+* this project's ``checkpoint.pt`` (or a run directory holding one): the model weights
+  and the run's model section.
+
+The model's shape comes from the checkpoint (``resolve_model_config``): a shape the run's
+config states differently is an error, not a silent resize. Weights load by name
+(``load_weights``); what the checkpoint lacks (a new task head) and what it has beyond the
+model (another task's head) is reported in one summary line.
+
+Out (``save_pretrained``): a directory ``transformers.AutoModelFor*.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` load as they are: ``config.json`` (``model_type: bert``,
+``architectures``, labels), ``model.safetensors`` (Hugging Face parameter names; a tied
+decoder is stored once, as Hugging Face does) and the tokenizer files.
+
+Tokenizers are ``tokenizers.Tokenizer`` objects (the library Hugging Face's fast tokenizers
+are built on), so reading and tokenising need no ``transformers``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+# One error class for every unusable checkpoint (ours or Hugging Face's): one line, exit 2.
+from bert_packed.checkpoint import CheckpointError
+from bert_packed.config import ModelConfig
+from bert_packed.io import atomic_path, write_text_atomic
+
+__all__ = [
+    "CheckpointError", "Pretrained", "read_pretrained", "resolve_model_config", "load_weights",
+    "save_pretrained", "load_tokenizer", "save_tokenizer", "SHAPE_FIELDS",
+]
+
+CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME = "config.json", "model.safetensors", "pytorch_model.bin"
+SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
+OUR_CHECKPOINT = "checkpoint.pt"
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
+# Fields that fix a tensor's shape: the checkpoint decides them.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "max_position_embeddings", "type_vocab_size")
+# Architecture fields the checkpoint provides unless the run's config sets them (e.g. dropout).
+BEHAVIOUR_FIELDS = ("hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "layer_norm_eps",
+                    "initializer_range", "pad_token_id", "tie_word_embeddings", "classifier_dropout")
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """What ``read_pretrained`` found: ``kind`` "hf" or "ours", the model fields (our names),
+    the raw Hugging Face config (labels, architectures), the weights, and where the tokenizer is."""
+
+    path: str
+    kind: str
+    model_values: Dict[str, Any]
+    hf_config: Dict[str, Any]
+    state_dict: Dict[str, torch.Tensor]
+    tokenizer_path: Optional[str]
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _read_json(path: str) -> Dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return value
+
+
+def _load_tensor_file(path: str) -> Dict[str, torch.Tensor]:
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path, device="cpu")
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # corrupt or truncated file: one line naming it
+        raise CheckpointError(f"{path}: cannot read the weights ({type(exc).__name__}: {exc})") from None
+
+
+def _hf_weights(directory: str) -> Dict[str, torch.Tensor]:
+    for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
+        index_path = os.path.join(directory, index_name)
+        if os.path.isfile(index_path):
+            weight_map = _read_json(index_path).get("weight_map", {})
+            state: Dict[str, torch.Tensor] = {}
+            for shard in sorted(set(weight_map.values())):
+                state.update(_load_tensor_file(os.path.join(directory, shard)))
+            return state
+    for name in (SAFETENSORS_NAME, BIN_NAME):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            return _load_tensor_file(path)
+    raise CheckpointError(f"{directory}: no weights ({SAFETENSORS_NAME}, {BIN_NAME} or a sharded index) next to "
+                          f"{CONFIG_NAME}")
+
+
+def tokenizer_in(directory: str) -> Optional[str]:
+    """``directory`` when it holds a tokenizer (tokenizer.json or vocab.txt), else None."""
+    return directory if any(os.path.isfile(os.path.join(directory, n)) for n in ("tokenizer.json", "vocab.txt")) else None
+
+
+def hf_model_values(hf_config: Mapping[str, Any]) -> Dict[str, Any]:
+    """Our model fields from a Hugging Face BERT ``config.json``."""
+    names = set(SHAPE_FIELDS) | set(BEHAVIOUR_FIELDS)
+    values = {k: v for k, v in hf_config.items() if k in names}
+    values.setdefault("tie_word_embeddings", True)  # Hugging Face's default when the key is absent
+    return values
+
+
+def read_pretrained(path: str, *, weights: bool = True) -> Pretrained:
+    """Read a Hugging Face BERT directory or this project's checkpoint (file or run directory);
+    ``weights=False`` reads only what describes the model (``state_dict`` is then empty)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"init checkpoint {path}: no such file or directory")
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG_NAME)):
+        hf_config = _read_json(os.path.join(path, CONFIG_NAME))
+        model_type = hf_config.get("model_type", "bert")
+        if model_type != "bert":
+            raise CheckpointError(f"{path}: model_type {model_type!r}; only BERT checkpoints (model_type bert) load")
+        return Pretrained(path, "hf", hf_model_values(hf_config), hf_config, _hf_weights(path) if weights else {},
+                          tokenizer_in(path))
+    ours = os.path.join(path, OUR_CHECKPOINT) if os.path.isdir(path) else path
+    if os.path.isdir(path) and not os.path.isfile(ours):
+        raise CheckpointError(f"{path}: no {CONFIG_NAME}, so not a Hugging Face checkpoint directory (nor a run "
+                              f"directory with {OUR_CHECKPOINT}); give the folder holding config.json and the weights")
+    try:
+        # mmap: describing the model does not read the weights.
+        state = torch.load(ours, map_location="cpu", weights_only=False, mmap=not weights)
+    except Exception as exc:
+        raise CheckpointError(f"{ours}: cannot read the checkpoint ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict) or "model" not in state or "config" not in state:
+        raise CheckpointError(f"{ours}: not a checkpoint of this project (no model weights and config)")
+    model_section = dict(state["config"].get("model", {}))
+    values = {k: v for k, v in model_section.items() if k in set(SHAPE_FIELDS) | set(BEHAVIOUR_FIELDS)}
+    # The run's own export (labels, tokenizer) when it has one.
+    run_dir = os.path.dirname(os.path.abspath(ours))
+    export = os.path.join(run_dir, "hf")
+    hf_config = _read_json(os.path.join(export, CONFIG_NAME)) if os.path.isfile(os.path.join(export, CONFIG_NAME)) else {}
+    tokenizer = export if tokenizer_in(export) else model_section.get("tokenizer")
+    return Pretrained(path, "ours", values, hf_config, dict(state["model"]) if weights else {}, tokenizer)
+
+
+def resolve_model_config(model: ModelConfig, pretrained: Pretrained) -> None:
+    """Take the model's shape (and, unless set, its other architecture fields) from the checkpoint.
+
+    A shape field the run's config sets to something other than its default AND other than
+    the checkpoint's value is a contradiction: ``CheckpointError`` naming both.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    where = os.path.join(pretrained.path, CONFIG_NAME) if pretrained.kind == "hf" else pretrained.path
+    for name in SHAPE_FIELDS:
+        if name not in pretrained.model_values:
+            raise CheckpointError(f"{where}: lacks {name}; cannot tell the model's shape")
+        value, ours = pretrained.model_values[name], getattr(model, name)
+        if ours != defaults[name] and ours != value:
+            raise CheckpointError(f"model.{name}={ours} contradicts the checkpoint's {name}={value} ({where}); "
+                                  f"drop the setting: the shape comes from the checkpoint")
+        setattr(model, name, value)
+    for name in BEHAVIOUR_FIELDS:
+        if name in pretrained.model_values and getattr(model, name) == defaults[name]:
+            setattr(model, name, pretrained.model_values[name])
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _group(keys: List[str]) -> str:
+    """Readable summary of parameter names: ``cls.predictions.* (6)``, ``classifier.weight``."""
+    groups: Dict[str, List[str]] = {}
+    for key in sorted(keys):
+        parts = key.split(".")
+        prefix = ".".join(parts[:2]) if len(parts) > 2 else key
+        groups.setdefault(prefix, []).append(key)
+    return ", ".join(v[0] if len(v) == 1 else f"{k}.* ({len(v)})" for k, v in groups.items())
+
+
+def _normalise_keys(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A bare ``BertModel`` checkpoint (no ``bert.`` prefix) into a task model gets the prefix."""
+    own = set(model.state_dict())
+    wants_prefix = any(k.startswith("bert.") for k in own)
+    has_prefix = any(k.startswith("bert.") for k in state)
+    if wants_prefix and not has_prefix:
+        return {(f"bert.{k}" if k.split(".")[0] in ("embeddings", "encoder", "pooler") else k): v
+                for k, v in state.items()}
+    return dict(state)
+
+
+def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], *, source: str) -> str:
+    """Load checkpoint weights into ``model`` by name; return a one-line summary.
+
+    Tensors the model has but the checkpoint lacks keep their fresh initialisation (a new
+    task head); checkpoint tensors the model has no place for are not used (another head).
+    A classifier whose number of labels differs is re-initialised (a new label set); any
+    other shape difference is a ``CheckpointError``.
+    """
+    from bert_packed.modeling import load_hf_state_dict
+
+    state = _normalise_keys(model, state_dict)
+    own = model.state_dict()
+    reinitialised = []
+    for key in list(state):
+        # Old TF-converted names (gamma/beta) are renamed by load_hf_state_dict; compare after it.
+        target = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if target in own and tuple(own[target].shape) != tuple(state[key].shape):
+            if target.startswith("classifier."):
+                reinitialised.append(target)
+                del state[key]
+                continue
+            raise CheckpointError(f"{source}: tensor {key} has shape {list(state[key].shape)}, the model's is "
+                                  f"{list(own[target].shape)}; the checkpoint's config.json does not match its weights")
+    result = load_hf_state_dict(model, state, strict=False)
+    buffers = {name for name, _ in model.named_buffers()}
+    missing = [k for k in result.missing_keys if k not in buffers]
+    # A tied decoder is provided by the word embeddings; not a missing weight.
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k == "cls.predictions.decoder.weight")]
+    unexpected = [k for k in result.unexpected_keys
+                  if not k.endswith(("position_ids", "token_type_ids"))]
+    loaded = len(own) - len(missing) - len(reinitialised)
+    parts = [f"init checkpoint {source}: loaded {loaded} of {len(own)} tensors"]
+    if missing:
+        parts.append(f"newly initialised: {_group(missing)}")
+    if reinitialised:
+        parts.append(f"re-initialised (other number of labels): {_group(reinitialised)}")
+    if unexpected:
+        parts.append(f"not used: {_group(unexpected)}")
+    return "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def load_tokenizer(path: str, *, lowercase: Optional[bool] = None):
+    """A ``tokenizers.Tokenizer`` with BERT's ``[CLS] A [SEP] (B [SEP])`` template.
+
+    ``path``: a directory with ``tokenizer.json`` (used as is) or ``vocab.txt`` (+ optional
+    ``tokenizer_config.json`` for ``do_lower_case``), or a ``vocab.txt`` file. ``lowercase``
+    overrides the configured lower-casing for a bare vocabulary.
+    """
+    from tokenizers import Tokenizer
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    path = os.fspath(path)
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        try:
+            return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        except Exception as exc:
+            raise CheckpointError(f"{path}/tokenizer.json: not a tokenizers file ({exc})") from None
+    vocab = os.path.join(path, "vocab.txt") if os.path.isdir(path) else path
+    if not os.path.isfile(vocab):
+        raise CheckpointError(f"{path}: no tokenizer (tokenizer.json or vocab.txt); set model.tokenizer to one")
+    if lowercase is None:
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        lowercase = bool(_read_json(config_path).get("do_lower_case", True)) if os.path.isfile(config_path) else True
+    try:
+        wordpiece = BertWordPieceTokenizer(vocab, lowercase=lowercase, strip_accents=None, clean_text=True,
+                                           handle_chinese_chars=True)
+    except Exception as exc:
+        raise CheckpointError(f"{vocab}: not a WordPiece vocabulary ({exc})") from None
+    return wordpiece._tokenizer  # the underlying tokenizers.Tokenizer (normaliser, template, decoder)
+
+
+def _lowercases(tokenizer) -> bool:
+    normalizer = json.loads(tokenizer.to_str()).get("normalizer") or {}
+    return bool(normalizer.get("lowercase", False))
+
+
+def save_tokenizer(tokenizer, directory: str, *, model_max_length: int) -> None:
+    """Write ``tokenizer.json``, ``vocab.txt`` and ``tokenizer_config.json`` for ``AutoTokenizer``."""
+    os.makedirs(directory, exist_ok=True)
+    with atomic_path(os.path.join(directory, "tokenizer.json")) as tmp:
+        tokenizer.save(tmp)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    write_text_atomic(os.path.join(directory, "vocab.txt"), "".join(token + "\n" for token, _ in vocab))
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": _lowercases(tokenizer),
+              "model_max_length": int(model_max_length), "unk_token": "[UNK]", "sep_token": "[SEP]",
+              "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]"}
+    write_text_atomic(os.path.join(directory, "tokenizer_config.json"), json.dumps(config, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def save_pretrained(model: torch.nn.Module, directory: str, *, tokenizer=None, id2label: Optional[Mapping[int, str]] = None,
+                    extra_config: Optional[Mapping[str, Any]] = None) -> str:
+    """Export ``model`` (ours: ``BertForPreTraining``, ``BertForSequenceClassification``, ...)
+    as a Hugging Face directory; returns it. ``tokenizer``: a ``tokenizers.Tokenizer`` (or a
+    path ``load_tokenizer`` reads) to ship with it; ``id2label`` names the labels."""
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    architecture = getattr(model, "hf_architecture", type(model).__name__)
+    config = {"architectures": [architecture], "model_type": "bert", **cfg.to_hf_dict()}
+    config.pop("num_labels", None)  # Hugging Face derives it from id2label
+    if hasattr(model, "classifier"):
+        labels = id2label or {i: f"LABEL_{i}" for i in range(cfg.num_labels)}
+        config["id2label"] = {str(int(i)): str(name) for i, name in labels.items()}
+        config["label2id"] = {str(name): int(i) for i, name in labels.items()}
+        config["problem_type"] = cfg.resolved_problem_type
+    config["dtype"] = "float32"
+    config.update(extra_config or {})
+    os.makedirs(directory, exist_ok=True)
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.hf_state_dict().items()}
+    # Shared tensors are stored once (safetensors refuses aliases), as Hugging Face does:
+    # the decoder bias is cls.predictions.bias; a tied decoder is the word embeddings.
+    state.pop("cls.predictions.decoder.bias", None)
+    if cfg.tie_word_embeddings:
+        state.pop("cls.predictions.decoder.weight", None)
+    with atomic_path(os.path.join(directory, SAFETENSORS_NAME)) as tmp:
+        save_file(state, tmp, metadata={"format": "pt"})
+    write_text_atomic(os.path.join(directory, CONFIG_NAME), json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer)
+        save_tokenizer(tokenizer, directory, model_max_length=cfg.max_position_embeddings)
+    return directory
+
+
+def label_maps(hf_config: Mapping[str, Any]) -> Tuple[Optional[Dict[int, str]], Optional[str]]:
+    """(id2label, problem_type) of a Hugging Face config, or (None, None)."""
+    id2label = hf_config.get("id2label")
+    if id2label:
+        id2label = {int(k): str(v) for k, v in id2label.items()}
+    return id2label or None, hf_config.get("problem_type")

@@ -1,0 +1,188 @@
+"""Atomic file output and run-directory locking, shared by checkpoints, metrics, reports and
+the data pipeline.
+
+Every file the project publishes is written to a temporary file in the destination's
+folder and ``os.replace``-d onto its name, so a reader (or a run killed half-way) sees
+either the previous complete file or the new complete one, never a torn one. A failure
+or an exception (KeyboardInterrupt included) removes the temporary file.
+
+A process killed outright (SIGKILL, OOM killer, power loss) cannot clean up, so temporary
+names carry the writer's host and process id (``.tmp-<host>.<pid>.<random><name>``): the
+next writer into the same folder removes the orphans of processes of this host that no
+longer exist, and never touches a live writer's file.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import socket
+import tempfile
+
+__all__ = ["write_text_atomic", "atomic_path", "publish", "make_temp", "make_folder", "remove_orphans",
+           "DirectoryLock", "OutputInUseError"]
+
+TEMP_PREFIX = ".tmp-"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
+
+
+def make_temp(folder, *, prefix=TEMP_PREFIX, suffix=""):
+    """mkstemp in ``folder`` with a name tagged by host and pid (see module docstring), after
+    removing this prefix's orphans there. Returns ``(fd, path)``."""
+    remove_orphans(folder, prefix)
+    return tempfile.mkstemp(dir=folder, prefix=f"{prefix}{_host()}.{os.getpid()}.", suffix=suffix)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except OSError as exc:
+        return exc.errno != errno.ESRCH
+    return True
+
+
+def remove_orphans(folder, prefix=TEMP_PREFIX):
+    """Remove ``prefix`` temporary files in ``folder`` left by dead processes of this host; returns them."""
+    pattern = re.compile(re.escape(prefix) + re.escape(_host()) + r"\.(\d+)\.")
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = pattern.match(name)
+        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def make_folder(folder):
+    """os.makedirs(folder, exist_ok=True), with a clear OSError when a part of it is a file."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = folder
+        while blocker and not os.path.isfile(blocker) and os.path.dirname(blocker) != blocker:
+            blocker = os.path.dirname(blocker)
+        raise NotADirectoryError(errno.ENOTDIR, f"is a file, so the folder {folder} cannot be made there",
+                                 blocker) from None
+
+
+def write_text_atomic(path, text):
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and os.replace."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+
+
+class atomic_path:
+    """Context manager: yields a temporary path next to ``path``, published onto it on success.
+
+    ``prefix`` names the temporary file (``.tmp-`` by default; checkpoints use their own so a
+    listing says what an orphan was). On an exception the temporary file is removed.
+    """
+
+    def __init__(self, path, *, prefix=TEMP_PREFIX, suffix=None):
+        self.path = os.fspath(path)
+        self.prefix = prefix
+        self.suffix = os.path.basename(self.path) if suffix is None else suffix
+
+    def __enter__(self):
+        folder = os.path.dirname(os.path.abspath(self.path))
+        make_folder(folder)
+        fd, self.tmp = make_temp(folder, prefix=self.prefix, suffix=self.suffix)
+        os.close(fd)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            try:
+                publish(self.tmp, self.path)
+            except BaseException:
+                _remove(self.tmp)
+                raise
+        else:
+            _remove(self.tmp)
+        return False
+
+
+def _remove(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def publish(tmp, path):
+    """os.replace ``tmp`` onto ``path`` with the usual permissions (mkstemp makes files 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
+class OutputInUseError(ValueError):
+    """Another live run holds the output directory (one line: which process, and the fix)."""
+
+
+class DirectoryLock:
+    """One run per output directory: an exclusive ``flock`` on ``<directory>/.lock``.
+
+    The operating system releases the lock when its process ends, however it ends, so a
+    killed run leaves no stale lock: the file may remain, but the next run takes it. The file
+    records the holder's host and pid for the error message of a second run.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, directory):
+        self.path = os.path.join(os.fspath(directory), self.NAME)
+        self._handle = None
+
+    def acquire(self) -> "DirectoryLock":
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no locking
+            return self
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                handle.close()
+                raise
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            directory = os.path.dirname(self.path)
+            raise OutputInUseError(f"{directory} is in use by another run ({holder}); wait for it to finish, "
+                                   f"or choose another --output-dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        self._handle = handle
+        return self
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()  # closing the descriptor drops the flock
+            self._handle = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+        return False

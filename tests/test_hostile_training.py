@@ -1,0 +1,417 @@
+"""Hostile inputs to training (run.py): divergence, bad configs, resume mistakes, corrupted
+checkpoints, concurrent runs. Each case: the exact one-line message, the exit code, and that
+the inputs and previous outputs are byte-identical afterwards."""
+import json
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.io import DirectoryLock
+from hostile import TINY, assert_unchanged, main_error, run_ok, snapshot
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 4-step run with a checkpoint at step 4 (the 'previous output' of many cases)."""
+    import run
+
+    out = tmp_path_factory.mktemp("finished")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    assert run.main(TINY + ["--steps", "4", "--set", "train.checkpoint_every=2", "--output-dir", str(out)]) == 0
+    torch.set_num_threads(threads)
+    return out
+
+
+def _summary(out):
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- divergence
+
+
+def test_forced_divergence_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, line = main_error(capsys, TINY + ["--steps", "30", "--set", "optimizer.learning_rate=1000",
+                                            "--set", "train.checkpoint_every=1", "--output-dir", str(out)])
+    assert code == 3
+    summary = _summary(out)
+    failed = int(line.split("step ")[1].split(":")[0])
+    # The first non-finite value of the step: its loss, or (loss still finite) its gradient norm.
+    assert re.fullmatch(rf"error: step {failed}: non-finite (loss|grad_norm) nan: training diverged and was "
+                        rf"stopped; last good checkpoint {re.escape(str(out / CHECKPOINT_NAME))} "
+                        rf"\(step {failed - 1}\)", line), line
+    assert 2 <= failed <= 10  # within a few steps
+    assert summary["status"] == "diverged" and summary["error"] == line[len("error: "):]
+    assert summary["checkpoint_step"] == failed - 1
+    state = load_checkpoint(str(out / CHECKPOINT_NAME))  # checksum intact
+    assert state["step"] == failed - 1
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+    with open(out / "metrics.jsonl") as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == list(range(1, failed))  # no NaN line
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path):
+    # A step whose update makes weights non-finite while its own loss was finite: the loop
+    # refuses to write that checkpoint (the previous one stays).
+    from backends.cpu import CPUBackend
+    from bert_packed.config import load_config
+    from bert_packed.train import DivergenceError, train
+
+    class PoisoningBackend(CPUBackend):
+        def train_step(self, micro_batches):
+            metrics = super().train_step(micro_batches)
+            if self.optimizer.state and len(self.optimizer.state[next(iter(self.optimizer.state))]) and \
+                    self.optimizer.state[next(iter(self.optimizer.state))]["step"] == 3:
+                with torch.no_grad():
+                    next(self.model.parameters()).fill_(float("inf"))
+            return metrics
+
+    config = load_config("tiny", ["train.steps=6", "train.checkpoint_every=1", "data.num_sequences=300", "data.packing_algorithm=lpfhp",
+                                  "train.micro_batch_size=4"])
+    with pytest.raises(DivergenceError) as error:
+        train(config, PoisoningBackend(), output_dir=str(tmp_path), show_progress=False)
+    assert str(error.value).startswith("step 3: non-finite weights (bert.embeddings.word_embeddings.weight")
+    assert load_checkpoint(str(tmp_path / CHECKPOINT_NAME))["step"] == 2
+
+
+def test_fp16_skipped_steps_are_logged_and_too_many_in_a_row_stop_the_run(tmp_path, capsys):
+    # fp16 loss scaling on the cuda backend's code path (on the CPU): a loss scale so large that
+    # every scaled gradient overflows makes GradScaler skip every update.
+    from bert_packed.config import load_config
+    from bert_packed.train import DivergenceError, train
+    from test_cuda_backend import CPUDeviceCUDABackend
+
+    config = load_config("tiny", ["train.steps=20", "cuda.precision=fp16", "cuda.loss_scale_init=3e38", "data.packing_algorithm=lpfhp",
+                                  "train.max_consecutive_skipped_steps=3", "data.num_sequences=300",
+                                  "train.micro_batch_size=4"])
+    with pytest.raises(DivergenceError) as error:
+        train(config, CPUDeviceCUDABackend(), output_dir=str(tmp_path), show_progress=True)
+    assert str(error.value) == ("step 3: 3 consecutive updates skipped by loss scaling "
+                                "(train.max_consecutive_skipped_steps=3): training diverged and was stopped; "
+                                "no checkpoint was written before it")
+    logged = [line for line in capsys.readouterr().out.splitlines() if "skipped by loss scaling" in line]
+    assert len(logged) == 3 and logged[0].startswith("step 1: update skipped by loss scaling")
+    assert _summary(tmp_path)["status"] == "diverged"
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_non_finite_config_numbers_are_refused_at_config_time(tmp_path, capsys, value):
+    code, line = main_error(capsys, TINY + ["--set", f"optimizer.learning_rate={value}", "--output-dir",
+                                            str(tmp_path / "run")])
+    shown = {".inf": "inf", "-.inf": "-inf", ".nan": "nan"}[value]
+    assert (code, line) == (2, f"error: --set: optimizer.learning_rate: expected a finite number, got {shown}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_lamb_defaults_to_no_trust_ratio_for_biases_and_layernorm():
+    from bert_packed.config import load_config
+    from bert_packed.train import build_model, build_optimizer
+
+    config = load_config("tiny")
+    optimizer, _ = build_optimizer(config, build_model(config))
+    decay, no_decay = optimizer.param_groups
+    assert no_decay["max_weight_norm"] == 0.0 and no_decay["weight_decay"] == 0.0
+    assert decay["max_weight_norm"] is None
+    config = load_config("tiny", ["optimizer.bias_max_weight_norm=null"])
+    assert build_optimizer(config, build_model(config))[0].param_groups[1]["max_weight_norm"] is None
+
+
+# ----------------------------------------------------------------------------- config mistakes
+
+BAD_CONFIGS = [
+    (["train.log_every=0"], "cpu", "train.log_every must be >= 1, got 0"),
+    (["model.num_attention_heads=0"], "cpu", "model.num_attention_heads must be >= 1, got 0"),
+    (["model.type_vocab_size=1"], "cpu", "model.type_vocab_size=1 but pre-training (next-sentence prediction) uses "
+                                         "segment ids 0 and 1; set model.type_vocab_size=2"),
+    (["train.num_threads=0"], "cpu", "train.num_threads must be >= 1, got 0"),
+    (["train.seed=-1"], "cpu", "train.seed must be >= 0, got -1"),
+    (["train.eval_batches=0", "train.eval_every=2"], "cpu", "train.eval_batches must be >= 1, got 0"),
+    (["optimizer.weight_decay=-0.1"], "cpu", "optimizer.weight_decay must be >= 0, got -0.1"),
+    (["optimizer.learning_rate=-1"], "cpu", "optimizer.learning_rate must be >= 0, got -1.0"),
+    (["optimizer.bias_max_weight_norm=-1"], "cpu",
+     "optimizer.bias_max_weight_norm must be >= 0 (0 = no trust ratio) or null (no clamp), got -1.0"),
+    (["optimizer.eps=0"], "cpu", "optimizer.eps must be > 0, got 0.0"),
+    (["optimizer.beta1=1"], "cpu", "optimizer.beta1 must be in [0, 1), got 1.0"),
+    (["train.collective_timeout_minutes=0"], "cpu", "train.collective_timeout_minutes must be > 0, got 0.0"),
+    (["train.max_consecutive_skipped_steps=0"], "cpu", "train.max_consecutive_skipped_steps must be >= 1, got 0"),
+    (["ipu.embedding_serialization_factor=3"], "mock",
+     "ipu.embedding_serialization_factor=3 must be >= 1 and divide model.vocab_size=256; pick a divisor "
+     "(1 = no serialization)"),
+    (["ipu.available_memory_proportion=[1.5]"], "mock",
+     "ipu.available_memory_proportion=[1.5]: each entry is a fraction of tile memory in (0, 1], got 1.5"),
+    (["ipu.layers_per_ipu=[-1, 3]"], "mock",
+     "ipu.layers_per_ipu=[-1, 3]: give one count >= 0 per IPU (encoder layers on that IPU)"),
+]
+
+
+@pytest.mark.parametrize("overrides, backend, message", BAD_CONFIGS, ids=[c[0][0] for c in BAD_CONFIGS])
+def test_config_mistakes_exit_2_with_one_line(tmp_path, capsys, overrides, backend, message):
+    argv = TINY + ["--backend", backend, "--output-dir", str(tmp_path / "run")]
+    for override in overrides:
+        argv += ["--set", override]
+    assert main_error(capsys, argv) == (2, f"error: {message}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("keep me\n")
+    before = snapshot(tmp_path)
+    code, line = main_error(capsys, TINY + ["--steps", "1", "--output-dir", str(target)])
+    assert (code, line) == (2, f"error: output directory {target} is a file; choose another --output-dir")
+    assert_unchanged(before, tmp_path)
+
+
+def test_output_dir_below_a_file_is_refused(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("keep me\n")
+    before = snapshot(tmp_path)
+    code, line = main_error(capsys, TINY + ["--steps", "1", "--output-dir", str(target / "sub")])
+    assert (code, line) == (2, f"error: output directory {target / 'sub'}: Not a directory; choose another "
+                               f"--output-dir")
+    assert_unchanged(before, tmp_path)
+
+
+def test_keyboard_interrupt_before_training_is_one_line(monkeypatch, capsys):
+    import run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "load_config", interrupted)
+    assert main_error(capsys, ["--config", "tiny"]) == (130, "interrupted (nothing half-written was kept)")
+
+
+# ----------------------------------------------------------------------------- resume and checkpoints
+
+
+def test_forgetting_resume_on_a_directory_with_a_checkpoint_is_refused(finished, capsys):
+    before = snapshot(finished)
+    code, line = main_error(capsys, TINY + ["--steps", "4", "--output-dir", str(finished)])
+    assert (code, line) == (2, f"error: {finished} already holds a checkpoint (checkpoint.pt); pass --resume to "
+                               f"continue that run, choose another --output-dir, or delete {finished} to start over "
+                               f"(nothing was changed)")
+    assert_unchanged(before, finished)
+
+
+def test_resuming_a_finished_run_changes_nothing(finished, capsys):
+    import run
+
+    before = snapshot(finished)
+    assert run.main(TINY + ["--steps", "4", "--resume", "--set", "train.checkpoint_every=2",
+                            "--output-dir", str(finished)]) == 0
+    assert capsys.readouterr().err.strip() == (f"note: {finished / CHECKPOINT_NAME} is at step 4 and train.steps=4: "
+                                               f"nothing to do (raise --steps to continue)")
+    assert_unchanged(before, finished)
+
+
+def test_resume_with_a_computation_change_lists_the_keys(finished, capsys):
+    before = snapshot(finished)
+    code, line = main_error(capsys, TINY + ["--steps", "4", "--resume", "--set", "optimizer.learning_rate=0.01",
+                                            "--set", "train.micro_batch_size=2", "--output-dir", str(finished)])
+    assert (code, line) == (2, f"error: {finished / CHECKPOINT_NAME}: the configuration differs from the "
+                               f"checkpoint's in optimizer.learning_rate, train.micro_batch_size; that would change "
+                               f"the computation, so resuming is refused (restore them, or pass --resume-force)")
+    assert_unchanged(before, finished)
+
+
+def test_resume_with_harmless_changes_and_forced_changes_continues(finished, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    captured = run_ok(capsys, TINY + ["--steps", "6", "--resume", "--set", "train.log_every=2",
+                                      "--output-dir", str(out)])
+    assert "note: resuming with train.steps changed from 4 to 6" in captured.err
+    with open(out / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 6]
+    # A computation change goes through with --resume-force, and says so.
+    captured = run_ok(capsys, TINY + ["--steps", "8", "--resume-force", "--set", "train.micro_batch_size=2",
+                                      "--output-dir", str(out)])
+    assert "note: resuming with train.micro_batch_size changed from 4 to 2 (forced)" in captured.err
+    assert _summary(out)["last"]["step"] == 8 and _summary(out)["last"]["packs"] == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bit_flip", "trailer", "empty", "garbage"])
+def test_damaged_checkpoint_is_refused_naming_the_file(finished, tmp_path, capsys, damage):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    path = out / CHECKPOINT_NAME
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "bit_flip":
+        data[len(data) // 3] ^= 0x10
+    elif damage == "trailer":
+        data = data[:-3] + b"99\n"
+    elif damage == "empty":
+        data = b""
+    else:
+        data = b"not a checkpoint\n" * 40
+    path.write_bytes(bytes(data))
+    before = snapshot(out)
+    code, line = main_error(capsys, TINY + ["--steps", "6", "--resume", "--output-dir", str(out)])
+    expected = {
+        "truncate": "no checksum trailer: the file is truncated, corrupted at its end, or not a checkpoint of this "
+                    "project; not loaded",
+        "bit_flip": "checksum mismatch",
+        "trailer": "but its trailer says",
+        "empty": "not a complete checkpoint (0 bytes, no checksum trailer): truncated; not loaded",
+        "garbage": "no checksum trailer",
+    }[damage]
+    assert code == 2 and line.startswith(f"error: {path}: ") and expected in line, line
+    assert line.endswith("not loaded")
+    assert_unchanged(before, out)
+
+
+def test_a_cpu_checkpoint_is_refused_clearly_on_mock(finished, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    before = snapshot(out)
+    code, line = main_error(capsys, TINY + ["--steps", "6", "--resume", "--backend", "mock", "--output-dir", str(out)])
+    assert (code, line) == (2, f"error: {out / CHECKPOINT_NAME} was written by backend 'cpu', this run uses 'mock': "
+                               f"optimizer state does not carry over between backends; resume with --backend cpu")
+    assert_unchanged(before, out)
+
+
+def test_a_second_run_on_a_locked_directory_is_refused(finished, capsys):
+    before = snapshot(finished)
+    with DirectoryLock(finished):
+        code, line = main_error(capsys, TINY + ["--steps", "6", "--resume", "--output-dir", str(finished)])
+    assert code == 2 and line == (f"error: {finished} is in use by another run (pid {os.getpid()} on "
+                                  f"{os.uname().nodename}); wait for it to finish, or choose another --output-dir")
+    assert_unchanged(before, finished)
+
+
+def test_stale_lock_and_orphan_temp_files_of_dead_processes_are_cleaned(tmp_path, capsys):
+    import socket
+    import subprocess
+    import sys
+
+    from bert_packed.io import _host
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text("pid 999999 on elsewhere\n")  # a killed run's lock file (no flock held)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    orphan = out / f".checkpoint-{_host()}.{dead}.abc.tmp"
+    orphan.write_bytes(b"half a checkpoint")
+    alive = out / f".tmp-{_host()}.{os.getppid()}.abc.metrics.jsonl"  # a live process's: kept
+    alive.write_text("")
+    run_ok(capsys, TINY + ["--steps", "1", "--output-dir", str(out)])
+    assert not orphan.exists() and alive.exists()
+    assert socket.gethostname() in (out / ".lock").read_text()
+
+
+def test_summary_of_a_completed_run_says_so(finished):
+    summary = _summary(finished)
+    assert summary["status"] == "completed" and summary["error"] is None and summary["checkpoint_step"] == 4
+    assert math.isfinite(summary["last"]["grad_norm"])
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+def test_process_group_gets_the_configured_collective_timeout(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from backends.cpu import CPUBackend
+    from bert_packed.train import setup_distributed
+
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(seen))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert setup_distributed(CPUBackend(), 2.5) == (1, 2)
+    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(minutes=2.5)}
+
+
+def test_a_timed_out_collective_is_one_line_naming_the_setting(tmp_path, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    import run
+    from backends.cpu import CPUBackend
+
+    class HungPeer(CPUBackend):
+        distributed = staticmethod(lambda: False)  # the backend's own collectives are not under test
+
+        def train_step(self, micro_batches):  # what gloo raises when a peer never answers
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 150000ms "
+                               "for recv operation to complete")
+
+    monkeypatch.setattr(run, "get_backend", lambda name: HungPeer())
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    code, line = main_error(capsys, TINY + ["--steps", "2", "--set", "train.collective_timeout_minutes=2.5",
+                                            "--output-dir", str(tmp_path / "run")])
+    assert (code, line) == (1, "error: a collective between the 2 processes timed out after "
+                               "train.collective_timeout_minutes=2.5: another rank hung or died (see its log); the "
+                               "last checkpoint is intact")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "abc"], "error: argument --steps: invalid int value: 'abc' (see run.py --help)"),
+    (["--bogus"], "error: unrecognized arguments: --bogus (see run.py --help)"),
+])
+def test_command_line_mistakes_are_one_line(capsys, monkeypatch, argv, message):
+    import run
+
+    monkeypatch.setattr("sys.argv", ["run.py"])
+    with pytest.raises(SystemExit) as exit_:
+        run.main(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
+
+
+def test_checkpoints_of_multi_step_calls_resume_exactly(tmp_path, capsys, monkeypatch):
+    # IPU device_iterations=2: one backend call runs two steps. A checkpoint due inside a call
+    # (step 3 of the call 3-4) is written at the call's end, where the weights and the data
+    # position belong together; after a crash the resumed run repeats the uninterrupted one.
+    import run
+    from backends.mock import MockBackend
+
+    mock = TINY + ["--backend", "mock", "--set", "ipu.device_iterations=2", "--set", "train.checkpoint_every=3",
+                   "--set", "optimizer.schedule=constant", "--set", "optimizer.warmup_fraction=0", "--steps", "6"]
+    run_ok(capsys, mock + ["--output-dir", str(tmp_path / "full")])
+
+    class CrashOnThirdCall(MockBackend):
+        calls = 0
+
+        def train_step(self, micro_batches):
+            CrashOnThirdCall.calls += 1
+            if CrashOnThirdCall.calls == 3:
+                raise KeyboardInterrupt  # e.g. a second Ctrl-C, or the machine going down
+            return super().train_step(micro_batches)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(run, "get_backend", lambda name: CrashOnThirdCall())
+        assert main_error(capsys, mock + ["--output-dir", str(tmp_path / "split")])[0] == 130
+    assert load_checkpoint(str(tmp_path / "split" / CHECKPOINT_NAME))["step"] == 4
+    run_ok(capsys, mock + ["--resume", "--output-dir", str(tmp_path / "split")])
+    lines = {}
+    for name in ("full", "split"):
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            lines[name] = [json.loads(line) for line in f]
+    keys = ("step", "loss", "mlm_loss", "nsp_loss", "sequences", "tokens")
+    assert [[line[k] for k in keys] for line in lines["full"]] == [[line[k] for k in keys] for line in lines["split"]]
