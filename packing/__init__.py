@@ -6,12 +6,17 @@
     print(result.to_dict())                                # packs, efficiency, lp_bound_packs, ...
     packs = assign(result.plan, lengths, seed=0)           # CSR: pack_offsets, sequence_indices
 
+    rows = pack_sequences(token_id_lists, 8192, "lp")      # LLM rows: input_ids, position_ids, cu_seqlens
+
 Command line: ``python -m packing report|bench|plot`` (see ``python -m packing --help``).
 """
 from .algorithms import ALGORITHMS, check_algorithm_depth, get_algorithm, pack, residual
 from .assign import Assignment, assign
+from .bounds import lower_bounds
 from .histogram import SHIPPED_HISTOGRAMS, Histogram, PackingError
+from .llm import PackedRows, batch_cu_seqlens, pack_dataset, pack_sequences, pack_stream
 from .plan import PackingResult, Plan
 
-__all__ = ["ALGORITHMS", "Assignment", "Histogram", "PackingError", "PackingResult", "Plan", "SHIPPED_HISTOGRAMS",
-           "assign", "check_algorithm_depth", "get_algorithm", "pack", "residual"]
+__all__ = ["ALGORITHMS", "Assignment", "Histogram", "PackedRows", "PackingError", "PackingResult", "Plan",
+           "SHIPPED_HISTOGRAMS", "assign", "batch_cu_seqlens", "check_algorithm_depth", "get_algorithm",
+           "lower_bounds", "pack", "pack_dataset", "pack_sequences", "pack_stream", "residual"]

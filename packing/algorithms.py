@@ -13,8 +13,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import baselines, heuristics, lp, nnls
-from .histogram import Histogram, PackingError
+from . import baselines, bounds, heuristics, lp, nnls
+from .histogram import Histogram, PackingError, check_seed
 from .plan import PackingResult, Plan, check_depth, exact_plan
 
 
@@ -56,6 +56,10 @@ def _run_greedy(histogram, depth, seed, lengths=None):
 
 
 def _run_lp(histogram, depth, seed, **options):
+    limit = options.get("time_limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                              or not np.isfinite(limit) or limit <= 0):
+        raise PackingError(f"lp's time_limit must be a positive number of seconds (or None), got {limit!r}")
     strategies, repeats, details = lp.pack_lp(histogram.counts, histogram.max_sequence_length, depth, **options)
     plan = exact_plan(strategies, repeats, histogram.counts, histogram.max_sequence_length)
     return plan, details
@@ -117,12 +121,15 @@ def pack(histogram, algorithm="lpfhp", max_sequences_per_pack=3, seed=0, **optio
 
     Returns:
         PackingResult with an exact plan (every sequence in exactly one slot),
-        ``lp_bound_packs`` for ``lp`` (a certified lower bound on the packs of *any* plan
-        with this depth) and timing in ``seconds`` (the algorithm itself, not loading).
+        ``lp_bound_packs``: a certified lower bound on the packs of *any* plan with this
+        depth, the best of ceil(tokens / L), ceil(sequences / depth), Martello-Toth L2 and
+        (``lp`` only) the LP bound, each in ``details["bounds"]``; ``gap`` = packs / bound - 1;
+        and timing in ``seconds`` (the algorithm and its bounds, not loading).
     """
     if not isinstance(histogram, Histogram):
         histogram = Histogram.load(histogram)
     depth = check_algorithm_depth(algorithm, max_sequences_per_pack)
+    seed = check_seed(seed)
     if algorithm in ("none", "sort"):
         depth = 1  # they never share a row, whatever the limit
     entry = ALGORITHMS[algorithm]
@@ -133,11 +140,15 @@ def pack(histogram, algorithm="lpfhp", max_sequences_per_pack=3, seed=0, **optio
         if "unexpected keyword" in str(exc):
             raise PackingError(f"{algorithm} does not take the option(s) {sorted(options)}") from None
         raise
-    seconds = time.perf_counter() - started
     details = dict(details)
     padding = details.pop("num_padding_tokens", None)
-    bound = details.pop("lp_bound_packs", None)
-    return PackingResult(algorithm, histogram, depth, plan, seconds, lp_bound_packs=bound,
+    components = bounds.lower_bounds(histogram.counts, histogram.max_sequence_length, depth)
+    lp_bound = details.pop("lp_bound_packs", None)
+    if lp_bound is not None:
+        components["lp"] = int(lp_bound)
+    details["bounds"] = components
+    seconds = time.perf_counter() - started
+    return PackingResult(algorithm, histogram, depth, plan, seconds, lp_bound_packs=max(components.values()),
                          num_padding_tokens=padding, details=details)
 
 

@@ -77,6 +77,8 @@ def _run_rows(histogram, rows, args, progress=True):
         if progress and sys.stderr.isatty():
             print(f"  {name} (depth {_depth_label(depth)}) ...", file=sys.stderr, flush=True)
         options = {"batch_size": args.batch_size} if name == "sort" else {}
+        if name == "lp" and getattr(args, "time_limit", None) is not None:
+            options["time_limit"] = args.time_limit
         results.append(pack(histogram, name, depth, seed=args.seed, **options))
     # The LP bound is a property of (histogram, depth): share it with every row of that depth.
     bounds = {result.max_sequences_per_pack: result.lp_bound_packs for result in results if result.algorithm == "lp"}
@@ -87,9 +89,10 @@ def _run_rows(histogram, rows, args, progress=True):
     rows_out = []
     for result in results:
         row = result.to_dict()
-        if row["lp_bound_packs"] is None:
-            row["lp_bound_packs"] = histogram.num_sequences if result.max_sequences_per_pack == 1 else \
-                bounds.get(result.max_sequences_per_pack)
+        shared = bounds.get(result.max_sequences_per_pack)
+        if shared is not None and shared > row["lp_bound_packs"]:
+            row["lp_bound_packs"] = shared
+            row["gap"] = row["num_packs"] / shared - 1.0
         rows_out.append(row)
     return rows_out
 
@@ -113,7 +116,7 @@ def format_table(histogram, rows):
             f"{row['num_tokens']:,}", f"{row['num_padding_tokens']:,}", f"{100 * row['efficiency']:.3f}",
             f"{row['packing_factor']:.3f}", str(row["max_depth_used"]), str(row["num_strategies_used"]),
             f"{row['seconds']:.3f}", "-" if bound is None else f"{bound:,}",
-            "-" if bound is None else f"{100 * (row['num_packs'] / bound - 1):.4f}",
+            "-" if row["gap"] is None else f"{100 * row['gap']:.4f}",
         ])
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *table)]
     for cells in [header] + table:
@@ -121,7 +124,8 @@ def format_table(histogram, rows):
                                for i, (cell, w) in enumerate(zip(cells, widths))))
     lines.append("")
     lines.append("depth = max sequences per pack (max = unlimited); tokens = real tokens; efficiency = tokens / "
-                 "(tokens + padding); LP bound = certified minimum packs at that depth (from lp).")
+                 "(tokens + padding); LP bound = certified minimum packs at that depth: the best of ceil(tokens / L), "
+                 "ceil(sequences / depth), Martello-Toth L2 and lp's LP bound.")
     return "\n".join(lines)
 
 
@@ -228,10 +232,15 @@ def command_bench(args):
 
 def _save(figure, path):
     """Atomic write: a half-written PNG never replaces a good one."""
-    handle, temporary = tempfile.mkstemp(suffix=".png", dir=os.path.dirname(path) or ".")
+    handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=os.path.dirname(path) or ".")
     os.close(handle)
-    figure.savefig(temporary, dpi=120)
-    os.replace(temporary, path)
+    try:
+        figure.savefig(temporary, dpi=120)
+        os.replace(temporary, path)
+    except BaseException:  # a failed or interrupted write leaves no temporary file behind
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
 
 
 def command_plot(args):
@@ -319,6 +328,8 @@ def build_parser():
                         help="one or more depths; 'max' = unlimited (default 3 when --algorithm is given)")
     report.add_argument("--batch-size", type=int, default=32, help="batch size of 'sort' (default 32)")
     report.add_argument("--bound", action="store_true", help="compute the LP bound for every depth in the table")
+    report.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="wall-time limit of each lp row (the best plan and bound so far come back)")
     report.add_argument("--json", action="store_true", help="print a JSON list, one object per row")
     report.set_defaults(handler=command_report)
 
@@ -342,14 +353,31 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    """Run the command line; returns the exit status (2 for every user mistake, with one line
+    ``error: ...`` on stderr: bad input, unwritable output, Ctrl-C)."""
     try:
+        args = build_parser().parse_args(argv)
         if getattr(args, "batch_size", 1) < 1:
             raise PackingError(f"--batch-size must be at least 1, got {args.batch_size}")
         if getattr(args, "repeats", 1) < 1:
             raise PackingError(f"--repeats must be at least 1, got {args.repeats}")
+        if args.seed < 0:
+            raise PackingError(f"--seed must be a non-negative integer, got {args.seed}")
+        if getattr(args, "time_limit", None) is not None and not args.time_limit > 0:
+            raise PackingError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+        if args.max_sequence_length is not None and args.max_sequence_length < 1:
+            raise PackingError(f"--max-sequence-length must be a positive integer, got {args.max_sequence_length}")
         args.handler(args)
     except PackingError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
+    except OSError as exc:  # unwritable output, a directory that is a file, a full disk
+        where = f" {exc.filename}" if exc.filename else ""
+        return _fail(f"cannot write{where}: {exc.strerror or exc}")
+    except KeyboardInterrupt:
+        return _fail("interrupted; nothing was written that is not complete")
     return 0
+
+
+def _fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    return 2

@@ -77,19 +77,32 @@ class _OpenPacks:
         return [pack for pack, _ in packs], [count for _, count in packs]
 
 
+def _open_packs(packs, length, remaining, max_sequence_length):
+    """Nothing open fits ``length``: open packs holding as many copies of it as fit (and the
+    depth allows), then one pack with the rest. Sequence by sequence, worst fit and best
+    fit both do exactly this: the newly opened pack is the only one with room."""
+    while remaining > 0:
+        repeat = min(max_sequence_length // length, packs.depth, remaining)
+        num_packs = remaining // repeat
+        packs.add((length,) * repeat, num_packs, max_sequence_length - repeat * length)
+        remaining -= num_packs * repeat
+
+
 def pack_spfhp(counts, max_sequence_length, depth):
     """Shortest-pack-first histogram packing (Krell et al.): worst fit on the sorted histogram.
 
     Lengths are visited longest first; all sequences of a length go to the open packs
     with the most space left (a group of identical packs is split if it has more packs
-    than there are sequences), the rest open new single-sequence packs. O(L^2) at most.
+    than there are sequences); when none fits, the rest open new packs, as many copies of
+    the length per pack as fit (so 100 sequences of 171 tokens at L = 512 take 34 packs,
+    not 100). O(L^2) at most.
     """
     packs = _OpenPacks(max_sequence_length, depth)
     for length, remaining in _descending_lengths(counts):
         while remaining > 0:
             space = packs.worst_fit(length)
             if space is None:
-                packs.add((length,), remaining, max_sequence_length - length)
+                _open_packs(packs, length, remaining, max_sequence_length)
                 break
             count, pack = packs.pop(space)
             if count > remaining:
@@ -114,13 +127,7 @@ def pack_lpfhp(counts, max_sequence_length, depth):
         while remaining > 0:
             space = packs.best_fit(length)
             if space is None:
-                # Nothing fits: open packs holding as many copies as fit, then the rest
-                # in packs holding fewer copies (never look at old packs again).
-                while remaining > 0:
-                    repeat = min(max_sequence_length // length, depth_limit, remaining)
-                    num_packs = remaining // repeat
-                    packs.add((length,) * repeat, num_packs, max_sequence_length - repeat * length)
-                    remaining -= num_packs * repeat
+                _open_packs(packs, length, remaining, max_sequence_length)
                 break
             count, pack = packs.pop(space)
             repeat = min(space // length, depth_limit - len(pack), remaining)
@@ -136,50 +143,67 @@ def _fit_decreasing(counts, max_sequence_length, depth, best):
     """Per-sequence first-fit / best-fit decreasing, simulated exactly on the histogram.
 
     Sequences of equal length are interchangeable, so item-by-item FFD/BFD can be
-    replayed on groups of identical bins (kept in creation order, which is FFD's order
-    and BFD's tie-break). A bin chosen for one sequence of length l stays the chosen bin
+    replayed on groups of identical bins (in creation order, which is FFD's order and
+    BFD's tie-break). A bin chosen for one sequence of length l stays the chosen bin
     until it cannot take another l, so each group absorbs ``k = min(space // l, depth
-    left)`` sequences per bin at once; a group that is only partly used splits.
+    left)`` sequences per bin at once; a group that is only partly used splits, its
+    pieces keeping its place in the order (keys are tuples: the pieces of ``key`` are
+    ``key + (0,)``, ``key + (1,)``, ``key + (2,)``).
+
+    O((L + bins touched) log): groups that can take the current length sit in a sorted
+    list (by order for FFD, by (space, order) for BFD) and every group visited for a
+    length leaves it (it is full for that length) except the last; the others wait in a
+    heap by space until the lengths come down to what they can take.
     """
+    import heapq
+
     depth_limit = max_sequence_length if depth is None else depth
-    groups = []  # [count, space, pack] in creation order
+    eligible = []  # sorted sort-keys; group data in `data`
+    data = {}  # order key -> [count, space, pack]
+    waiting = []  # heap of (-space, order key)
     closed = []
+    counter = [0]
+
+    def sort_key(key, space):
+        return (space, key) if best else key
+
+    def place(key, group):
+        count, space, pack = group
+        if space == 0 or len(pack) >= depth_limit:
+            closed.append((key, group))
+        else:
+            data[key] = group
+            heapq.heappush(waiting, (-space, key))
+
     for length, remaining in _descending_lengths(counts):
-        order = [i for i, group in enumerate(groups) if group[1] >= length]
-        if best:
-            order.sort(key=lambda i: groups[i][1])  # stable: ties keep creation order
-        replaced = {}
-        for i in order:
-            if remaining == 0:
-                break
-            count, space, pack = groups[i]
+        while waiting and -waiting[0][0] >= length:
+            space, key = heapq.heappop(waiting)
+            bisect.insort(eligible, sort_key(key, -space))
+        while remaining and eligible:
+            entry = eligible.pop(0)
+            key = entry[1] if best else entry
+            count, space, pack = data.pop(key)
             per_bin = min(space // length, depth_limit - len(pack))
             full_bins = min(count, remaining // per_bin)
-            pieces = []
-            if full_bins:
-                pieces.append([full_bins, space - per_bin * length, pack + (length,) * per_bin])
             remaining -= full_bins * per_bin
+            if full_bins:
+                place(key + (0,), [full_bins, space - per_bin * length, pack + (length,) * per_bin])
             left = count - full_bins
             if left and remaining:  # remaining < per_bin: one bin takes the rest
-                pieces.append([1, space - remaining * length, pack + (length,) * remaining])
+                place(key + (1,), [1, space - remaining * length, pack + (length,) * remaining])
                 remaining, left = 0, left - 1
-            if left:
-                pieces.append([left, space, pack])
-            replaced[i] = pieces
-        if replaced:
-            groups = [piece for i, group in enumerate(groups) for piece in replaced.get(i, [group])]
+            if left:  # untouched bins keep their place (and stay eligible)
+                data[key + (2,)] = [left, space, pack]
+                bisect.insort(eligible, sort_key(key + (2,), space))
         while remaining > 0:
             per_bin = min(max_sequence_length // length, depth_limit, remaining)
             num_bins = remaining // per_bin
-            groups.append([num_bins, max_sequence_length - per_bin * length, (length,) * per_bin])
+            counter[0] += 1
+            place((counter[0],), [num_bins, max_sequence_length - per_bin * length, (length,) * per_bin])
             remaining -= num_bins * per_bin
-        # Bins that can take nothing more leave the search.
-        still_open = []
-        for group in groups:
-            (closed if group[1] == 0 or len(group[2]) >= depth_limit else still_open).append(group)
-        groups = still_open
-    everything = closed + groups
-    return [group[2] for group in everything], [group[0] for group in everything]
+    everything = closed + [(key, group) for key, group in data.items()]
+    everything.sort(key=lambda item: item[0])
+    return [group[2] for _, group in everything], [group[0] for _, group in everything]
 
 
 def pack_ffd(counts, max_sequence_length, depth):

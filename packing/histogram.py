@@ -16,6 +16,12 @@ SHIPPED_HISTOGRAMS = {
 }
 
 
+# Limits that keep every sum the library forms (sequences, tokens = sum of count x length,
+# packs x L) exact in int64 and float64 arithmetic.
+MAX_COUNT = 2**53
+MAX_TOKENS = 2**62
+
+
 class PackingError(ValueError):
     """A user mistake (bad histogram, bad lengths, bad depth, unknown algorithm).
 
@@ -34,12 +40,19 @@ def _as_count_array(values, what):
         raise PackingError(f"{what} must be one-dimensional, got shape {array.shape}")
     if array.size == 0:
         raise PackingError(f"{what} is empty; give at least one value")
+    if array.dtype == object and all(isinstance(value, int) and not isinstance(value, bool) for value in array):
+        raise PackingError(f"{what} must be at most 2**53, found {max(array, key=abs)}")  # beyond int64
     if array.dtype == bool or not (np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)):
         raise PackingError(f"{what} must contain integers, got dtype {array.dtype}")
     if np.issubdtype(array.dtype, np.floating):
         if not np.all(np.isfinite(array)) or np.any(array != np.round(array)):
             bad = array[~np.isfinite(array) | (array != np.round(array))][0]
             raise PackingError(f"{what} must contain integers, found {bad!r}")
+        if np.any(np.abs(array) > MAX_COUNT):
+            bad = array[np.abs(array) > MAX_COUNT][0]
+            raise PackingError(f"{what} must be at most 2**53, found {bad:.6g}")
+    elif array.dtype == np.uint64 and np.any(array > MAX_COUNT):
+        raise PackingError(f"{what} must be at most 2**53, found {int(array[array > MAX_COUNT][0])}")
     array = array.astype(np.int64)
     return array
 
@@ -61,10 +74,17 @@ class Histogram:
                 f"histogram counts must be non-negative, found {counts[first]} sequences of length {first + 1}")
         if max_sequence_length is None:
             max_sequence_length = counts.size
-        if int(max_sequence_length) != counts.size:
+        max_sequence_length = _check_max_sequence_length(max_sequence_length)
+        if max_sequence_length != counts.size:
             raise PackingError(
                 f"histogram has {counts.size} bins but max_sequence_length is {max_sequence_length}; "
                 "counts must have exactly one bin per length 1..max_sequence_length")
+        # Python integers: the int64 sums could wrap around before the check.
+        tokens = sum(int(c) * (i + 1) for i, c in zip(np.flatnonzero(counts).tolist(), counts[counts > 0].tolist()))
+        if tokens > MAX_TOKENS:
+            raise PackingError(
+                f"histogram has {tokens:.3e} tokens, beyond what 64-bit arithmetic holds exactly (2**62); "
+                "split the data or check the counts")
         if counts.sum() == 0:
             raise PackingError("histogram is empty (all counts are zero); there is nothing to pack")
         self.counts = counts
@@ -172,7 +192,7 @@ class Histogram:
     def sample_lengths(self, num_sequences=None, seed=0):
         """Per-sequence lengths: the histogram itself, shuffled (``num_sequences=None``), or
         ``num_sequences`` lengths drawn i.i.d. from it. np.int64 [n]."""
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(check_seed(seed))
         if num_sequences is None:
             lengths = np.repeat(self.lengths, self.counts)
             rng.shuffle(lengths)
@@ -186,9 +206,11 @@ class Histogram:
 
 
 def _check_max_sequence_length(max_sequence_length):
+    if isinstance(max_sequence_length, bool):
+        raise PackingError(f"max_sequence_length must be a positive integer, got {max_sequence_length!r}")
     try:
         value = int(max_sequence_length)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise PackingError(f"max_sequence_length must be a positive integer, got {max_sequence_length!r}") from None
     if value != max_sequence_length or value < 1:
         raise PackingError(f"max_sequence_length must be a positive integer, got {max_sequence_length!r}")
@@ -203,3 +225,10 @@ def check_lengths(lengths, max_sequence_length):
         raise PackingError(
             f"a sequence of length {int(lengths.max())} is longer than max_sequence_length "
             f"{max_sequence_length}; truncate it or raise max_sequence_length")
+
+
+def check_seed(seed):
+    """A seed is a non-negative integer (numpy's generators refuse negative ones); returns it."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise PackingError(f"seed must be a non-negative integer, got {seed!r}")
+    return int(seed)

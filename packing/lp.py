@@ -45,7 +45,7 @@ import time
 
 import numpy as np
 
-from .heuristics import pack_bfd, pack_lpfhp
+from .heuristics import pack_bfd, pack_lpfhp, pack_spfhp
 
 _PRICE_TOLERANCE = 1e-9
 _DP_CHUNK_ELEMENTS = 2_000_000  # items x capacities evaluated per numpy step in the DP
@@ -68,6 +68,21 @@ class _Columns:
         self.items = []
         self.known = set()
         self._built = None  # (num_items, num_columns, csc matrix of the strategy columns)
+        self._flat = (np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))  # CSR (members, offsets)
+
+    def values(self, duals):
+        """np.float64 [num_columns]: each strategy's value (sum of its members' duals), numpy only."""
+        members, offsets = self._flat
+        done = offsets.size - 1
+        if done < len(self.items):
+            new = self.items[done:]
+            sizes = np.fromiter((len(items) for items in new), dtype=np.int64, count=len(new))
+            members = np.concatenate([members, np.fromiter((k for items in new for k in items), dtype=np.int64,
+                                                           count=int(sizes.sum()))])
+            offsets = np.concatenate([offsets, offsets[-1] + np.cumsum(sizes)])
+            self._flat = (members, offsets)
+        sums = np.concatenate([[0.0], np.cumsum(duals[members])])
+        return sums[offsets[1:]] - sums[offsets[:-1]]
 
     def add(self, items):
         key = tuple(sorted(items))
@@ -119,6 +134,8 @@ def _master_problem(columns, num_items):
 
 
 def _solve_master(columns, demand):
+    """The master LP with scipy's HiGHS, from scratch (``master="scipy"``: kept to measure
+    the warm-started :class:`_HighsMaster` against)."""
     optimize, _ = _scipy()
     matrix, cost, num_columns = _master_problem(columns, demand.size)
     # Interior point (with crossover) is the faster HiGHS solver on the wide masters that
@@ -129,6 +146,141 @@ def _solve_master(columns, demand):
         raise RuntimeError(f"HiGHS failed on the packing LP: {result.message}")
     duals = -np.asarray(result.ineqlin.marginals)
     return float(result.fun), result.x[:num_columns], duals
+
+
+class _OutOfTime(Exception):
+    """The call's deadline passed inside a solve or a pricing step."""
+
+
+def _check(deadline):
+    if deadline is not None and time.perf_counter() > deadline:
+        raise _OutOfTime
+
+
+_HIGHSPY = []
+
+
+def _new_highs():
+    """A silent ``highspy.Highs``. The first one prints a banner on the C-level stdout, which
+    would corrupt ``--json`` output, so that one is built with file descriptor 1 pointed at
+    /dev/null."""
+    if not _HIGHSPY:
+        import os
+        import sys
+
+        import highspy
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "w") as devnull:
+                os.dup2(devnull.fileno(), 1)
+                highs = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        _HIGHSPY.append(highspy)
+    else:
+        highs = _HIGHSPY[0].Highs()
+    highs.setOptionValue("output_flag", False)
+    return highs
+
+
+class _HighsMaster:
+    """The restricted master LP, kept in one HiGHS instance across column-generation rounds:
+    new columns are appended and HiGHS re-optimises from the previous basis (a few simplex
+    iterations) instead of solving from scratch every round."""
+
+    def __init__(self, demand, columns):
+        self.highs = highs = _new_highs()
+        highspy = _HIGHSPY[0]
+        self.inf = highspy.kHighsInf
+        self.optimal = highspy.HighsModelStatus.kOptimal
+        n = demand.size
+        self.num_items = n
+        highs.addRows(n, demand.astype(np.float64), np.full(n, self.inf), 0, np.zeros(n, dtype=np.int32),
+                      np.zeros(0, dtype=np.int32), np.zeros(0))
+        k = np.arange(1, n, dtype=np.int32)  # transfer z_k: +1 in row k-1, -1 in row k
+        if k.size:
+            indices = np.stack([k - 1, k], axis=1).ravel().astype(np.int32)
+            values = np.tile([1.0, -1.0], k.size)
+            highs.addCols(k.size, np.zeros(k.size), np.zeros(k.size), np.full(k.size, self.inf), indices.size,
+                          (2 * np.arange(k.size)).astype(np.int32), indices, values)
+        self.offset = max(0, n - 1)
+        self.rounds = 0
+        self.columns = _Columns()
+        self.add(columns.items)
+
+    def add(self, candidates):
+        """Append the strategies (item index tuples) not in the master yet; returns how many."""
+        new = []
+        for items in candidates:
+            if self.columns.add(items):
+                new.append(self.columns.items[-1])
+        if not new:
+            return 0
+        sizes = np.fromiter((len(items) for items in new), dtype=np.int64, count=len(new))
+        rows = np.fromiter((k for items in new for k in items), dtype=np.int64, count=int(sizes.sum()))
+        owner = np.repeat(np.arange(len(new)), sizes)
+        keys, multiplicity = np.unique(owner * self.num_items + rows, return_counts=True)
+        column, row = np.divmod(keys, self.num_items)
+        starts = np.searchsorted(column, np.arange(len(new))).astype(np.int32)
+        count = len(new)
+        self.highs.addCols(count, np.ones(count), np.zeros(count), np.full(count, self.inf), keys.size, starts,
+                           row.astype(np.int32), multiplicity.astype(np.float64))
+        return count
+
+    def solve(self, deadline):
+        """(objective, x over the strategies, row duals), or None if the deadline came first."""
+        highs = self.highs
+        # Interior point (with crossover to a basis) is the faster HiGHS solver on the wide
+        # first master that enumeration produces; simplex from the kept basis afterwards.
+        first_wide = self.rounds == 0 and len(self.columns.items) > 15000
+        highs.setOptionValue("solver", "ipm" if first_wide else "simplex")
+        self.rounds += 1
+        if deadline is not None:
+            highs.setOptionValue("time_limit", highs.getRunTime() + max(1e-3, deadline - time.perf_counter()))
+        highs.run()
+        status = highs.getModelStatus()
+        if status != self.optimal:
+            if deadline is not None and time.perf_counter() >= deadline - 1e-3:
+                return None
+            raise RuntimeError(f"HiGHS failed on the packing LP: {highs.modelStatusToString(status)}")
+        solution = highs.getSolution()
+        x = np.asarray(solution.col_value)[self.offset:]
+        return float(highs.getInfo().objective_function_value), x, np.asarray(solution.row_dual)
+
+    def drop(self, keep):
+        """Delete the strategy columns whose ``keep`` entry is False (they can be priced back in)."""
+        gone = np.flatnonzero(~keep)
+        if gone.size == 0:
+            return
+        self.highs.deleteCols(gone.size, (gone + self.offset).astype(np.int32))
+        kept = _Columns()
+        for index in np.flatnonzero(keep).tolist():
+            kept.add(self.columns.items[index])
+        self.columns = kept
+
+
+class _ScipyMaster:
+    """The same interface over scipy.optimize.linprog, re-solved from scratch every round."""
+
+    def __init__(self, demand, columns):
+        self.demand = demand.astype(np.float64)
+        self.columns = _Columns()
+        self.add(columns.items)
+
+    def add(self, candidates):
+        return sum(self.columns.add(items) for items in candidates)
+
+    def solve(self, deadline):
+        _check(deadline)
+        return _solve_master(self.columns, self.demand)
+
+    def drop(self, keep):
+        kept = _Columns()
+        for index in np.flatnonzero(keep).tolist():
+            kept.add(self.columns.items[index])
+        self.columns = kept
 
 
 def dominant_columns(weights, max_sequence_length, depth, max_pairs=4_000_000, max_triples=40_000):
@@ -170,9 +322,10 @@ class _Pricer:
         binding = depth is not None and depth < max_sequence_length // int(weights[0])
         self.depth = depth if binding else None
 
-    def candidates(self, values):
+    def candidates(self, values, deadline=None):
         """Best value V over all strategies, and for each item k the best strategy that
-        contains k (as (value, items)), best first. ``values`` must be non-decreasing."""
+        contains k (as (value, items)), best first. ``values`` must be non-decreasing.
+        Raises _OutOfTime if ``deadline`` passes during the dynamic program."""
         # With values non-decreasing in length, an item is as good as the shortest item of
         # equal value (same value, less room), so the DP needs only the first item of
         # each value level; LP duals have few levels, which makes pricing much cheaper.
@@ -182,10 +335,10 @@ class _Pricer:
             rest = np.zeros(self.capacity + 1)
             completion = lambda c: []  # noqa: E731
         elif self.depth is None:
-            rest, choice = self._unbounded(weights, level_values)
+            rest, choice = self._unbounded(weights, level_values, deadline)
             completion = lambda c: [int(levels[k]) for k in self._trace_unbounded(weights, choice, c)]  # noqa: E731
         else:
-            tables, choices = self._bounded(weights, level_values)
+            tables, choices = self._bounded(weights, level_values, deadline)
             rest = tables[self.depth - 1]
             completion = lambda c: [  # noqa: E731
                 int(levels[k]) for k in self._trace_bounded(weights, choices, self.depth - 1, c)]
@@ -195,12 +348,14 @@ class _Pricer:
         return best, ((float(item_values[k]), [int(k)] + completion(self.capacity - int(self.weights[k])))
                       for k in order)
 
-    def _unbounded(self, weights, values):
+    def _unbounded(self, weights, values, deadline):
         capacity = self.capacity
         table = np.zeros(capacity + 1)
         choice = np.full(capacity + 1, -1, dtype=np.int64)
         num_fitting = np.searchsorted(weights, np.arange(capacity + 1), side="right")
         for c in range(1, capacity + 1):
+            if c % 256 == 0:
+                _check(deadline)
             table[c], k = table[c - 1], num_fitting[c]
             if k:
                 options = table[c - weights[:k]] + values[:k]
@@ -221,16 +376,18 @@ class _Pricer:
                 c -= int(weights[k])
         return items
 
-    def _bounded(self, weights, values):
+    def _bounded(self, weights, values, deadline):
         capacity, depth = self.capacity, self.depth
         capacities = np.arange(capacity + 1)
         tables = np.zeros((depth + 1, capacity + 1))
         choices = np.full((depth + 1, capacity + 1), -1, dtype=np.int64)
         chunk = max(1, _DP_CHUNK_ELEMENTS // (capacity + 1))
         for j in range(1, depth + 1):
+            _check(deadline)
             previous, current, choice = tables[j - 1], tables[j], choices[j]
             current[:] = previous
             for start in range(0, weights.size, chunk):
+                _check(deadline)
                 w = weights[start:start + chunk]
                 source = capacities[None, :] - w[:, None]
                 options = np.where(source >= 0, previous[np.maximum(source, 0)] + values[start:start + chunk, None],
@@ -288,38 +445,42 @@ def _fill_slots(columns, repeats, weights, demand):
     for column, (items, repeat) in enumerate(zip(columns, repeats)):
         if repeat <= 0:
             continue
+        # Merge the positions' runs (each sums to ``repeat``): one segment per change of
+        # any position's content, O(runs x members) per column.
         position_runs = [runs[(column, position)] for position in range(len(items))]
-        cuts = sorted({0, int(repeat)} | {total for r in position_runs for total in np.cumsum([c for c, _ in r])})
-        for start, stop in zip(cuts[:-1], cuts[1:]):
-            members = []
-            for r in position_runs:
-                position_total = 0
-                for count, item in r:
-                    if position_total <= start < position_total + count:
-                        if item >= 0:
-                            members.append(int(weights[item]))
-                        break
-                    position_total += count
+        index = [0] * len(items)
+        left = [r[0][0] for r in position_runs]
+        remaining = int(repeat)
+        while remaining > 0:
+            step = min(left)
+            members = tuple(int(weights[r[i][1]]) for r, i in zip(position_runs, index) if r[i][1] >= 0)
             if members:
-                strategies.append(tuple(members))
-                counts.append(stop - start)
+                strategies.append(members)
+                counts.append(step)
+            remaining -= step
+            for position, r in enumerate(position_runs):
+                left[position] -= step
+                if left[position] == 0 and index[position] + 1 < len(r):
+                    index[position] += 1
+                    left[position] = r[index[position]][0]
     return strategies, counts, leftover
 
 
 class LPSolution:
     """Column generation outcome: the columns, the LP solution and the certified bound."""
 
-    def __init__(self, columns, x, lp_value, bound, bound_duals, duals, num_rounds, converged):
+    def __init__(self, columns, x, lp_value, bound, bound_duals, duals, num_rounds, converged, timed_out=False):
         self.columns, self.x, self.lp_value, self.bound = columns, x, lp_value, bound
         self.bound_duals = bound_duals  # scaled: dual feasible for every strategy
         self.duals, self.num_rounds, self.converged = duals, num_rounds, converged
+        self.timed_out = timed_out
 
 
 def _prune(columns, x, duals, keep_reduced_cost, max_kept=None):
     """Keep the columns in use and the cheapest others (reduced cost below
     ``keep_reduced_cost``, at most ``max_kept`` of them), so re-solves stay small; dropped
     columns can be generated again, so nothing is lost for the bound."""
-    reduced = 1.0 - columns.strategy_matrix(duals.size).T @ duals
+    reduced = 1.0 - columns.values(duals)
     in_use = x > 1e-9
     cheap = np.flatnonzero(~in_use & (reduced < keep_reduced_cost))
     if max_kept is not None and cheap.size > max_kept:
@@ -330,53 +491,107 @@ def _prune(columns, x, duals, keep_reduced_cost, max_kept=None):
     return kept
 
 
-def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_rounds=1000, time_limit=None,
-             max_new_columns=None, max_master_columns=None):
+MASTERS = {"highs": _HighsMaster, "scipy": _ScipyMaster}
+
+
+def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_rounds=1000, deadline=None,
+             max_new_columns=None, max_master_columns=None, bound_weights=None, master="highs", target_gap=0.0):
     """Column generation for the packing LP on ``demand`` (counts per item, items of
     ascending ``weights``). Returns an LPSolution whose ``bound`` is a certified lower
-    bound on the LP optimum over *all* strategies of the depth."""
-    started = time.perf_counter()
+    bound on the LP optimum over *all* strategies of the depth.
+
+    ``bound_weights`` (default ``weights``): the lengths the certificate is priced at. An
+    aggregated problem (items = groups of lengths, ``weights`` = each group's longest,
+    ``bound_weights`` = its shortest) gets a bound valid for the original lengths: a
+    strategy of real lengths, each replaced by its group's shortest, still fits.
+    ``deadline`` (a perf_counter time): stop there with what has been found (``timed_out``).
+    """
     num_items = demand.size
     if columns is None:
         columns = _Columns()
     for k in range(num_items):  # singletons keep the master feasible
         columns.add([k])
+    model = MASTERS[master](demand, columns)
     pricer = _Pricer(weights, max_sequence_length, depth)
+    bound_pricer = pricer if bound_weights is None or np.array_equal(bound_weights, weights) else \
+        _Pricer(bound_weights, max_sequence_length, depth)
     max_new_columns = max_new_columns or max(100, num_items // 4)
     max_master_columns = max_master_columns or 4 * max(100, num_items)
-    bound, bound_duals, converged, rounds = 0.0, None, False, 0
+    bound, bound_duals, converged, rounds, timed_out = 0.0, None, False, 0, False
+    lp_value, x, duals = math.inf, None, None
     demand_float = demand.astype(np.float64)
     while True:
+        solved = model.solve(deadline)
+        if solved is None:
+            timed_out = True
+            break
         rounds += 1
-        lp_value, x, duals = _solve_master(columns, demand_float)
+        lp_value, x, duals = solved
         # Any y >= 0, non-decreasing in length, scaled by the best knapsack value is dual
         # feasible for the full LP; clean the solver's duals into that set first.
         duals = np.maximum.accumulate(np.maximum(duals, 0.0))
-        best_value, candidates = pricer.candidates(duals)
-        round_bound = float(demand_float @ duals) / max(1.0, best_value)
-        if round_bound >= bound:
-            bound, bound_duals = round_bound, duals / max(1.0, best_value)
-        if best_value <= 1.0 + _PRICE_TOLERANCE:
-            converged = True
+        # Generation prices duals rounded down to at most _PRICE_LEVELS values (the DP costs
+        # one pass per distinct value); only an exact pass can end generation or certify.
+        coarse = _coarsen(duals)
+        try:
+            best_value, candidates = pricer.candidates(coarse, deadline)
+            exact = coarse is duals or best_value <= 1.0 + _PRICE_TOLERANCE or rounds % _EXACT_EVERY == 0
+            if exact and coarse is not duals:
+                best_value, candidates = pricer.candidates(duals, deadline)
+            if exact:
+                bound_value = best_value if bound_pricer is pricer else bound_pricer.candidates(duals, deadline)[0]
+        except _OutOfTime:
+            timed_out = True
             break
-        if _ceil_bound(bound) >= math.ceil(lp_value - 1e-6):
-            break  # the certificate cannot get any tighter in whole packs
-        if rounds >= max_rounds or (time_limit is not None and time.perf_counter() - started > time_limit):
-            break
-        if len(columns.items) > max_master_columns:
-            columns = _prune(columns, x, duals, keep_reduced_cost=0.02)
-            x = None
-        added = 0
-        for value, items in candidates:
-            if value <= 1.0 + _PRICE_TOLERANCE or added >= max_new_columns:
+        if exact:
+            round_bound = float(demand_float @ duals) / max(1.0, bound_value)
+            if round_bound >= bound:
+                bound, bound_duals = round_bound, duals / max(1.0, bound_value)
+            if best_value <= 1.0 + _PRICE_TOLERANCE:
+                converged = True
                 break
-            added += columns.add(items)
+            if _ceil_bound(bound) >= math.ceil(lp_value - 1e-6):
+                break  # the certificate cannot get any tighter in whole packs
+            if target_gap and lp_value <= bound * (1.0 + target_gap / 2):
+                break  # close enough: rounding costs the other half
+        if rounds >= max_rounds or (deadline is not None and time.perf_counter() > deadline):
+            timed_out = rounds < max_rounds
+            break
+        if len(model.columns.items) > max_master_columns:
+            reduced = 1.0 - model.columns.values(duals)
+            keep = (x > 1e-9) | (reduced < 0.02)
+            model.drop(keep)
+            x = x[keep]  # still the LP solution: every column in use is kept
+        added = model.add(items for value, items in _take(candidates, max_new_columns))
         if added == 0:
             converged = True
             break
-    if x is None:  # pruned on the last round: re-solve
-        lp_value, x, _ = _solve_master(columns, demand_float)
-    return LPSolution(columns, x, lp_value, bound, bound_duals, duals, rounds, converged)
+    if x is not None and x.size < len(model.columns.items):  # columns added after the last solve
+        x = np.concatenate([x, np.zeros(len(model.columns.items) - x.size)])
+    return LPSolution(model.columns, x, lp_value, bound, bound_duals, duals, rounds, converged, timed_out)
+
+
+_PRICE_LEVELS = 256
+_EXACT_EVERY = 5
+
+
+def _coarsen(duals):
+    """``duals`` rounded down to a grid of at most _PRICE_LEVELS steps (still >= 0 and
+    non-decreasing), or ``duals`` itself when it has no more distinct values than that."""
+    if np.count_nonzero(np.diff(duals)) < _PRICE_LEVELS or duals[-1] <= 0:
+        return duals
+    step = duals[-1] / _PRICE_LEVELS
+    return np.floor(duals / step) * step
+
+
+def _take(candidates, limit):
+    """The first ``limit`` improving candidates (value > 1)."""
+    taken = 0
+    for value, items in candidates:
+        if value <= 1.0 + _PRICE_TOLERANCE or taken >= limit:
+            return
+        taken += 1
+        yield value, items
 
 
 def _ceil_bound(bound):
@@ -384,93 +599,186 @@ def _ceil_bound(bound):
     return int(math.ceil(bound * (1.0 - 1e-12) - 1e-6))
 
 
-def _milp(columns, demand, time_limit):
+def _milp(columns, demand, time_limit, lower_bound=0):
     """Integer program over the given columns (transfers stay continuous: an integral x
-    always admits integral transfers). Returns integer repeats or None."""
-    optimize, _ = _scipy()
-    matrix, cost, num_columns = _master_problem(columns, demand.size)
-    integrality = np.zeros(matrix.shape[1])
-    integrality[:num_columns] = 1
-    result = optimize.milp(cost, constraints=optimize.LinearConstraint(matrix, lb=demand.astype(np.float64)),
-                           integrality=integrality, bounds=optimize.Bounds(0, np.inf),
-                           options={"time_limit": time_limit, "disp": False})
-    if result.x is None:
+    always admits integral transfers), solved by HiGHS through highspy (no scipy import).
+    Returns (columns, integer repeats) or None. It stops as soon as its plan is less than
+    one pack above ``lower_bound`` (then it is optimal)."""
+    model = _HighsMaster(demand, columns)
+    highs, highspy = model.highs, _HIGHSPY[0]
+    count = len(model.columns.items)
+    highs.changeColsIntegrality(count, np.arange(model.offset, model.offset + count, dtype=np.int32),
+                                np.full(count, highspy.HighsVarType.kInteger))
+    highs.setOptionValue("time_limit", highs.getRunTime() + float(time_limit))
+    highs.setOptionValue("mip_rel_gap", 0.999 / max(1.0, float(lower_bound) + 1.0))
+    highs.run()
+    solution = highs.getSolution()
+    if not solution.value_valid:
         return None
-    return np.round(result.x[:num_columns]).astype(np.int64)
+    return model.columns, np.round(np.asarray(solution.col_value)[model.offset:]).astype(np.int64)
 
 
 def _best_heuristic(counts, max_sequence_length, depth):
-    options = [pack_lpfhp(counts, max_sequence_length, depth), pack_bfd(counts, max_sequence_length, depth)]
+    options = [pack_lpfhp(counts, max_sequence_length, depth), pack_spfhp(counts, max_sequence_length, depth)]
+    if np.count_nonzero(counts) <= 2048:
+        options.append(pack_bfd(counts, max_sequence_length, depth))
     return min(options, key=lambda option: sum(option[1]))
 
 
-def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_limit=5.0, max_milp_sequences=10_000,
-            max_milp_columns=3000, time_limit=None):
+def _groups(weights, demand, max_items):
+    """Split the items (ascending lengths) into at most ``max_items`` contiguous groups:
+    np.int64 [num_items] group of each item. Boundaries: half at equal shares of the
+    sequences, half at equal steps of length, so both the common and the long lengths
+    get fine groups."""
+    n = weights.size
+    if n <= max_items:
+        return np.arange(n)
+    share = np.cumsum(demand) / demand.sum()
+    by_count = np.searchsorted(share, np.linspace(0, 1, max_items // 2 + 1)[1:-1], side="left")
+    by_length = np.searchsorted(weights, np.linspace(weights[0], weights[-1], max_items // 2 + 1)[1:-1],
+                                side="left")
+    starts = np.unique(np.concatenate([[0], by_count + 1, by_length]))
+    starts = starts[(starts > 0) & (starts < n)]
+    group = np.zeros(n, dtype=np.int64)
+    group[starts] = 1
+    return np.cumsum(group)
+
+
+def _plan_packs(repeats):
+    return int(sum(int(r) for r in repeats))
+
+
+def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_limit=2.0, max_milp_sequences=10_000,
+            max_milp_columns=3000, time_limit=None, max_lp_items=1024, master="highs", target_gap=1e-4):
     """Plan with the LP. Returns (strategies, repeats, details) where details has
     ``lp_bound_packs`` (certified lower bound on the packs of any plan at this depth),
-    ``lp_value``, ``num_columns``, ``num_rounds``, ``converged`` and ``rounding``.
+    ``lp_value``, ``num_columns``, ``num_rounds``, ``converged``, ``rounding`` and
+    ``time_limit_reached``.
+
+    A heuristic plan (the best of lpfhp, spfhp and, with few lengths, bfd) comes first; if
+    it already meets the simple bounds (tokens, depth, Martello-Toth L2) it is optimal and
+    the LP is skipped. Otherwise the LP runs on at most ``max_lp_items`` rows: with more
+    distinct lengths than that, neighbouring lengths are grouped; the plan then uses each
+    group's longest length as its slot size (so any sequence of the group fits) and the
+    certificate each group's shortest (so it stays valid for the real lengths).
+
+    ``target_gap`` (a fraction, default 1e-4 = 0.01 %): stop as soon as the plan is
+    certified within it of optimal; the heuristic plan alone may already be (then the LP
+    is skipped). 0 = keep going until the LP cannot improve the plan or the bound.
+
+    ``time_limit`` (seconds) bounds the whole call: when it runs out, the best plan found so
+    far (at worst the heuristic one) is returned with the best bound so far, and
+    ``details["time_limit_reached"]`` is True.
 
     The MILP is tried only where it pays: rounding left the plan above the bound, the
     dataset is small (<= ``max_milp_sequences``, where a few packs are a visible fraction;
     on Wikipedia rounding is already within 0.0002 % and HiGHS rarely improves on it within
     minutes) and the LP uses at most ``max_milp_columns`` strategies.
     """
+    from .bounds import lower_bounds
+
+    started = time.perf_counter()
+    deadline = None if time_limit is None else started + float(time_limit)
     counts = np.asarray(counts, dtype=np.int64)
     weights = np.flatnonzero(counts) + 1
     demand = counts[weights - 1]
     item_of_length = np.full(max_sequence_length + 1, -1, dtype=np.int64)
     item_of_length[weights] = np.arange(weights.size)
 
+    best_strategies, best_repeats = _best_heuristic(counts, max_sequence_length, depth)
+    best_strategies, best_repeats = list(best_strategies), list(best_repeats)
+    simple_bound = max(lower_bounds(counts, max_sequence_length, depth).values())
+    details = {"lp_value": None, "num_columns": 0, "num_rounds": 0, "converged": False, "rounding": "heuristic",
+               "num_lp_items": 0, "time_limit_reached": False, "lp_item_lengths": None, "lp_duals": None}
+    if _plan_packs(best_repeats) <= simple_bound * (1.0 + target_gap):
+        details["converged"] = True  # nothing left for the LP to do: within target_gap of a bound
+        return best_strategies, best_repeats, details
+
+    group = _groups(weights, demand, max_lp_items)
+    num_groups = int(group[-1]) + 1
+    first_item = np.searchsorted(group, np.arange(num_groups))
+    top_item = np.append(first_item[1:], weights.size) - 1
+    group_demand = np.bincount(group, weights=demand, minlength=num_groups).astype(np.int64)
+    top, bottom = weights[top_item], weights[first_item]
+    details["num_lp_items"] = num_groups
+
     columns = _Columns()
-    for block in dominant_columns(weights, max_sequence_length, depth):
+    # A wide enumerated start pays on big data (Wikipedia: one solve, no generation); on
+    # small data a few cheap generation rounds beat one wide solve.
+    for block in dominant_columns(top, max_sequence_length, depth, max_triples=min(40_000, int(demand.sum()))):
         for items in block.tolist():
             columns.add(items)
-    start_strategies, _ = _best_heuristic(counts, max_sequence_length, depth)
-    for strategy in start_strategies:
-        columns.add([int(item_of_length[length]) for length in strategy])
-    solution = solve_lp(demand, weights, max_sequence_length, depth, columns, time_limit=time_limit)
+    for strategy in best_strategies:
+        members = group[item_of_length[np.asarray(strategy)]]
+        if top[members].sum() <= max_sequence_length:  # with each length raised to its group's longest
+            columns.add(members.tolist())
+    # The LP gets 80 % of the time; rounding and repair (about a second at 1M sequences and
+    # thousands of lengths) must fit in the rest.
+    lp_deadline = None if deadline is None else started + 0.8 * float(time_limit)
+    solution = solve_lp(group_demand, top, max_sequence_length, depth, columns, deadline=lp_deadline,
+                        bound_weights=bottom, master=master, target_gap=target_gap)
     lp_bound = _ceil_bound(solution.bound)
+    timed_out = solution.timed_out
+    details.update({"lp_value": None if solution.x is None else solution.lp_value,
+                    "num_columns": len(solution.columns.items), "num_rounds": solution.num_rounds,
+                    "converged": solution.converged})
+    if solution.bound_duals is not None:
+        # the certificate: lp_bound_packs = ceil(demand . lp_duals), with lp_duals >= 0,
+        # non-decreasing, and no strategy worth more than 1 under them
+        details["lp_item_lengths"] = weights.tolist()
+        details["lp_duals"] = solution.bound_duals[group].tolist()
+        details["lp_bound_packs"] = lp_bound
 
-    # Rounding: floor, fill the slots, re-solve on the left-overs with the cheap columns,
-    # and pack the last few sequences with the best heuristic.
-    strategies, repeats = [], []
-    remaining, current, rounds_used = demand.copy(), solution, 0
-    while True:
-        floor = np.floor(current.x + 1e-9).astype(np.int64)
-        placed, placed_counts, remaining = _fill_slots(current.columns.items, floor, weights, remaining)
-        strategies += placed
-        repeats += placed_counts
-        rounds_used += 1
-        if not remaining.any() or not floor.any() or rounds_used > max_repair_rounds:
-            break
-        cheap = _prune(current.columns, current.x, current.duals, keep_reduced_cost=0.01, max_kept=4 * weights.size)
-        current = solve_lp(remaining, weights, max_sequence_length, depth, cheap, max_rounds=20,
-                           time_limit=time_limit)
-    if remaining.any():
-        left_counts = np.zeros(max_sequence_length, dtype=np.int64)
-        left_counts[weights - 1] = remaining
-        extra_strategies, extra_repeats = _best_heuristic(left_counts, max_sequence_length, depth)
-        strategies += list(extra_strategies)
-        repeats += list(extra_repeats)
-    rounding = "floor+repair"
+    if solution.x is not None:
+        # Rounding: floor, fill the slots (a group's slot has its longest length) with the
+        # real sequences, re-solve the LP on the left-overs, and pack the last few with the
+        # heuristics.
+        strategies, repeats = [], []
+        remaining, current, rounds_used = demand.copy(), solution, 0
+        while True:
+            floor = np.floor(current.x + 1e-9).astype(np.int64)
+            slots = [tuple(int(top_item[g]) for g in items) for items in current.columns.items]
+            placed, placed_counts, remaining = _fill_slots(slots, floor, weights, remaining)
+            strategies += placed
+            repeats += placed_counts
+            rounds_used += 1
+            if not remaining.any() or not floor.any() or rounds_used > max_repair_rounds:
+                break
+            if deadline is not None and time.perf_counter() > deadline:
+                timed_out = True
+                break
+            cheap = _prune(current.columns, current.x, current.duals, keep_reduced_cost=0.01,
+                           max_kept=4 * num_groups)
+            left = np.bincount(group, weights=remaining, minlength=num_groups).astype(np.int64)
+            current = solve_lp(left, top, max_sequence_length, depth, cheap, max_rounds=20, deadline=deadline,
+                               master=master)
+            if current.x is None:
+                timed_out = True
+                break
+        if remaining.any():
+            left_counts = np.zeros(max_sequence_length, dtype=np.int64)
+            left_counts[weights - 1] = remaining
+            extra_strategies, extra_repeats = pack_lpfhp(left_counts, max_sequence_length, depth)
+            strategies += list(extra_strategies)
+            repeats += list(extra_repeats)
+        if _plan_packs(repeats) < _plan_packs(best_repeats):
+            best_strategies, best_repeats, details["rounding"] = strategies, repeats, "floor+repair"
 
-    gap = sum(repeats) - lp_bound
-    support = [solution.columns.items[s] for s in np.flatnonzero(solution.x > 1e-9)]
-    if (gap > 0 and milp_time_limit and demand.sum() <= max_milp_sequences
-            and 0 < len(support) <= max_milp_columns):
-        milp_columns = _Columns()
-        for items in support:
-            milp_columns.add(items)
-        for k in range(weights.size):
-            milp_columns.add([k])
-        integer_x = _milp(milp_columns, demand, milp_time_limit)
-        if integer_x is not None and integer_x.sum() < sum(repeats):
-            placed, placed_counts, left = _fill_slots(milp_columns.items, integer_x, weights, demand)
-            if not left.any():
-                strategies, repeats, rounding = placed, placed_counts, "milp"
-    details = {"lp_bound_packs": lp_bound, "lp_value": solution.lp_value, "num_columns": len(solution.columns.items),
-               "num_rounds": solution.num_rounds, "converged": solution.converged, "rounding": rounding,
-               # the certificate: lp_bound_packs = ceil(demand . lp_duals), with lp_duals >= 0,
-               # non-decreasing, and no strategy worth more than 1 under them
-               "lp_item_lengths": weights.tolist(), "lp_duals": solution.bound_duals.tolist()}
-    return strategies, repeats, details
+        gap = _plan_packs(best_repeats) - max(lp_bound, simple_bound)
+        support = [solution.columns.items[s] for s in np.flatnonzero(solution.x > 1e-9)]
+        remaining_time = None if deadline is None else deadline - time.perf_counter()
+        if (gap > 0 and milp_time_limit and demand.sum() <= max_milp_sequences and num_groups == weights.size
+                and 0 < len(support) <= max_milp_columns and (remaining_time is None or remaining_time > 0.05)):
+            milp_columns = _Columns()
+            for items in support:
+                milp_columns.add(items)
+            for k in range(weights.size):
+                milp_columns.add([k])
+            limit = milp_time_limit if remaining_time is None else min(milp_time_limit, remaining_time)
+            found = _milp(milp_columns, demand, limit, max(lp_bound, simple_bound))
+            if found is not None and found[1].sum() < _plan_packs(best_repeats):
+                placed, placed_counts, left = _fill_slots(found[0].items, found[1], weights, demand)
+                if not left.any():
+                    best_strategies, best_repeats, details["rounding"] = placed, placed_counts, "milp"
+    details["time_limit_reached"] = bool(timed_out)
+    return best_strategies, best_repeats, details

@@ -44,19 +44,67 @@ def packing_matrix(strategies, max_sequence_length):
     return A[1:]
 
 
-def _round_and_complete(x, A, strategies, counts):
-    """Round the mixture, then give every sequence the rounded mixture misses a pack of its own."""
+def _round_and_complete(x, A, strategies, counts, depth):
+    """Round the mixture, then pack the sequences the rounded mixture misses with LPFHP (the
+    papers' left-over step; one pack each would give 2x the optimum when the lengths never
+    sum exactly to L, e.g. all sequences of 171 tokens at L = 512)."""
+    from .heuristics import pack_lpfhp
+
     repeats = np.rint(x).astype(np.int64)
     residual = counts - A.astype(np.int64) @ repeats
     result_strategies = [tuple(int(v) for v in row if v) for row in strategies]
     result_repeats = repeats.tolist()
-    for length in np.flatnonzero(residual > 0) + 1:
-        result_strategies.append((int(length),))
-        result_repeats.append(int(residual[length - 1]))
+    if np.any(residual > 0):
+        left_strategies, left_repeats = pack_lpfhp(np.maximum(residual, 0), counts.size, depth)
+        result_strategies += list(left_strategies)
+        result_repeats += list(left_repeats)
+    # Where no mixture of exact-sum strategies fits the data (all lengths 171 at L = 512:
+    # the mixture pairs each 171 with a 341 that does not exist, leaving one per pack), the
+    # least-squares fit is poor; LPFHP on the whole histogram is then kept instead.
+    from .plan import exact_plan
+
+    fallback = pack_lpfhp(counts, counts.size, depth)
+    if exact_plan(*fallback, counts, counts.size).num_packs < \
+            exact_plan(result_strategies, result_repeats, counts, counts.size).num_packs:
+        return list(fallback[0]), list(fallback[1])
     return result_strategies, result_repeats
 
 
+# The dense matrices these methods build, beyond which they refuse (with advice) instead
+# of being killed for memory: 1 GiB. L = 1,024 at depth 3 needs 0.7 GiB, 2,048 needs 5.7.
+MAX_DENSE_BYTES = 2**30
+
+
+def num_exact_sum_strategies(max_sequence_length, depth):
+    """How many rows :func:`exact_sum_strategies` has, without building them."""
+    L = int(max_sequence_length)
+    total = 1 + (L // 2 if depth >= 2 else 0)
+    if depth >= 3:
+        a = np.arange(1, L // 3 + 1, dtype=np.int64)
+        total += int(np.maximum((L - a) // 2 - a + 1, 0).sum())  # b in [a, (L - a) / 2]
+    return total
+
+
+def check_dense_size(name, max_sequence_length, depth, max_bytes=MAX_DENSE_BYTES):
+    """Raise PackingError (naming the algorithm to use instead) if ``name``'s dense matrix
+    at this length and depth would exceed ``max_bytes``."""
+    from .histogram import PackingError
+
+    L = int(max_sequence_length)
+    columns = num_exact_sum_strategies(L, depth)
+    rows = L
+    if name == "ennlshp":
+        rows, columns = 2 * L, columns + L
+    needed = 8 * rows * columns
+    if needed > max_bytes:
+        raise PackingError(
+            f"{name} at max_sequence_length {L}, depth {depth} needs a dense {rows:,} x {columns:,} matrix "
+            f"({needed / 2**30:,.1f} GiB, limit {max_bytes / 2**30:,.1f} GiB); use lp (the same problem, solved "
+            f"exactly with column generation) or lpfhp instead")
+
+
 def _nnls_mixture(counts, max_sequence_length, depth, short_length, short_weight):
+    check_dense_size("nnlshp", max_sequence_length, depth)
     strategies = exact_sum_strategies(max_sequence_length, depth)
     A = packing_matrix(strategies, max_sequence_length)
     weights = np.ones(max_sequence_length)
@@ -74,7 +122,7 @@ def pack_nnlshp(counts, max_sequence_length, depth, short_length=8, short_weight
     elsewhere, so a deficit of very short sequences (cheap padding) is penalised less.
     """
     x, A, strategies = _nnls_mixture(counts, max_sequence_length, depth, short_length, short_weight)
-    return _round_and_complete(x, A, strategies, counts)
+    return _round_and_complete(x, A, strategies, counts, depth)
 
 
 def nnls_residual(counts, max_sequence_length, depth, short_length=8, short_weight=0.09):
@@ -92,6 +140,7 @@ def pack_ennlshp(counts, max_sequence_length, depth, penalty=1e6):
     sequence left out before rounding):
     ``A_bar = [[w A, 0], [p A, -p I]]``, ``b_bar = [w b, p b]``, unknowns ``[x, r]``.
     """
+    check_dense_size("ennlshp", max_sequence_length, depth)
     strategies = exact_sum_strategies(max_sequence_length, depth)
     A = packing_matrix(strategies, max_sequence_length)
     L, num_strategies = A.shape
@@ -104,4 +153,4 @@ def pack_ennlshp(counts, max_sequence_length, depth, penalty=1e6):
     from scipy import optimize
 
     solution, _ = optimize.nnls(A_bar, b_bar, maxiter=50 * A_bar.shape[1])
-    return _round_and_complete(solution[:num_strategies], A, strategies, counts)
+    return _round_and_complete(solution[:num_strategies], A, strategies, counts, depth)

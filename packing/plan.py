@@ -165,7 +165,7 @@ class PackingResult:
 
     FIELDS = ("algorithm", "max_sequence_length", "max_sequences_per_pack", "num_sequences", "num_packs",
               "num_tokens", "num_padding_tokens", "efficiency", "packing_factor", "theoretical_speedup",
-              "max_depth_used", "num_strategies_used", "seconds", "lp_bound_packs")
+              "max_depth_used", "num_strategies_used", "seconds", "lp_bound_packs", "gap")
 
     def __init__(self, algorithm, histogram, max_sequences_per_pack, plan, seconds,
                  lp_bound_packs=None, num_padding_tokens=None, details=None):
@@ -195,6 +195,14 @@ class PackingResult:
         return num_tokens / (num_tokens + self.num_padding_tokens)
 
     @property
+    def gap(self):
+        """How far the plan is from optimal at most: num_packs / lp_bound_packs - 1 (0.0 =
+        certified optimal); None where no bound is known."""
+        if not self.lp_bound_packs:
+            return None
+        return self.num_packs / self.lp_bound_packs - 1.0
+
+    @property
     def packing_factor(self):
         """Sequences per pack (row) on average: the speed-up over one sequence per row."""
         return self.histogram.num_sequences / self.num_packs
@@ -216,6 +224,7 @@ class PackingResult:
             "num_strategies_used": self.plan.num_strategies,
             "seconds": self.seconds,
             "lp_bound_packs": self.lp_bound_packs,
+            "gap": self.gap,
         }
 
     def __repr__(self):

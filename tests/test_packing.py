@@ -49,12 +49,16 @@ def test_wikipedia_histogram_statistics(wikipedia):
 
 
 @pytest.mark.parametrize("depth", list(SPFHP_PUBLISHED))
-def test_spfhp_reproduces_table_1(wikipedia, depth):
+def test_spfhp_matches_or_beats_table_1(wikipedia, depth):
+    # The papers' SPFHP opens one pack per sequence when nothing fits, so it never pairs two
+    # sequences of equal length; ours does (issue 16), which can only save packs: at depth
+    # 2-4 it still matches Table 1, at 8 and unlimited it beats it.
     result = pack(wikipedia, "spfhp", depth)
-    assert result.num_packs == pytest.approx(SPFHP_PUBLISHED[depth], rel=TOLERANCE)
+    assert result.num_packs <= SPFHP_PUBLISHED[depth] * (1 + TOLERANCE)
+    assert result.num_packs >= result.lp_bound_packs
+    if depth in (2, 3, 4):
+        assert result.num_packs == pytest.approx(SPFHP_PUBLISHED[depth], rel=TOLERANCE)
     result.plan.validate(wikipedia.counts, depth)
-    if depth is None:
-        assert result.plan.max_depth == 16  # "setting no limit resulted in a maximum packing depth of 16"
 
 
 @pytest.mark.parametrize("depth", list(LPFHP_PUBLISHED))
@@ -74,10 +78,15 @@ def test_histogram_packers_are_fast(wikipedia):
 
 
 @pytest.mark.slow
-def test_nnlshp_reproduces_table_1(wikipedia):
+def test_nnlshp_matches_or_beats_table_1(wikipedia):
+    # The papers' NNLSHP gives every left-over sequence a pack of its own; ours packs the
+    # left-overs with LPFHP (issue 16: all-171-token data got 2x the optimum), which can
+    # only save packs.
     result = pack(wikipedia, "nnlshp", 3)
+    assert result.num_packs <= NNLSHP_PUBLISHED_DEPTH3
     assert result.num_packs == pytest.approx(NNLSHP_PUBLISHED_DEPTH3, rel=TOLERANCE)
-    assert result.efficiency == pytest.approx(0.9975, abs=0.0001)
+    assert result.efficiency >= 0.9975 - 0.0001
+    result.plan.validate(wikipedia.counts, 3)
     result.plan.validate(wikipedia.counts, 3)
 
 
