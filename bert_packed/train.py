@@ -581,7 +581,8 @@ class _Run:
                         timed["sequences"] += counts[0]
                         timed["tokens"] += counts[2]
                         timed["seconds"] += step_seconds
-                    if evaluating and ((t.eval_every > 0 and step % t.eval_every == 0) or step == t.steps):
+                    evaluated = evaluating and ((t.eval_every > 0 and step % t.eval_every == 0) or step == t.steps)
+                    if evaluated:
                         evaluation = task.evaluate(backend)
                         line.update(evaluation)
                         bad = _non_finite({"loss": line["eval_loss"]})
@@ -591,7 +592,8 @@ class _Run:
                         task.on_evaluation(step, evaluation, backend, model, output_dir)
                     first_line = first_line or line
                     last_line = line
-                    if is_main and (step % t.log_every == 0 or step == t.steps):
+                    # An evaluated step is always written: its eval_* fields exist only in this line.
+                    if is_main and (step % t.log_every == 0 or step == t.steps or evaluated):
                         with open(metrics_path, "a") as f:
                             f.write(json.dumps(line) + "\n")
                         if writer is not None:

@@ -47,6 +47,17 @@ def test_tiny_run_learns_and_writes_metrics_and_summary(tmp_path):
     assert on_disk["packing_factor"] == pytest.approx(summary["packing_factor"]) and on_disk["packing_factor"] > 1.5
 
 
+def test_an_evaluated_step_is_logged_even_between_log_steps(tmp_path):
+    # eval_every=3 with log_every=2: steps 3 and 9 are off the logging grid, yet their eval_* fields
+    # exist only in that step's line, so the line must be written.
+    config = load_config("tiny", ["train.steps=10", "train.log_every=2", "train.eval_every=3",
+                                  "train.eval_batches=1", "train.checkpoint_every=0"])
+    train(config, CPUBackend(), output_dir=str(tmp_path), show_progress=False)
+    lines = _lines(tmp_path)
+    assert [line["step"] for line in lines] == [2, 3, 4, 6, 8, 9, 10]
+    assert [line["step"] for line in lines if "eval_loss" in line] == [3, 6, 9, 10]
+
+
 def test_packing_adjustment_divides_gradient_accumulation(tmp_path):
     config = load_config("tiny", ["train.steps=1", "train.gradient_accumulation=8",
                                   "train.packing_adjustment=gradient_accumulation"])
