@@ -130,6 +130,34 @@ class Task:
     def on_evaluation(self, step: int, metrics: Dict[str, float], backend, model, output_dir: str) -> None:
         pass
 
+    # -- best model (fine-tuning tasks) ------------------------------------------------------
+    def record_evaluation(self, step: int, metrics: Dict[str, float], backend, model, output_dir: str, *,
+                          better: bool) -> bool:
+        """Remember the last evaluation; when ``better``, it becomes ``self.best`` and, with
+        ``finetune.load_best_model_at_end``, the weights are exported to ``OUT/best``. Returns ``better``."""
+        self.last_eval = {"step": step, **metrics}
+        if not better:
+            return False
+        self.best = {"value": metrics[self.best_metric], "step": step, "metrics": dict(metrics)}
+        if self.is_main and self.config.finetune.load_best_model_at_end:
+            sync_to_host = getattr(backend, "sync_to_host", None)  # IPU: weights live on the device
+            if callable(sync_to_host):
+                sync_to_host()
+            self.export(model, os.path.join(output_dir, "best"))
+        return True
+
+    def restore_best(self, model, output_dir: str, value_text: str) -> bool:
+        """At the end of a run: True when the best evaluation is the one to report; its weights
+        (``OUT/best``) are loaded back into ``model`` when training went on past it."""
+        use_best = self.config.finetune.load_best_model_at_end and "step" in self.best
+        if use_best and self.best["step"] != self.last_eval.get("step"):
+            from bert_packed import hf_io
+
+            best = hf_io.read_pretrained(os.path.join(output_dir, "best"))
+            hf_io.load_weights(model, best.state_dict, source=best.path)
+            self.note(f"loaded the best model (step {self.best['step']}, {value_text}) from {best.path}")
+        return use_best
+
     # -- end of run -------------------------------------------------------------------------
     def tokenizer(self):
         """The tokenizer to ship with the export: ``model.tokenizer``, else the init checkpoint's; or None."""

@@ -284,33 +284,19 @@ class ClassificationTask(Task):
         return value > self.best["value"] if self.greater_is_better else value < self.best["value"]
 
     def on_evaluation(self, step: int, metrics: Dict[str, float], backend, model, output_dir: str) -> None:
-        self.last_eval = {"step": step, **metrics}
         if self.best_metric not in metrics:
             raise ConfigError(f"finetune.metric_for_best_model: no {self.best_metric} among the evaluation "
                               f"metrics ({', '.join(k[5:] for k in metrics)})")
-        if not self._better(metrics[self.best_metric]):
-            return
-        self.best = {"value": metrics[self.best_metric], "step": step, "metrics": dict(metrics)}
-        self.best_logits = self._last_logits
-        if self.is_main and self.config.finetune.load_best_model_at_end:
-            sync_to_host = getattr(backend, "sync_to_host", None)
-            if callable(sync_to_host):
-                sync_to_host()
-            self.export(model, os.path.join(output_dir, "best"))
+        if self.record_evaluation(step, metrics, backend, model, output_dir,
+                                  better=self._better(metrics[self.best_metric])):
+            self.best_logits = self._last_logits
 
     # -- end of run -------------------------------------------------------------------------
     def finish(self, backend, model, output_dir: str, summary: Dict[str, Any]) -> None:
-        f = self.config.finetune
-        use_best = f.load_best_model_at_end and "step" in self.best
+        use_best = self.restore_best(model, output_dir,
+                                     f"{self.best_metric} {self.best.get('value', float('nan')):.4f}")
         chosen = self.best if use_best else ({"step": self.last_eval.get("step"), "metrics": self.last_eval}
                                              if self.last_eval else {})
-        if use_best and self.best["step"] != self.last_eval.get("step"):
-            from bert_packed import hf_io
-
-            best = hf_io.read_pretrained(os.path.join(output_dir, "best"))
-            hf_io.load_weights(model, best.state_dict, source=best.path)
-            self.note(f"loaded the best model (step {self.best['step']}, {self.best_metric} "
-                      f"{self.best['value']:.4f}) from {best.path}")
         if chosen:
             metrics = {k[len("eval_"):]: v for k, v in chosen["metrics"].items() if k.startswith("eval_")}
             summary["eval"] = {**metrics, "step": chosen["step"]}

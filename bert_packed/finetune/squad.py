@@ -592,31 +592,17 @@ class SquadTask(Task):
         return f"EM {metrics['eval_exact_match']:.2f} F1 {metrics['eval_f1']:.2f} loss {metrics['eval_loss']:.4f}"
 
     def on_evaluation(self, step: int, metrics: Dict[str, float], backend, model, output_dir: str) -> None:
-        self.last_eval = {"step": step, **metrics}
-        value = metrics[self.best_metric]
-        if "value" in self.best and not value > self.best["value"]:
-            return
-        self.best = {"value": value, "step": step, "metrics": dict(metrics)}
-        self.best_predictions = self._last_predictions
-        if self.is_main and self.config.finetune.load_best_model_at_end:
-            sync_to_host = getattr(backend, "sync_to_host", None)
-            if callable(sync_to_host):
-                sync_to_host()
-            self.export(model, os.path.join(output_dir, "best"))
+        better = "value" not in self.best or metrics[self.best_metric] > self.best["value"]
+        if self.record_evaluation(step, metrics, backend, model, output_dir, better=better):
+            self.best_predictions = self._last_predictions
 
     # -- end of run -------------------------------------------------------------------------
     def finish(self, backend, model, output_dir: str, summary: Dict[str, Any]) -> None:
         from bert_packed.io import write_text_atomic
 
-        use_best = self.config.finetune.load_best_model_at_end and "step" in self.best
+        use_best = self.restore_best(model, output_dir, f"F1 {self.best.get('value', float('nan')):.2f}")
         chosen = self.best if use_best else {"step": self.last_eval.get("step"), "metrics": self.last_eval}
         predictions = self.best_predictions if use_best else self._last_predictions
-        if use_best and self.best["step"] != self.last_eval.get("step"):
-            from bert_packed import hf_io
-
-            best = hf_io.read_pretrained(os.path.join(output_dir, "best"))
-            hf_io.load_weights(model, best.state_dict, source=best.path)
-            self.note(f"loaded the best model (step {self.best['step']}, F1 {self.best['value']:.2f}) from {best.path}")
         if chosen.get("metrics"):
             metrics = {k[len("eval_"):]: v for k, v in chosen["metrics"].items() if k.startswith("eval_")}
             summary["eval"] = {**metrics, "step": chosen["step"]}
