@@ -185,7 +185,9 @@ class Task:
         if self.is_main and self.config.train.hf_export:
             directory = self.export(model, os.path.join(output_dir, "hf"))
             summary["hf_export"] = directory
-            if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+            # Generated data (the demo) has no text, so no tokenizer exists to ship: say nothing then.
+            from_text = self.config.data.path or self.config.model.init_checkpoint or self.config.model.tokenizer
+            if from_text and not os.path.isfile(os.path.join(directory, "tokenizer.json")):
                 self.note(f"note: {directory} has no tokenizer (set model.tokenizer to a vocab.txt or tokenizer "
                           f"directory to ship one)")
 
