@@ -339,6 +339,16 @@ def _prepare_output_dir(output_dir: str, is_main: bool) -> Optional[DirectoryLoc
     return lock
 
 
+def _refuse_output_over_input(output_dir: str, init_checkpoint: Optional[str]) -> None:
+    """The run's outputs (checkpoint.pt, OUT/hf, OUT/best, ...) must not land in the checkpoint it starts from."""
+    if not init_checkpoint:
+        return
+    source = init_checkpoint if os.path.isdir(init_checkpoint) else os.path.dirname(init_checkpoint) or "."
+    if os.path.realpath(source) == os.path.realpath(output_dir):
+        raise ConfigError(f"--output-dir {output_dir} is the init checkpoint's directory ({init_checkpoint}); "
+                          f"choose another --output-dir so the checkpoint stays as it is")
+
+
 class _Run:
     """One invocation of the loop (state shared by its phases)."""
 
@@ -354,6 +364,7 @@ class _Run:
         for line in validate(config, backend.name, self.world_size) if self.is_main else ():
             print(f"warning: {line}", file=sys.stderr)
         self.output_dir = output_dir or t.output_dir or os.path.join("runs", config.name)
+        _refuse_output_over_input(self.output_dir, config.model.init_checkpoint)
         self.metrics_path = os.path.join(self.output_dir, METRICS_NAME)
         self.summary_path = os.path.join(self.output_dir, SUMMARY_NAME)
         self.checkpoint_path = os.path.join(self.output_dir, CHECKPOINT_NAME)

@@ -185,6 +185,10 @@ def test_user_mistakes_are_one_line_errors(checkpoint, files, tmp_path, capsys):
     _error(capsys, status, "no config.json")
     status, _ = finetune(checkpoint, tmp_path / "g", *train, "--set", "model.hidden_size=64")
     _error(capsys, status, "model.hidden_size=64 contradicts the checkpoint's hidden_size=32")
+    before = {name: open(os.path.join(checkpoint, name), "rb").read() for name in sorted(os.listdir(checkpoint))}
+    status, _ = finetune(checkpoint, checkpoint, *train)
+    _error(capsys, status, "is the init checkpoint's directory")
+    assert {name: open(os.path.join(checkpoint, name), "rb").read() for name in sorted(os.listdir(checkpoint))} == before
 
 
 def test_interrupted_finetune_resumes_exactly_and_exports_from_its_checkpoint(checkpoint, files, tmp_path):
