@@ -21,6 +21,8 @@ computes on the sequences one by one.
 ``input_ids`` column, plus any other per-token columns such as ``labels``), and
 :func:`pack_stream` packs an iterable larger than memory chunk by chunk. numpy only.
 """
+from collections.abc import Mapping
+
 import numpy as np
 
 from .algorithms import check_algorithm_depth, pack
@@ -124,6 +126,13 @@ def batch_cu_seqlens(rows):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
+def _is_whole(value):
+    try:
+        return int(value) == value
+    except (TypeError, ValueError, OverflowError):  # None, "x", nan, inf
+        return False
+
+
 def _flatten(sequences, name):
     """(flat np.int64 tokens, np.int64 lengths) of a list of token sequences."""
     try:
@@ -168,6 +177,8 @@ def pack_sequences(sequences, max_sequence_length, algorithm="lpfhp", max_sequen
         raise PackingError("there are no sequences to pack")
     if np.any(lengths == 0):
         raise PackingError(f"sequence {int(np.flatnonzero(lengths == 0)[0])} is empty; drop empty sequences first")
+    if columns is not None and not isinstance(columns, Mapping):
+        raise PackingError(f"columns must be a dict of column name -> token sequences, got {type(columns).__name__}")
     named = {"input_ids": flat}
     for name, values in (columns or {}).items():
         column_flat, column_lengths = _flatten(values, name)
@@ -211,7 +222,7 @@ def pack_stream(sequences, max_sequence_length, chunk_size=100_000, **kwargs):
     their rows yielded, so memory stays bounded by a chunk. Yields row dicts (as
     ``PackedRows[i]``); each carries ``sequence_indices``, the global input index of each of
     its sequences. A larger chunk packs tighter (more lengths to combine)."""
-    if int(chunk_size) != chunk_size or chunk_size < 1:
+    if not _is_whole(chunk_size) or chunk_size < 1:
         raise PackingError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     chunk, first = [], 0
     iterator = iter(sequences)
