@@ -27,7 +27,7 @@ import numpy as np
 
 from .algorithms import check_algorithm_depth, pack
 from .assign import assign
-from .histogram import Histogram, PackingError, check_seed
+from .histogram import Histogram, PackingError, _check_max_sequence_length, check_seed
 
 
 class PackedRows:
@@ -60,9 +60,7 @@ class PackedRows:
     @property
     def position_ids(self):
         """np.int64 [total tokens]: 0, 1, ... restarting at every sequence."""
-        starts = np.zeros(self.seq_lengths.size, dtype=np.int64)
-        np.cumsum(self.seq_lengths[:-1], out=starts[1:])
-        return np.arange(int(self.seq_lengths.sum()), dtype=np.int64) - np.repeat(starts, self.seq_lengths)
+        return _positions(self.seq_lengths)
 
     def __getitem__(self, index):
         if not -len(self) <= index < len(self):
@@ -71,8 +69,7 @@ class PackedRows:
         start, stop = int(self.row_offsets[index]), int(self.row_offsets[index + 1])
         lengths = self.seq_lengths[self.seq_row_offsets[index]:self.seq_row_offsets[index + 1]]
         row = {name: values[start:stop] for name, values in self.tokens.items()}
-        row["position_ids"] = np.arange(stop - start, dtype=np.int64) - np.repeat(
-            np.cumsum(lengths) - lengths, lengths)
+        row["position_ids"] = _positions(lengths)
         row["seq_lengths"] = lengths
         row["cu_seqlens"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         return row
@@ -117,6 +114,18 @@ class PackedRows:
     def __repr__(self):
         return (f"PackedRows(num_rows={len(self)}, num_sequences={self.seq_lengths.size}, "
                 f"max_sequence_length={self.max_sequence_length})")
+
+
+def _starts(lengths):
+    """np.int64 [n]: where each of n consecutive sequences starts (0, l0, l0 + l1, ...)."""
+    starts = np.zeros(lengths.size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
+
+
+def _positions(lengths):
+    """np.int64 [sum of lengths]: 0, 1, ... restarting at every sequence."""
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(_starts(lengths), lengths)
 
 
 def batch_cu_seqlens(rows):
@@ -169,7 +178,7 @@ def pack_sequences(sequences, max_sequence_length, algorithm="lpfhp", max_sequen
         :class:`PackedRows`. Empty sequences are refused (they cannot be packed and would
         vanish); a sequence longer than L is refused unless ``truncate``.
     """
-    L = int(Histogram.from_lengths([1], max_sequence_length).max_sequence_length)  # validates L
+    L = _check_max_sequence_length(max_sequence_length)
     depth = check_algorithm_depth(algorithm, max_sequences_per_pack)
     seed = check_seed(seed)
     flat, lengths = _flatten(sequences, "sequences")
@@ -187,8 +196,7 @@ def pack_sequences(sequences, max_sequence_length, algorithm="lpfhp", max_sequen
             where = f" at sequence {bad}" if bad is not None else f" ({column_lengths.size} sequences)"
             raise PackingError(f"column {name!r} does not match input_ids{where}")
         named[name] = column_flat
-    starts = np.zeros(lengths.size, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
+    starts = _starts(lengths)
     if np.any(lengths > L):
         if not truncate:
             index = int(np.flatnonzero(lengths > L)[0])
@@ -203,10 +211,7 @@ def pack_sequences(sequences, max_sequence_length, algorithm="lpfhp", max_sequen
     packs = assign(result.plan, lengths, seed=seed, shuffle_packs=shuffle_rows)
     order = packs.sequence_indices
     packed_lengths = lengths[order]
-    out_starts = np.zeros(order.size, dtype=np.int64)
-    np.cumsum(packed_lengths[:-1], out=out_starts[1:])
-    source = np.arange(int(packed_lengths.sum()), dtype=np.int64) + np.repeat(starts[order] - out_starts,
-                                                                              packed_lengths)
+    source = np.repeat(starts[order], packed_lengths) + _positions(packed_lengths)  # input index of each token
     tokens = {name: values[source] for name, values in named.items()}
     sequences_per_row = np.diff(packs.pack_offsets)
     row_tokens = np.add.reduceat(packed_lengths, packs.pack_offsets[:-1]) if len(packs) else packed_lengths[:0]
