@@ -94,6 +94,9 @@ class PackedRows:
         (0 on padding) and ``sequence_ids`` (1..k = which sequence of the row, 0 = padding),
         from which a block-diagonal attention mask is ``ids[:, :, None] == ids[:, None, :]``
         (and ids > 0)."""
+        for name, value in (("pad_token_id", pad_token_id), ("label_pad_id", label_pad_id)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise PackingError(f"{name} must be an integer token id, got {value!r}")
         num_rows, L = len(self), self.max_sequence_length
         row_of_token = np.repeat(np.arange(num_rows), np.diff(self.row_offsets))
         column = np.arange(self.row_offsets[-1]) - self.row_offsets[row_of_token]

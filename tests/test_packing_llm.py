@@ -74,6 +74,11 @@ def test_truncate_and_refusals():
     for bad in (0, 2.5, "x", None, float("nan")):
         with pytest.raises(PackingError, match=r"^chunk_size must be a positive integer, got "):
             list(pack_stream([[1]], L, chunk_size=bad))
+    for bad in ("x", None, 1.5):
+        with pytest.raises(PackingError, match=r"^pad_token_id must be an integer token id, got "):
+            pack_sequences([[1]], L).padded(pad_token_id=bad)
+    with pytest.raises(PackingError, match=r"^label_pad_id must be an integer token id, got 1.5$"):
+        pack_sequences([[1]], L).padded(label_pad_id=1.5)
 
 
 def test_stream_packs_chunk_by_chunk():
