@@ -55,11 +55,28 @@ def _run_greedy(histogram, depth, seed, lengths=None):
     return Plan(offsets, lengths, repeats, histogram.max_sequence_length), {}
 
 
-def _run_lp(histogram, depth, seed, **options):
+def _is_number(value):
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and bool(np.isfinite(value))
+
+
+def _check_lp_options(options):
+    """lp's own options, refused with one line when out of range (lp.pack_lp trusts them)."""
     limit = options.get("time_limit")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
-                              or not np.isfinite(limit) or limit <= 0):
+    if limit is not None and not (_is_number(limit) and limit > 0):
         raise PackingError(f"lp's time_limit must be a positive number of seconds (or None), got {limit!r}")
+    gap = options.get("target_gap", 0.0)
+    if not (_is_number(gap) and gap >= 0):
+        raise PackingError(f"lp's target_gap must be a non-negative fraction, got {gap!r}")
+    items = options.get("max_lp_items", 1)
+    if isinstance(items, bool) or not isinstance(items, (int, np.integer)) or items < 1:
+        raise PackingError(f"lp's max_lp_items must be a positive integer, got {items!r}")
+    master = options.get("master", "highs")
+    if not isinstance(master, str) or master not in lp.MASTERS:
+        raise PackingError(f"lp's master must be one of {', '.join(sorted(lp.MASTERS))}, got {master!r}")
+
+
+def _run_lp(histogram, depth, seed, **options):
+    _check_lp_options(options)
     strategies, repeats, details = lp.pack_lp(histogram.counts, histogram.max_sequence_length, depth, **options)
     plan = exact_plan(strategies, repeats, histogram.counts, histogram.max_sequence_length)
     return plan, details

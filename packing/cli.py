@@ -363,7 +363,7 @@ def main(argv=None):
             raise PackingError(f"--repeats must be at least 1, got {args.repeats}")
         if args.seed < 0:
             raise PackingError(f"--seed must be a non-negative integer, got {args.seed}")
-        if getattr(args, "time_limit", None) is not None and not args.time_limit > 0:
+        if getattr(args, "time_limit", None) is not None and not 0 < args.time_limit < np.inf:
             raise PackingError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
         if args.max_sequence_length is not None and args.max_sequence_length < 1:
             raise PackingError(f"--max-sequence-length must be a positive integer, got {args.max_sequence_length}")

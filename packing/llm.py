@@ -21,11 +21,13 @@ computes on the sequences one by one.
 ``input_ids`` column, plus any other per-token columns such as ``labels``), and
 :func:`pack_stream` packs an iterable larger than memory chunk by chunk. numpy only.
 """
+from collections.abc import Mapping
+
 import numpy as np
 
 from .algorithms import check_algorithm_depth, pack
 from .assign import assign
-from .histogram import Histogram, PackingError, check_seed
+from .histogram import Histogram, PackingError, _check_max_sequence_length, check_seed
 
 
 class PackedRows:
@@ -58,9 +60,7 @@ class PackedRows:
     @property
     def position_ids(self):
         """np.int64 [total tokens]: 0, 1, ... restarting at every sequence."""
-        starts = np.zeros(self.seq_lengths.size, dtype=np.int64)
-        np.cumsum(self.seq_lengths[:-1], out=starts[1:])
-        return np.arange(int(self.seq_lengths.sum()), dtype=np.int64) - np.repeat(starts, self.seq_lengths)
+        return _positions(self.seq_lengths)
 
     def __getitem__(self, index):
         if not -len(self) <= index < len(self):
@@ -69,8 +69,7 @@ class PackedRows:
         start, stop = int(self.row_offsets[index]), int(self.row_offsets[index + 1])
         lengths = self.seq_lengths[self.seq_row_offsets[index]:self.seq_row_offsets[index + 1]]
         row = {name: values[start:stop] for name, values in self.tokens.items()}
-        row["position_ids"] = np.arange(stop - start, dtype=np.int64) - np.repeat(
-            np.cumsum(lengths) - lengths, lengths)
+        row["position_ids"] = _positions(lengths)
         row["seq_lengths"] = lengths
         row["cu_seqlens"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         return row
@@ -95,6 +94,9 @@ class PackedRows:
         (0 on padding) and ``sequence_ids`` (1..k = which sequence of the row, 0 = padding),
         from which a block-diagonal attention mask is ``ids[:, :, None] == ids[:, None, :]``
         (and ids > 0)."""
+        for name, value in (("pad_token_id", pad_token_id), ("label_pad_id", label_pad_id)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise PackingError(f"{name} must be an integer token id, got {value!r}")
         num_rows, L = len(self), self.max_sequence_length
         row_of_token = np.repeat(np.arange(num_rows), np.diff(self.row_offsets))
         column = np.arange(self.row_offsets[-1]) - self.row_offsets[row_of_token]
@@ -117,11 +119,30 @@ class PackedRows:
                 f"max_sequence_length={self.max_sequence_length})")
 
 
+def _starts(lengths):
+    """np.int64 [n]: where each of n consecutive sequences starts (0, l0, l0 + l1, ...)."""
+    starts = np.zeros(lengths.size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
+
+
+def _positions(lengths):
+    """np.int64 [sum of lengths]: 0, 1, ... restarting at every sequence."""
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(_starts(lengths), lengths)
+
+
 def batch_cu_seqlens(rows):
     """np.int32 [total sequences + 1]: cu_seqlens of several rows (dicts from
     ``PackedRows[i]``) concatenated into one flat batch, as flash_attn_varlen_func takes."""
     lengths = np.concatenate([np.asarray(row["seq_lengths"], dtype=np.int64) for row in rows])
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _is_whole(value):
+    try:
+        return int(value) == value
+    except (TypeError, ValueError, OverflowError):  # None, "x", nan, inf
+        return False
 
 
 def _flatten(sequences, name):
@@ -160,7 +181,7 @@ def pack_sequences(sequences, max_sequence_length, algorithm="lpfhp", max_sequen
         :class:`PackedRows`. Empty sequences are refused (they cannot be packed and would
         vanish); a sequence longer than L is refused unless ``truncate``.
     """
-    L = int(Histogram.from_lengths([1], max_sequence_length).max_sequence_length)  # validates L
+    L = _check_max_sequence_length(max_sequence_length)
     depth = check_algorithm_depth(algorithm, max_sequences_per_pack)
     seed = check_seed(seed)
     flat, lengths = _flatten(sequences, "sequences")
@@ -168,6 +189,8 @@ def pack_sequences(sequences, max_sequence_length, algorithm="lpfhp", max_sequen
         raise PackingError("there are no sequences to pack")
     if np.any(lengths == 0):
         raise PackingError(f"sequence {int(np.flatnonzero(lengths == 0)[0])} is empty; drop empty sequences first")
+    if columns is not None and not isinstance(columns, Mapping):
+        raise PackingError(f"columns must be a dict of column name -> token sequences, got {type(columns).__name__}")
     named = {"input_ids": flat}
     for name, values in (columns or {}).items():
         column_flat, column_lengths = _flatten(values, name)
@@ -176,8 +199,7 @@ def pack_sequences(sequences, max_sequence_length, algorithm="lpfhp", max_sequen
             where = f" at sequence {bad}" if bad is not None else f" ({column_lengths.size} sequences)"
             raise PackingError(f"column {name!r} does not match input_ids{where}")
         named[name] = column_flat
-    starts = np.zeros(lengths.size, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
+    starts = _starts(lengths)
     if np.any(lengths > L):
         if not truncate:
             index = int(np.flatnonzero(lengths > L)[0])
@@ -192,10 +214,7 @@ def pack_sequences(sequences, max_sequence_length, algorithm="lpfhp", max_sequen
     packs = assign(result.plan, lengths, seed=seed, shuffle_packs=shuffle_rows)
     order = packs.sequence_indices
     packed_lengths = lengths[order]
-    out_starts = np.zeros(order.size, dtype=np.int64)
-    np.cumsum(packed_lengths[:-1], out=out_starts[1:])
-    source = np.arange(int(packed_lengths.sum()), dtype=np.int64) + np.repeat(starts[order] - out_starts,
-                                                                              packed_lengths)
+    source = np.repeat(starts[order], packed_lengths) + _positions(packed_lengths)  # input index of each token
     tokens = {name: values[source] for name, values in named.items()}
     sequences_per_row = np.diff(packs.pack_offsets)
     row_tokens = np.add.reduceat(packed_lengths, packs.pack_offsets[:-1]) if len(packs) else packed_lengths[:0]
@@ -211,7 +230,7 @@ def pack_stream(sequences, max_sequence_length, chunk_size=100_000, **kwargs):
     their rows yielded, so memory stays bounded by a chunk. Yields row dicts (as
     ``PackedRows[i]``); each carries ``sequence_indices``, the global input index of each of
     its sequences. A larger chunk packs tighter (more lengths to combine)."""
-    if int(chunk_size) != chunk_size or chunk_size < 1:
+    if not _is_whole(chunk_size) or chunk_size < 1:
         raise PackingError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     chunk, first = [], 0
     iterator = iter(sequences)

@@ -89,6 +89,17 @@ def test_time_limit_is_validated():
             pack(histogram, "lp", 2, time_limit=bad)
 
 
+@pytest.mark.parametrize("option,bad,message", [
+    ("target_gap", -1, "target_gap must be a non-negative"), ("target_gap", float("nan"), "target_gap"),
+    ("target_gap", "x", "target_gap"), ("max_lp_items", 0, "max_lp_items must be a positive integer"),
+    ("max_lp_items", 1.5, "max_lp_items"), ("max_lp_items", None, "max_lp_items"),
+    ("master", "foo", "master must be one of highs, scipy"), ("master", None, "master")])
+def test_lp_options_are_validated(option, bad, message):
+    histogram = Histogram.from_lengths([3, 4, 5], 8)
+    with pytest.raises(PackingError, match=message):
+        pack(histogram, "lp", 2, **{option: bad})
+
+
 @pytest.mark.parametrize("L,length,count", [(512, 171, 300), (512, 256, 7), (512, 100, 1001), (8192, 3000, 50),
                                             (64, 1, 1000), (512, 512, 5), (64, 22, 301), (48, 13, 40)])
 def test_equal_lengths_are_packed_optimally(L, length, count):

@@ -78,6 +78,9 @@ HISTOGRAM_CASES = {
     "zero time limit": (
         {"max_sequence_length": 4, "counts": [1, 2, 3, 4]}, ["--algorithm", "lp", "--time-limit", "0"],
         "error: --time-limit must be a positive number of seconds, got 0.0"),
+    "infinite time limit": (  # refused up front, lp row or not (lp itself refuses inf too)
+        {"max_sequence_length": 4, "counts": [1, 2, 3, 4]}, ["--algorithm", "lpfhp", "--time-limit", "inf"],
+        "error: --time-limit must be a positive number of seconds, got inf"),
     "nnlshp too large to build": (
         {"max_sequence_length": 8192, "counts": [0] * 8191 + [5]}, ["--algorithm", "nnlshp"],
         "error: nnlshp at max_sequence_length 8192, depth 3 needs a dense 8,192 x 5,596,502 matrix "

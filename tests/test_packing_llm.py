@@ -69,6 +69,16 @@ def test_truncate_and_refusals():
         pack_sequences([[1.5, 2]], L)
     with pytest.raises(PackingError, match="seed must be a non-negative integer"):
         pack_sequences([[1]], L, seed=-1)
+    with pytest.raises(PackingError, match=r"^columns must be a dict of column name -> token sequences, got str$"):
+        pack_sequences([[1]], L, columns="labels")
+    for bad in (0, 2.5, "x", None, float("nan")):
+        with pytest.raises(PackingError, match=r"^chunk_size must be a positive integer, got "):
+            list(pack_stream([[1]], L, chunk_size=bad))
+    for bad in ("x", None, 1.5):
+        with pytest.raises(PackingError, match=r"^pad_token_id must be an integer token id, got "):
+            pack_sequences([[1]], L).padded(pad_token_id=bad)
+    with pytest.raises(PackingError, match=r"^label_pad_id must be an integer token id, got 1.5$"):
+        pack_sequences([[1]], L).padded(label_pad_id=1.5)
 
 
 def test_stream_packs_chunk_by_chunk():
