@@ -534,7 +534,7 @@ class _Run:
         iterator = iter(source)
         task_summary: Dict[str, Any] = {}  # the task's end-of-run results (eval, labels, hf_export)
         first_line = last_line = None
-        checkpoint_step = start_step if os.path.exists(checkpoint_path) and start_step else None
+        checkpoint_step = start_step or None  # start_step > 0 only after loading checkpoint_path
         step = start_step
         skipped_in_a_row = 0
         checkpoint_due = False
