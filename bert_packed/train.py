@@ -534,10 +534,18 @@ class _Run:
             summary("diverged", step - 1, message)
             raise DivergenceError(message)
 
+        def write_checkpoint(step: int) -> int:
+            """The checkpoint of ``step`` (returned); a model with non-finite weights stops the run instead."""
+            bad_weights = _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler, source, totals,
+                                      config, self.given, world_size, is_main, task)
+            if bad_weights:
+                stop_diverged(step, f"non-finite weights ({', '.join(bad_weights[:3])})")
+            return step
+
         iterator = iter(source)
         task_summary: Dict[str, Any] = {}  # the task's end-of-run results (eval, labels, hf_export)
         first_line = last_line = None
-        checkpoint_step = start_step if os.path.exists(checkpoint_path) and start_step else None
+        checkpoint_step = start_step or None  # start_step > 0 only after loading checkpoint_path
         step = start_step
         skipped_in_a_row = 0
         checkpoint_due = False
@@ -618,20 +626,12 @@ class _Run:
                 # last step (a call of several steps, IPU device_iterations, cannot be split).
                 if checkpoint_due:
                     checkpoint_due = False
-                    bad_weights = _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler, source,
-                                              totals, config, self.given, world_size, is_main, task)
-                    if bad_weights:
-                        stop_diverged(step, f"non-finite weights ({', '.join(bad_weights[:3])})")
-                    checkpoint_step = step
+                    checkpoint_step = write_checkpoint(step)
                 # Every rank stops at the same step: the flag is summed over ranks.
                 if _all_reduce_sum([float(stop.signum is not None)])[0] and step < t.steps:
                     signum = stop.signum or signal.SIGTERM
                     if checkpoint_step != step:
-                        bad_weights = _checkpoint(backend, checkpoint_path, step, model, optimizer, scheduler,
-                                                  source, totals, config, self.given, world_size, is_main, task)
-                        if bad_weights:
-                            stop_diverged(step, f"non-finite weights ({', '.join(bad_weights[:3])})")
-                        checkpoint_step = step
+                        checkpoint_step = write_checkpoint(step)
                     progress.close()
                     message = (f"{signal.Signals(signum).name} at step {step} of {t.steps}: checkpoint "
                                f"{checkpoint_path} written; continue with --resume")
