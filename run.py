@@ -12,6 +12,7 @@ Configs: configs/NAME[.yaml] or a path; `python -m bert_packed.config NAME` prin
 Exit codes: 0 done; 2 a user mistake (one line on stderr); 3 training diverged; 128+N stopped
 by signal N (SIGINT 130, SIGTERM 143) after writing a checkpoint.
 """
+import json
 import os
 import sys
 
@@ -36,13 +37,17 @@ def parse_args(argv=None):
     p.add_argument("--compile-only", action="store_true",
                    help="ipu/mock: print the per-IPU memory estimate and compile offline (Poplar memory report)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.init_checkpoint is not None and not args.init_checkpoint.strip():
+        p.error("--init-checkpoint needs a Hugging Face directory or a checkpoint path, got an empty one")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     overrides = args.overrides + ([f"train.steps={args.steps}"] if args.steps is not None else [])
-    overrides += [f"model.init_checkpoint={args.init_checkpoint}"] if args.init_checkpoint else []
+    # A path, never YAML: quoted, so "null", "123" or "true" stay the folder names they are.
+    overrides += [f"model.init_checkpoint={json.dumps(args.init_checkpoint)}"] if args.init_checkpoint else []
     from bert_packed.train import TrainingStopped
 
     try:

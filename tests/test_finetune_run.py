@@ -185,6 +185,17 @@ def test_user_mistakes_are_one_line_errors(checkpoint, files, tmp_path, capsys):
     _error(capsys, status, "no config.json")
     status, _ = finetune(checkpoint, tmp_path / "g", *train, "--set", "model.hidden_size=64")
     _error(capsys, status, "model.hidden_size=64 contradicts the checkpoint's hidden_size=32")
+    # --init-checkpoint is a path, not YAML: "null" is a (missing) folder and "" is refused; neither
+    # trains from scratch.
+    argv = ["--config", "finetune_classification", "--output-dir", str(tmp_path / "h"), "--no-progress", *train]
+    status = run.main(argv + ["--init-checkpoint", "null"])
+    _error(capsys, status, "null: no such file or directory")
+    with pytest.raises(SystemExit) as stopped:
+        run.main(argv + ["--init-checkpoint", ""])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "got an empty one" in err[0], err
+    assert not (tmp_path / "h").exists()
     before = {name: open(os.path.join(checkpoint, name), "rb").read() for name in sorted(os.listdir(checkpoint))}
     status, _ = finetune(checkpoint, checkpoint, *train)
     _error(capsys, status, "is the init checkpoint's directory")
