@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Seq
 
 import numpy as np
 
-from bert_packed.collate import BatchError, _pack_tokens, _per_sequence, one_per_pack
+from bert_packed.collate import BatchError, pack_tokens, per_sequence, one_per_pack
 from bert_packed.data import DataError
 from bert_packed.task import Task
 
@@ -393,7 +393,7 @@ def collate_question_answering(samples: Mapping[str, np.ndarray], assignment: An
     weight 0.
     """
     S, K = int(max_sequence_length), int(max_sequences_per_pack)
-    batch, layout = _pack_tokens(samples, assignment, S, K)
+    batch, layout = pack_tokens(samples, assignment, S, K)
     lengths = layout.lengths
     for name in ("start_positions", "end_positions"):
         local = np.asarray(samples[name], dtype=np.int64)[layout.order]
@@ -404,7 +404,7 @@ def collate_question_answering(samples: Mapping[str, np.ndarray], assignment: An
         absolute = np.zeros((len(layout.offsets) - 1, K), dtype=np.int64)
         absolute[layout.pack_of, layout.slot] = layout.start + local
         batch[name] = absolute
-    batch["label_weights"] = _per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
+    batch["label_weights"] = per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
     return batch
 
 
