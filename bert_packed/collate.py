@@ -317,8 +317,7 @@ def validate_batch(batch: Mapping[str, Any], config: Optional[Any] = None, *, ro
         values = arrays[name]
         if values.size and (values.min() < low or values.max() >= high):
             b, j = np.argwhere((values < low) | (values >= high))[0]
-            row = int(rows[b]) if rows is not None else int(b)
-            raise BatchError(f"{name} of pack {row}: value {int(values[b, j])} is outside [{low}, {high}) ({what})")
+            raise BatchError(f"{name} of pack {_row(rows, b)}: value {int(values[b, j])} is outside [{low}, {high}) ({what})")
 
     if config is not None:
         if K > config.max_sequences_per_pack:
