@@ -37,8 +37,9 @@ from torch import nn
 
 from bert_packed import attention as attention_registry
 from bert_packed.attention import profiler_scope
-from bert_packed.losses import (MLM_LOSS_NORMALIZATIONS, add_sequence_normalizer, add_step_normalizers,
-                                 classification_loss_terms, mlm_loss_terms, normalize, nsp_loss_terms, span_loss_terms)
+from bert_packed.losses import (MLM_LOSS_NORMALIZATIONS, PRETRAINING_COUNTS, PRETRAINING_METRICS,
+                                 add_sequence_normalizer, add_step_normalizers, classification_loss_terms,
+                                 mlm_loss_terms, normalize, nsp_loss_terms, span_loss_terms)
 
 __all__ = [
     "ModelConfigError",
@@ -520,8 +521,8 @@ class BertForPreTraining(BertPreTrainedModel):
 
     # What the backends sum over micro-batches and replicas: the step's shares of the loss
     # and metrics (normalised by the step's counts), then this batch's counts.
-    metric_names = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
-    count_names = ("num_sequences", "num_mlm_tokens")
+    metric_names = PRETRAINING_METRICS
+    count_names = PRETRAINING_COUNTS
     normalizer_fields = OPTIONAL_FIELDS
 
     def tie_weights(self) -> None:
