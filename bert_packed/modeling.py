@@ -57,6 +57,7 @@ __all__ = [
     "CLASSIFICATION_FIELDS",
     "PROBLEM_TYPES",
     "hf_state_dict",
+    "hf_parameter_name",
     "load_hf_state_dict",
 ]
 
@@ -730,6 +731,12 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 _HF_BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids", "embeddings.position_ids", "embeddings.token_type_ids")
 
 
+def hf_parameter_name(key: str) -> str:
+    """A checkpoint's parameter name as the model has it: old (TF-converted) checkpoints call
+    the LayerNorm parameters gamma / beta."""
+    return key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+
+
 def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
     """Load a ``transformers`` state dict into ``model`` (same names and shapes).
 
@@ -744,8 +751,7 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
     for key, value in state_dict.items():
         if key in _HF_BUFFERS:
             continue
-        # Old (TF-converted) checkpoints call the LayerNorm parameters gamma / beta.
-        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        key = hf_parameter_name(key)
         if isinstance(model, BertModel) and key.startswith("bert."):
             key = key[len("bert.") :]  # a task model's checkpoint into the bare encoder
         state[key] = value
