@@ -40,6 +40,9 @@ __all__ = [
     "sample_lengths",
     "slice_assignment",
     "one_per_pack",
+    "PackLayout",
+    "pack_tokens",
+    "per_sequence",
     "collate",
     "collate_unpacked",
     "collate_classification",
@@ -99,7 +102,7 @@ def one_per_pack(sequence_indices) -> PackSlice:
     return PackSlice(np.arange(len(indices) + 1, dtype=np.int64), indices)
 
 
-class _Layout(NamedTuple):
+class PackLayout(NamedTuple):
     """Where every sequence of an assignment goes (arrays over sequences in pack order)."""
 
     offsets: np.ndarray  # [P + 1]
@@ -110,8 +113,10 @@ class _Layout(NamedTuple):
     lengths: np.ndarray  # [n] tokens
 
 
-def _pack_tokens(samples, assignment, S: int, K: int):
-    """Token and per-sequence fields shared by every task; returns (batch, layout)."""
+def pack_tokens(samples, assignment, S: int, K: int):
+    """Token and per-sequence fields shared by every task's collate; returns (batch, layout).
+
+    A task's collate adds its own per-sequence fields with ``per_sequence(layout, ...)``."""
     offsets = np.asarray(assignment.pack_offsets, dtype=np.int64)
     order = np.asarray(assignment.sequence_indices, dtype=np.int64)  # sample index, in pack order
     num_packs = len(offsets) - 1
@@ -159,10 +164,10 @@ def _pack_tokens(samples, assignment, S: int, K: int):
     batch["sequence_ids"][rows, cols] = slot[token_sequence] + 1
     batch["cls_positions"] = np.zeros((num_packs, K), dtype=np.int64)
     batch["cls_positions"][pack_of, slot] = start
-    return batch, _Layout(offsets, order, pack_of, slot, start, lengths)
+    return batch, PackLayout(offsets, order, pack_of, slot, start, lengths)
 
 
-def _per_sequence(layout: _Layout, values, K: int, dtype) -> np.ndarray:
+def per_sequence(layout: PackLayout, values, K: int, dtype) -> np.ndarray:
     """``[P, K, ...]``: each sequence's value (a scalar or a row, e.g. multi-hot labels) in its slot."""
     values = np.asarray(values)
     values = values.reshape(-1) if values.ndim <= 1 else values
@@ -187,11 +192,11 @@ def collate(
     too many sequences or masked tokens, or a sample is malformed.
     """
     S, K, M = int(max_sequence_length), int(max_sequences_per_pack), int(max_masked_tokens_per_pack)
-    batch, layout = _pack_tokens(samples, assignment, S, K)
+    batch, layout = pack_tokens(samples, assignment, S, K)
     offsets, order, pack_of, slot, start, lengths = layout
     num_packs = len(offsets) - 1
-    batch["nsp_labels"] = _per_sequence(layout, samples["next_sentence_labels"], K, np.int64)
-    batch["nsp_weights"] = _per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
+    batch["nsp_labels"] = per_sequence(layout, samples["next_sentence_labels"], K, np.int64)
+    batch["nsp_weights"] = per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
 
     # Masked tokens: the pack's sequences in order, each with its valid slots in order.
     masked_positions = np.asarray(samples["masked_lm_positions"])[order].astype(np.int64)  # [n, P]
@@ -237,10 +242,10 @@ def collate_classification(
     ``[N, C]`` (regression targets, multi-hot labels -> float32 ``[B, K(, C)]``).
     """
     S, K = int(max_sequence_length), int(max_sequences_per_pack)
-    batch, layout = _pack_tokens(samples, assignment, S, K)
+    batch, layout = pack_tokens(samples, assignment, S, K)
     labels = np.asarray(samples["labels"])
-    batch["labels"] = _per_sequence(layout, labels, K, np.float32 if labels.dtype.kind == "f" else np.int64)
-    batch["label_weights"] = _per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
+    batch["labels"] = per_sequence(layout, labels, K, np.float32 if labels.dtype.kind == "f" else np.int64)
+    batch["label_weights"] = per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
     return batch
 
 
@@ -312,8 +317,7 @@ def validate_batch(batch: Mapping[str, Any], config: Optional[Any] = None, *, ro
         values = arrays[name]
         if values.size and (values.min() < low or values.max() >= high):
             b, j = np.argwhere((values < low) | (values >= high))[0]
-            row = int(rows[b]) if rows is not None else int(b)
-            raise BatchError(f"{name} of pack {row}: value {int(values[b, j])} is outside [{low}, {high}) ({what})")
+            raise BatchError(f"{name} of pack {_row(rows, b)}: value {int(values[b, j])} is outside [{low}, {high}) ({what})")
 
     if config is not None:
         if K > config.max_sequences_per_pack:

@@ -208,14 +208,13 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     A classifier whose number of labels differs is re-initialised (a new label set); any
     other shape difference is a ``CheckpointError``.
     """
-    from bert_packed.modeling import load_hf_state_dict
+    from bert_packed.modeling import hf_parameter_name, load_hf_state_dict
 
     state = _normalise_keys(model, state_dict)
     own = model.state_dict()
     reinitialised = []
     for key in list(state):
-        # Old TF-converted names (gamma/beta) are renamed by load_hf_state_dict; compare after it.
-        target = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        target = hf_parameter_name(key)  # as load_hf_state_dict will rename it
         if target in own and tuple(own[target].shape) != tuple(state[key].shape):
             if target.startswith("classifier."):
                 reinitialised.append(target)

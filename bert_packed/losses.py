@@ -166,6 +166,8 @@ def span_loss_terms(
     correct = (start_ok & end_ok).float() * weights
     return {"loss_sum": loss.sum(dim=1), "correct_sum": correct.sum(dim=1), "count": weights.sum(dim=1),
             "start_scores": start_scores, "end_scores": end_scores}
+
+
 def classification_loss_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                               problem_type: str) -> Dict[str, torch.Tensor]:
     """Per-pack numerators and counts of a per-sequence classification or regression loss.
@@ -265,22 +267,9 @@ def add_step_normalizers(
     Modifies the dicts in place and returns the list.
     """
     if totals is None:
-        totals = step_counts(micro_batches, normalization)
-        if all_reduce is not None:
-            counts = torch.tensor(totals, dtype=torch.float64)
-            all_reduce(counts)
-            totals = (float(counts[0]), float(counts[1]))
+        totals = _summed(step_counts(micro_batches, normalization), all_reduce)
     mlm_count, nsp_count = totals
-    for batch in micro_batches:
-        reference = batch["input_ids"]
-        num_packs = int(reference.shape[0])
-        if isinstance(reference, torch.Tensor):
-            batch["mlm_normalizer"] = torch.full((num_packs,), mlm_count, dtype=torch.float32, device=reference.device)
-            batch["nsp_normalizer"] = torch.full((num_packs,), nsp_count, dtype=torch.float32, device=reference.device)
-        else:
-            batch["mlm_normalizer"] = np.full((num_packs,), mlm_count, dtype=np.float32)
-            batch["nsp_normalizer"] = np.full((num_packs,), nsp_count, dtype=np.float32)
-    return list(micro_batches)
+    return _set_per_pack(micro_batches, {"mlm_normalizer": mlm_count, "nsp_normalizer": nsp_count})
 
 
 def add_sequence_normalizer(
@@ -296,18 +285,31 @@ def add_sequence_normalizer(
     ``all_reduce``, as in ``add_step_normalizers``): with it each micro-batch's loss is its
     share of the step's per-sequence mean. Modifies the dicts in place and returns the list.
     """
-    count = float(sum(float(_as_numpy(b[weight_field]).sum()) for b in micro_batches))
-    if all_reduce is not None:
-        total = torch.tensor([count], dtype=torch.float64)
-        all_reduce(total)
-        count = float(total[0])
+    (count,) = _summed((float(sum(float(_as_numpy(b[weight_field]).sum()) for b in micro_batches)),), all_reduce)
+    return _set_per_pack(micro_batches, {field: count})
+
+
+def _summed(counts: Tuple[float, ...], all_reduce: Optional[Callable[[torch.Tensor], object]]) -> Tuple[float, ...]:
+    """``counts`` summed over processes by ``all_reduce`` (in place on a float64 tensor), if given."""
+    if all_reduce is None:
+        return counts
+    total = torch.tensor(counts, dtype=torch.float64)
+    all_reduce(total)
+    return tuple(float(c) for c in total)
+
+
+def _set_per_pack(micro_batches: Sequence[MutableMapping[str, object]],
+                  values: Mapping[str, float]) -> List[MutableMapping[str, object]]:
+    """Set every ``values`` field (float32 ``[B]``, every pack the same value) in every micro-batch,
+    as a torch tensor on ``input_ids``' device or as numpy like ``input_ids``."""
     for batch in micro_batches:
         reference = batch["input_ids"]
         num_packs = int(reference.shape[0])
-        if isinstance(reference, torch.Tensor):
-            batch[field] = torch.full((num_packs,), count, dtype=torch.float32, device=reference.device)
-        else:
-            batch[field] = np.full((num_packs,), count, dtype=np.float32)
+        for name, value in values.items():
+            if isinstance(reference, torch.Tensor):
+                batch[name] = torch.full((num_packs,), value, dtype=torch.float32, device=reference.device)
+            else:
+                batch[name] = np.full((num_packs,), value, dtype=np.float32)
     return list(micro_batches)
 
 

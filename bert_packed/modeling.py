@@ -37,8 +37,9 @@ from torch import nn
 
 from bert_packed import attention as attention_registry
 from bert_packed.attention import profiler_scope
-from bert_packed.losses import (MLM_LOSS_NORMALIZATIONS, add_sequence_normalizer, add_step_normalizers,
-                                 classification_loss_terms, mlm_loss_terms, normalize, nsp_loss_terms, span_loss_terms)
+from bert_packed.losses import (MLM_LOSS_NORMALIZATIONS, PRETRAINING_COUNTS, PRETRAINING_METRICS,
+                                 add_sequence_normalizer, add_step_normalizers, classification_loss_terms,
+                                 mlm_loss_terms, normalize, nsp_loss_terms, span_loss_terms)
 
 __all__ = [
     "ModelConfigError",
@@ -56,6 +57,7 @@ __all__ = [
     "CLASSIFICATION_FIELDS",
     "PROBLEM_TYPES",
     "hf_state_dict",
+    "hf_parameter_name",
     "load_hf_state_dict",
 ]
 
@@ -520,8 +522,8 @@ class BertForPreTraining(BertPreTrainedModel):
 
     # What the backends sum over micro-batches and replicas: the step's shares of the loss
     # and metrics (normalised by the step's counts), then this batch's counts.
-    metric_names = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
-    count_names = ("num_sequences", "num_mlm_tokens")
+    metric_names = PRETRAINING_METRICS
+    count_names = PRETRAINING_COUNTS
     normalizer_fields = OPTIONAL_FIELDS
 
     def tie_weights(self) -> None:
@@ -729,6 +731,12 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 _HF_BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids", "embeddings.position_ids", "embeddings.token_type_ids")
 
 
+def hf_parameter_name(key: str) -> str:
+    """A checkpoint's parameter name as the model has it: old (TF-converted) checkpoints call
+    the LayerNorm parameters gamma / beta."""
+    return key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+
+
 def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
     """Load a ``transformers`` state dict into ``model`` (same names and shapes).
 
@@ -743,8 +751,7 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
     for key, value in state_dict.items():
         if key in _HF_BUFFERS:
             continue
-        # Old (TF-converted) checkpoints call the LayerNorm parameters gamma / beta.
-        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        key = hf_parameter_name(key)
         if isinstance(model, BertModel) and key.startswith("bert."):
             key = key[len("bert.") :]  # a task model's checkpoint into the bare encoder
         state[key] = value

@@ -173,3 +173,15 @@ def make_tokenizer(texts: List[str], vocab_size: int = 300):
     backend.post_processor = TemplateProcessing(single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
                                                 special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     return backend
+
+
+def make_features(max_seq_length: int, doc_stride: int, max_query_length: int, seed: int = 0):
+    """``(document, examples, tokenizer, features)`` of ``make_squad_v2(seed)`` with its own tokenizer."""
+    from bert_packed.finetune.squad import build_features, examples_from_squad_json
+
+    document = make_squad_v2(seed=seed)
+    examples = examples_from_squad_json(document)
+    tokenizer = make_tokenizer(corpus_texts(document))
+    features = build_features(examples, tokenizer, max_seq_length=max_seq_length, doc_stride=doc_stride,
+                              max_query_length=max_query_length)
+    return document, examples, tokenizer, features

@@ -22,18 +22,14 @@ from bert_packed.finetune.squad import (
     pack_features,
     read_squad,
 )
-from squad_fixtures import corpus_texts, make_squad_v2, make_tokenizer, write_squad
+from squad_fixtures import make_features, make_squad_v2, write_squad
 
 S, STRIDE, QUERY = 96, 32, 24
 
 
 @pytest.fixture(scope="module")
 def squad():
-    document = make_squad_v2(seed=0)
-    examples = examples_from_squad_json(document)
-    tokenizer = make_tokenizer(corpus_texts(document))
-    features = build_features(examples, tokenizer, max_seq_length=S, doc_stride=STRIDE, max_query_length=QUERY)
-    return document, examples, tokenizer, features
+    return make_features(S, STRIDE, QUERY)
 
 
 def _context_tokens(features, f):

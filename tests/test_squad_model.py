@@ -5,16 +5,14 @@ import pytest
 import torch
 
 from bert_packed.finetune.squad import (
-    build_features,
     collate_question_answering,
-    examples_from_squad_json,
     feature_slots,
     pack_features,
 )
 from bert_packed.finetune.squad_postprocess import feature_logits, postprocess_predictions
 from bert_packed.losses import span_loss_terms
 from bert_packed.modeling import BertConfig, BertForQuestionAnswering
-from squad_fixtures import corpus_texts, make_squad_v2, make_tokenizer
+from squad_fixtures import make_features
 
 S, STRIDE, QUERY, K = 192, 64, 24, 4
 TOLERANCE = 1e-5  # fp32, absolute
@@ -22,11 +20,7 @@ TOLERANCE = 1e-5  # fp32, absolute
 
 @pytest.fixture(scope="module")
 def data():
-    document = make_squad_v2(seed=0)
-    examples = examples_from_squad_json(document)
-    tokenizer = make_tokenizer(corpus_texts(document))
-    features = build_features(examples, tokenizer, max_seq_length=S, doc_stride=STRIDE, max_query_length=QUERY)
-    return examples, tokenizer, features
+    return make_features(S, STRIDE, QUERY)[1:]
 
 
 def _config(vocab_size, **overrides):

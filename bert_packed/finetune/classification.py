@@ -27,7 +27,6 @@ from bert_packed.data import DataError
 from bert_packed.finetune import data as ft_data
 from bert_packed.finetune import metrics as ft_metrics
 from bert_packed.io import write_text_atomic
-from bert_packed.task import Task
 
 _INTEGER = re.compile(r"^[+-]?\d+$")
 PREDICTIONS_NAME = "predictions.jsonl"
@@ -149,7 +148,7 @@ def _preview(names, limit: int = 8) -> str:
 # ----------------------------------------------------------------------------- the task
 
 
-class ClassificationTask(Task):
+class ClassificationTask(ft_data.PackedTask):
     """Sequence classification / regression fine-tuning (see the module docstring)."""
 
     name = "classification"
@@ -158,7 +157,6 @@ class ClassificationTask(Task):
     def __init__(self, config):
         super().__init__(config)
         self.labels: Optional[Labels] = None
-        self.train_data = self.eval_data = None
         self.eval_labels = None
         self.eval_rows: List[int] = []
         self.best: Dict[str, Any] = {}
@@ -223,12 +221,6 @@ class ClassificationTask(Task):
                                      max_sequences_per_pack=d.max_sequences_per_pack,
                                      algorithm=d.packing_algorithm, seed=c.train.seed)
 
-    def num_steps(self, packs_per_step: int) -> int:
-        f, t = self.config.finetune, self.config.train
-        if f.epochs is None or "steps" in getattr(self.config, "_from_cli", {}).get("train", ()):
-            return t.steps
-        return ft_data.epochs_to_steps(f.epochs, self.train_data.num_packs, packs_per_step)
-
     # -- model ------------------------------------------------------------------------------
     def model_class(self):
         from bert_packed.modeling import BertForSequenceClassification
@@ -247,12 +239,9 @@ class ClassificationTask(Task):
         return self.train_data.source(micro_batch_size, rank, world_size)
 
     # -- evaluation -------------------------------------------------------------------------
-    def prepare_evaluation(self, *, micro_batch_size: int, rank: int, world_size: int) -> None:
-        self._eval_batches = list(self.eval_data.batches(micro_batch_size))
-
     def predict_logits(self, backend) -> np.ndarray:
         """Logits [N, C] of every validation sequence (in file order) through ``backend``."""
-        if not getattr(self, "_eval_batches", None):
+        if not self._eval_batches:
             self.prepare_evaluation(micro_batch_size=self.config.train.micro_batch_size, rank=0, world_size=1)
         logits = np.zeros((self.eval_data.num_sequences, self.labels.num_labels), dtype=np.float32)
         for batch, rows in self._eval_batches:

@@ -14,7 +14,9 @@ Shared by the fine-tuning tasks:
   pre-training, several sequences and [CLS] tokens per row) and collated by a task's
   collate function into fixed-shape micro-batches; ``source(...)`` serves the training
   stream (re-shuffled per epoch) with the data-source contract of ``bert_packed.data``,
-  ``batches(...)`` the evaluation batches in a fixed order with each slot's row index.
+  ``batches(...)`` the evaluation batches in a fixed order with each slot's row index;
+- ``PackedTask``: the ``Task`` steps every fine-tuning task takes the same way with its
+  ``train_data`` / ``eval_data`` ``PackedDataset`` (the run's length, evaluation batches).
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from bert_packed.data import DataError
+from bert_packed.task import Task
 
-__all__ = ["read_table", "encode_texts", "Encoded", "PackedDataset", "TRUNCATION"]
+__all__ = ["read_table", "encode_texts", "Encoded", "PackedDataset", "PackedTask", "TRUNCATION"]
 
 TRUNCATION = ("truncate", "error")
 _DELIMITERS = {".csv": ",", ".tsv": "\t", ".tab": "\t"}
@@ -288,3 +291,24 @@ class PackedSource:
 def epochs_to_steps(epochs: float, num_packs: int, packs_per_step: int) -> int:
     """Optimizer steps that cover ``epochs`` passes over ``num_packs`` packs (at least 1)."""
     return max(1, math.ceil(epochs * num_packs / packs_per_step))
+
+
+class PackedTask(Task):
+    """A fine-tuning task that trains on ``train_data`` and evaluates every pack of ``eval_data``
+    (``PackedDataset``s its ``setup`` builds)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.train_data: Optional[PackedDataset] = None
+        self.eval_data: Optional[PackedDataset] = None
+        self._eval_batches: List[Tuple[Dict[str, np.ndarray], np.ndarray]] = []
+
+    def num_steps(self, packs_per_step: int) -> int:
+        """``train.steps``, or ``finetune.epochs`` over the training packs (unless steps came from the CLI)."""
+        f, t = self.config.finetune, self.config.train
+        if f.epochs is None or "steps" in getattr(self.config, "_from_cli", {}).get("train", ()):
+            return t.steps
+        return epochs_to_steps(f.epochs, self.train_data.num_packs, packs_per_step)
+
+    def prepare_evaluation(self, *, micro_batch_size: int, rank: int, world_size: int) -> None:
+        self._eval_batches = list(self.eval_data.batches(micro_batch_size))

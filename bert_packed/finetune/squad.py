@@ -34,9 +34,9 @@ from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Seq
 
 import numpy as np
 
-from bert_packed.collate import BatchError, _pack_tokens, _per_sequence, one_per_pack
+from bert_packed.collate import BatchError, pack_tokens, per_sequence, one_per_pack
 from bert_packed.data import DataError
-from bert_packed.task import Task
+from bert_packed.finetune.data import PackedTask
 
 __all__ = [
     "SquadExample",
@@ -393,7 +393,7 @@ def collate_question_answering(samples: Mapping[str, np.ndarray], assignment: An
     weight 0.
     """
     S, K = int(max_sequence_length), int(max_sequences_per_pack)
-    batch, layout = _pack_tokens(samples, assignment, S, K)
+    batch, layout = pack_tokens(samples, assignment, S, K)
     lengths = layout.lengths
     for name in ("start_positions", "end_positions"):
         local = np.asarray(samples[name], dtype=np.int64)[layout.order]
@@ -404,7 +404,7 @@ def collate_question_answering(samples: Mapping[str, np.ndarray], assignment: An
         absolute = np.zeros((len(layout.offsets) - 1, K), dtype=np.int64)
         absolute[layout.pack_of, layout.slot] = layout.start + local
         batch[name] = absolute
-    batch["label_weights"] = _per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
+    batch["label_weights"] = per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
     return batch
 
 
@@ -440,7 +440,7 @@ def split_examples(examples: Sequence[SquadExample], fraction: float, seed: int,
     return [ex for ex in examples if ex.context not in held], [ex for ex in examples if ex.context in held]
 
 
-class SquadTask(Task):
+class SquadTask(PackedTask):
     """SQuAD v1.1 / v2.0 fine-tuning as a task of the one training loop (``finetune.task: squad``).
 
     Training: every window of every training question (a window without the answer is
@@ -463,7 +463,6 @@ class SquadTask(Task):
 
     def __init__(self, config):
         super().__init__(config)
-        self.train_data = self.eval_data = None
         self.eval_examples: List[SquadExample] = []
         self.eval_features: Optional[SquadFeatures] = None
         self.version_2 = False
@@ -471,7 +470,6 @@ class SquadTask(Task):
         self.last_eval: Dict[str, Any] = {}
         self.best_predictions = None
         self._last_predictions = None
-        self._eval_batches: List[Any] = []
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, *, rank: int = 0, world_size: int = 1, show_progress: bool = True) -> None:
@@ -536,14 +534,6 @@ class SquadTask(Task):
                              max_sequences_per_pack=d.max_sequences_per_pack, algorithm=d.packing_algorithm,
                              seed=self.config.train.seed)
 
-    def num_steps(self, packs_per_step: int) -> int:
-        from bert_packed.finetune.data import epochs_to_steps
-
-        f, t = self.config.finetune, self.config.train
-        if f.epochs is None or "steps" in getattr(self.config, "_from_cli", {}).get("train", ()):
-            return t.steps
-        return epochs_to_steps(f.epochs, self.train_data.num_packs, packs_per_step)
-
     # -- model, data ------------------------------------------------------------------------
     def model_class(self):
         from bert_packed.modeling import BertForQuestionAnswering
@@ -556,9 +546,6 @@ class SquadTask(Task):
         return self.train_data.source(micro_batch_size, rank, world_size)
 
     # -- evaluation -------------------------------------------------------------------------
-    def prepare_evaluation(self, *, micro_batch_size: int, rank: int, world_size: int) -> None:
-        self._eval_batches = list(self.eval_data.batches(micro_batch_size))
-
     def predict_logits(self, backend) -> Tuple[np.ndarray, np.ndarray]:
         """Start / end logits ``[F, S]`` of every validation window (feature-local, token t at t)."""
         from bert_packed.finetune.squad_postprocess import feature_logits
