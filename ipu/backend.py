@@ -176,6 +176,7 @@ class PopTorchBackend:
         self.model = self.config = self.scheduler = None
         self.host_optimizer = self.optimizer = None
         self.training_model = self.inference_model = None
+        self.predict_models = {}  # predict_step's executables, one per tuple of output names
         self.micro_batches_per_step = 1
         self.steps_per_call = 1
 
@@ -369,7 +370,7 @@ class PopTorchBackend:
         """The model's ``names`` outputs for one micro-batch (e.g. per-sequence logits), as float32
         numpy arrays: forward only on one replica, an executable of its own per set of names."""
         poptorch = self.poptorch
-        executors = self.__dict__.setdefault("_predict_models", {})
+        executors = self.predict_models
         names = tuple(names)
         if names not in executors:
             opts = ipu_options.build_options(poptorch, self.config, training=False, popdist=None, popart=self.popart,
