@@ -31,7 +31,7 @@ import torch
 
 from bert_packed import attention as attention_registry
 from bert_packed.config import ConfigError
-from bert_packed.losses import step_normalizers
+from bert_packed.losses import metric_keys, step_normalizers
 from ipu import options as ipu_options
 from ipu import pipeline
 from ipu.cost_model import estimate_cycles
@@ -330,7 +330,7 @@ class PopTorchBackend:
         several steps per call their mean is reported for each (the split is not returned).
         """
         values = {}
-        for name, tensor in zip(pipeline.metric_names(self.model), outputs):
+        for name, tensor in zip(metric_keys(self.model), outputs):
             flat = tensor.detach().double().reshape(-1)
             if self.config.ipu.output_mode == "all":
                 values[name] = flat.reshape(num_steps, -1).sum(dim=1).tolist()
@@ -363,7 +363,7 @@ class PopTorchBackend:
                 outputs = self.inference_model(**host)
         finally:
             self.model.train(was_training)
-        return {name: float(t.double().sum()) for name, t in zip(pipeline.metric_names(self.model), outputs)}
+        return {name: float(t.double().sum()) for name, t in zip(metric_keys(self.model), outputs)}
 
     @torch.no_grad()
     def predict_step(self, batch, names=("logits",)):
