@@ -76,13 +76,12 @@ class CPUBackend:
         """Measure the global gradient norm (``self.grad_norm``, before clipping) and clip it to
         ``optimizer.max_grad_norm`` when configured."""
         max_norm = self.config.optimizer.max_grad_norm if self.config is not None else None
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        elif grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
         else:
-            norm = torch.zeros(())
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+                    if grads else torch.zeros(()))
         self.grad_norm = float(norm)
 
     # -- collectives -------------------------------------------------------------------------

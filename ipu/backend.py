@@ -31,7 +31,7 @@ import torch
 
 from bert_packed import attention as attention_registry
 from bert_packed.config import ConfigError
-from bert_packed.losses import step_normalizers
+from bert_packed.losses import metric_keys, step_normalizers
 from ipu import options as ipu_options
 from ipu import pipeline
 from ipu.cost_model import estimate_cycles
@@ -176,6 +176,7 @@ class PopTorchBackend:
         self.model = self.config = self.scheduler = None
         self.host_optimizer = self.optimizer = None
         self.training_model = self.inference_model = None
+        self.predict_models = {}  # predict_step's executables, one per tuple of output names
         self.micro_batches_per_step = 1
         self.steps_per_call = 1
 
@@ -329,7 +330,7 @@ class PopTorchBackend:
         several steps per call their mean is reported for each (the split is not returned).
         """
         values = {}
-        for name, tensor in zip(pipeline.metric_names(self.model), outputs):
+        for name, tensor in zip(metric_keys(self.model), outputs):
             flat = tensor.detach().double().reshape(-1)
             if self.config.ipu.output_mode == "all":
                 values[name] = flat.reshape(num_steps, -1).sum(dim=1).tolist()
@@ -362,14 +363,14 @@ class PopTorchBackend:
                 outputs = self.inference_model(**host)
         finally:
             self.model.train(was_training)
-        return {name: float(t.double().sum()) for name, t in zip(pipeline.metric_names(self.model), outputs)}
+        return {name: float(t.double().sum()) for name, t in zip(metric_keys(self.model), outputs)}
 
     @torch.no_grad()
     def predict_step(self, batch, names=("logits",)):
         """The model's ``names`` outputs for one micro-batch (e.g. per-sequence logits), as float32
         numpy arrays: forward only on one replica, an executable of its own per set of names."""
         poptorch = self.poptorch
-        executors = self.__dict__.setdefault("_predict_models", {})
+        executors = self.predict_models
         names = tuple(names)
         if names not in executors:
             opts = ipu_options.build_options(poptorch, self.config, training=False, popdist=None, popart=self.popart,

@@ -22,16 +22,7 @@ import torch
 from torch import nn
 
 from bert_packed.config import ConfigError
-from bert_packed.losses import PRETRAINING_COUNTS, PRETRAINING_METRICS, metric_keys
-
-# Outputs the training wrapper returns, in order (the first is the one loss PopTorch trains).
-METRIC_NAMES = PRETRAINING_METRICS + PRETRAINING_COUNTS  # a pre-training model's outputs
-
-
-def metric_names(model) -> tuple:
-    """The scalar outputs the wrappers return for ``model`` (its declared metric and count keys;
-    pre-training's ``METRIC_NAMES`` for a model that declares none)."""
-    return metric_keys(model)
+from bert_packed.losses import metric_keys
 
 
 def layer_ipus(layers_per_ipu: List[int], num_layers: int) -> List[int]:
@@ -126,7 +117,7 @@ class TrainingWrapper(nn.Module):
     def forward(self, **batch):
         out = self.model(**batch)
         final_loss = self._poptorch.identity_loss(out["loss"] * self.loss_multiplier, reduction="none")
-        return (final_loss,) + tuple(out[name].float() for name in metric_names(self.model))
+        return (final_loss,) + tuple(out[name].float() for name in metric_keys(self.model))
 
 
 class EvalWrapper(nn.Module):
@@ -138,7 +129,7 @@ class EvalWrapper(nn.Module):
 
     def forward(self, **batch):
         out = self.model(**batch)
-        return tuple(out[name].float() for name in metric_names(self.model))
+        return tuple(out[name].float() for name in metric_keys(self.model))
 
 
 class PredictWrapper(nn.Module):

@@ -594,7 +594,7 @@ def test_post_is_the_fp32_default_and_running_cannot_be_switched_in_after_compil
         wrapped.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.1, accum_type=torch.float16))
 
 
-def test_mean_reduction_divides_by_the_global_replicas_under_poprun(monkeypatch):
+def test_mean_reduction_divides_by_the_global_replicas_under_poprun(monkeypatch, tmp_path):
     """With two PopRun instances Mean divides by GA x (replicas of BOTH); the gradients of the
     other instance arrive through the all-reduce (here a one-process group stands in for it,
     so this instance's gradient is halved)."""
@@ -613,7 +613,8 @@ def test_mean_reduction_divides_by_the_global_replicas_under_poprun(monkeypatch)
     single = grad_with(1)
     with pytest.raises(poptorch.Error, match="torch.distributed"):
         grad_with(2)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    # A file store, not a fixed TCP port: concurrent test runs on one host would share the port.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         torch.testing.assert_close(grad_with(2), single / 2, rtol=1e-6, atol=1e-7)
     finally:
