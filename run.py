@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         # Config mistakes first, the same way whether or not the backend can run here.
         warnings = validate(config, args.backend, int(os.environ.get("WORLD_SIZE", "1")))
         # --compile-only compiles offline: it needs the Poplar SDK, not free IPUs.
-        backend = get_backend(args.backend, check_available=not args.compile_only)
+        backend = get_backend(args.backend, check_available=False) if args.compile_only else get_backend(args.backend)
         if args.compile_only:
             from ipu.offline import compile_only
 
