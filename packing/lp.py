@@ -236,6 +236,8 @@ class _HighsMaster:
         # first master that enumeration produces; simplex from the kept basis afterwards.
         first_wide = self.rounds == 0 and len(self.columns.items) > 15000
         highs.setOptionValue("solver", "ipm" if first_wide else "simplex")
+        # added columns keep the basis primal feasible: primal simplex goes on from there
+        highs.setOptionValue("simplex_strategy", 4 if self.rounds else 1)
         self.rounds += 1
         if deadline is not None:
             highs.setOptionValue("time_limit", highs.getRunTime() + max(1e-3, deadline - time.perf_counter()))
@@ -313,13 +315,28 @@ def dominant_columns(weights, max_sequence_length, depth, max_pairs=4_000_000, m
 
 
 class _Pricer:
-    """Exact knapsack pricing: most valuable strategy (sum of item values) that fits."""
+    """Knapsack pricing: the most valuable strategy (sum of its items' values) that fits.
 
-    def __init__(self, weights, max_sequence_length, depth):
+    The dynamic program runs on a capacity grid of ``quantum`` tokens (``capacity`` =
+    floor(L / quantum) cells), which makes it ``quantum`` times cheaper at long L.
+    ``rounding="up"`` (generation): each weight is rounded up to the grid, so every
+    strategy found fits in L for real (a few tight ones are missed). ``rounding="down"``
+    (certification): each weight is rounded down, so every real strategy still fits on the
+    grid and the value found is at least the true best: Farley's bound stays valid.
+    """
+
+    def __init__(self, weights, max_sequence_length, depth, quantum=1, rounding="up"):
         self.weights = weights
-        self.capacity = max_sequence_length
+        quantum = max(1, int(quantum))
+        if rounding == "down":
+            quantum = min(quantum, int(weights[0]))  # keep every weight >= 1 cell
+            self.grid = weights // quantum
+        else:
+            self.grid = -(-weights // quantum)
+        self.quantum = quantum
+        self.capacity = max_sequence_length // quantum
         # Depth only binds if that many of the shortest item can share a pack.
-        binding = depth is not None and depth < max_sequence_length // int(weights[0])
+        binding = depth is not None and depth < self.capacity // int(self.grid[0])
         self.depth = depth if binding else None
 
     def candidates(self, values, deadline=None):
@@ -329,10 +346,12 @@ class _Pricer:
         # With values non-decreasing in length, an item is as good as the shortest item of
         # equal value (same value, less room), so the DP needs only the first item of
         # each value level; LP duals have few levels, which makes pricing much cheaper.
+        capacity = self.capacity
         levels = np.flatnonzero(values > np.concatenate([[0.0], values[:-1]]))
-        weights, level_values = self.weights[levels], values[levels]
+        levels = levels[self.grid[levels] <= capacity]
+        weights, level_values = self.grid[levels], values[levels]
         if levels.size == 0:
-            rest = np.zeros(self.capacity + 1)
+            rest = np.zeros(capacity + 1)
             completion = lambda c: []  # noqa: E731
         elif self.depth is None:
             rest, choice = self._unbounded(weights, level_values, deadline)
@@ -342,61 +361,64 @@ class _Pricer:
             rest = tables[self.depth - 1]
             completion = lambda c: [  # noqa: E731
                 int(levels[k]) for k in self._trace_bounded(weights, choices, self.depth - 1, c)]
-        item_values = values + rest[self.capacity - self.weights]
+        room = capacity - self.grid
+        fits = room >= 0
+        item_values = values + np.where(fits, rest[np.maximum(room, 0)], 0.0)
         order = np.argsort(-item_values, kind="stable")
         best = float(item_values[order[0]])
-        return best, ((float(item_values[k]), [int(k)] + completion(self.capacity - int(self.weights[k])))
+        return best, ((float(item_values[k]), [int(k)] + (completion(int(room[k])) if fits[k] else []))
                       for k in order)
 
     def _unbounded(self, weights, values, deadline):
+        """Complete knapsack, one vectorised pass per item: along each residue class of
+        its weight w, best[c] = max over copies t of table[c - t w] + t v, a running
+        maximum of table[c - t w] - (c - t w) / w * v."""
         capacity = self.capacity
         table = np.zeros(capacity + 1)
-        choice = np.full(capacity + 1, -1, dtype=np.int64)
-        num_fitting = np.searchsorted(weights, np.arange(capacity + 1), side="right")
-        for c in range(1, capacity + 1):
-            if c % 256 == 0:
+        choice = np.full(capacity + 1, -1, dtype=np.int32)
+        for k, (w, v) in enumerate(zip(weights.tolist(), values.tolist())):
+            if k % 16 == 0:
                 _check(deadline)
-            table[c], k = table[c - 1], num_fitting[c]
-            if k:
-                options = table[c - weights[:k]] + values[:k]
-                best = int(np.argmax(options))
-                if options[best] > table[c]:
-                    table[c], choice[c] = options[best], best
+            rows = -(-(capacity + 1) // w)
+            padded = np.full(rows * w, -np.inf)
+            padded[:capacity + 1] = table
+            steps = (np.arange(rows, dtype=np.float64) * v)[:, None]
+            # at least one copy: the running maximum up to the row before, plus this row's steps
+            running = np.maximum.accumulate(padded.reshape(rows, w) - steps, axis=0)
+            best = np.concatenate([np.full(w, -np.inf), (running[:-1] + steps[1:]).ravel()])[:capacity + 1]
+            better = best > table
+            table[better] = best[better]
+            choice[better] = k
         return table, choice
 
     @staticmethod
     def _trace_unbounded(weights, choice, c):
         items = []
-        while c > 0:
+        while c > 0 and choice[c] >= 0:
             k = int(choice[c])
-            if k < 0:
-                c -= 1
-            else:
-                items.append(k)
-                c -= int(weights[k])
+            items.append(k)
+            c -= int(weights[k])
         return items
 
     def _bounded(self, weights, values, deadline):
+        """tables[j, c]: best value of at most j items in c cells; one vectorised pass per
+        (j, item). Stops early once another item no longer helps anywhere."""
         capacity, depth = self.capacity, self.depth
-        capacities = np.arange(capacity + 1)
         tables = np.zeros((depth + 1, capacity + 1))
-        choices = np.full((depth + 1, capacity + 1), -1, dtype=np.int64)
-        chunk = max(1, _DP_CHUNK_ELEMENTS // (capacity + 1))
+        choices = np.full((depth + 1, capacity + 1), -1, dtype=np.int32)
+        pairs = list(zip(weights.tolist(), values.tolist()))
         for j in range(1, depth + 1):
             _check(deadline)
             previous, current, choice = tables[j - 1], tables[j], choices[j]
             current[:] = previous
-            for start in range(0, weights.size, chunk):
-                _check(deadline)
-                w = weights[start:start + chunk]
-                source = capacities[None, :] - w[:, None]
-                options = np.where(source >= 0, previous[np.maximum(source, 0)] + values[start:start + chunk, None],
-                                   -np.inf)
-                best = np.argmax(options, axis=0)
-                best_value = options[best, capacities]
-                better = best_value > current
-                current[better] = best_value[better]
-                choice[better] = best[better] + start
+            for k, (w, v) in enumerate(pairs):
+                candidate = previous[:capacity + 1 - w] + v
+                better = np.flatnonzero(candidate > current[w:])
+                current[better + w] = candidate[better]
+                choice[better + w] = k
+            if np.array_equal(current, previous):
+                tables[j + 1:] = current  # deeper tables equal this one (choices stay -1: no item)
+                break
         return tables, choices
 
     @staticmethod
@@ -495,7 +517,8 @@ MASTERS = {"highs": _HighsMaster, "scipy": _ScipyMaster}
 
 
 def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_rounds=1000, deadline=None,
-             max_new_columns=None, max_master_columns=None, bound_weights=None, master="highs", target_gap=0.0):
+             max_new_columns=None, max_master_columns=None, bound_weights=None, master="highs", target_gap=0.0,
+             quantum=1, smoothing=None):
     """Column generation for the packing LP on ``demand`` (counts per item, items of
     ascending ``weights``). Returns an LPSolution whose ``bound`` is a certified lower
     bound on the LP optimum over *all* strategies of the depth.
@@ -505,6 +528,9 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
     ``bound_weights`` = its shortest) gets a bound valid for the original lengths: a
     strategy of real lengths, each replaced by its group's shortest, still fits.
     ``deadline`` (a perf_counter time): stop there with what has been found (``timed_out``).
+    ``quantum`` (tokens): the pricing DP's capacity grid (see :class:`_Pricer`): generation
+    rounds weights up (columns stay feasible), the certificate rounds them down (it stays
+    valid, a little weaker).
     """
     num_items = demand.size
     if columns is None:
@@ -512,14 +538,17 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
     for k in range(num_items):  # singletons keep the master feasible
         columns.add([k])
     model = MASTERS[master](demand, columns)
-    pricer = _Pricer(weights, max_sequence_length, depth)
-    bound_pricer = pricer if bound_weights is None or np.array_equal(bound_weights, weights) else \
-        _Pricer(bound_weights, max_sequence_length, depth)
+    pricer = _Pricer(weights, max_sequence_length, depth, quantum, "up")
+    bound_weights = weights if bound_weights is None else bound_weights
+    bound_pricer = pricer if quantum == 1 and np.array_equal(bound_weights, weights) else \
+        _Pricer(bound_weights, max_sequence_length, depth, quantum, "down")
     max_new_columns = max_new_columns or max(100, num_items // 4)
     max_master_columns = max_master_columns or 4 * max(100, num_items)
     bound, bound_duals, converged, rounds, timed_out = 0.0, None, False, 0, False
     lp_value, x, duals = math.inf, None, None
     demand_float = demand.astype(np.float64)
+    center, center_value = None, -math.inf  # stabilisation centre: the duals with the best Farley value so far
+    smoothing = _SMOOTHING if smoothing is None else smoothing
     while True:
         solved = model.solve(deadline)
         if solved is None:
@@ -530,30 +559,21 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
         # Any y >= 0, non-decreasing in length, scaled by the best knapsack value is dual
         # feasible for the full LP; clean the solver's duals into that set first.
         duals = np.maximum.accumulate(np.maximum(duals, 0.0))
-        # Generation prices duals rounded down to at most _PRICE_LEVELS values (the DP costs
-        # one pass per distinct value); only an exact pass can end generation or certify.
-        coarse = _coarsen(duals)
         try:
-            best_value, candidates = pricer.candidates(coarse, deadline)
-            exact = coarse is duals or best_value <= 1.0 + _PRICE_TOLERANCE or rounds % _EXACT_EVERY == 0
-            if exact and coarse is not duals:
-                best_value, candidates = pricer.candidates(duals, deadline)
-            if exact:
-                bound_value = best_value if bound_pricer is pricer else bound_pricer.candidates(duals, deadline)[0]
+            new_columns, converged, bound_info = _price(pricer, bound_pricer, duals, center, smoothing, rounds,
+                                                        demand_float, max_new_columns, deadline)
         except _OutOfTime:
             timed_out = True
             break
-        if exact:
-            round_bound = float(demand_float @ duals) / max(1.0, bound_value)
-            if round_bound >= bound:
-                bound, bound_duals = round_bound, duals / max(1.0, bound_value)
-            if best_value <= 1.0 + _PRICE_TOLERANCE:
-                converged = True
-                break
-            if _ceil_bound(bound) >= math.ceil(lp_value - 1e-6):
-                break  # the certificate cannot get any tighter in whole packs
-            if target_gap and lp_value <= bound * (1.0 + target_gap / 2):
-                break  # close enough: rounding costs the other half
+        center, center_value = _better_center(center, center_value, bound_info)
+        if bound_info["bound"] >= bound and bound_info["bound_duals"] is not None:
+            bound, bound_duals = bound_info["bound"], bound_info["bound_duals"]
+        if converged:
+            break
+        if _ceil_bound(bound) >= math.ceil(lp_value - 1e-6):
+            break  # the certificate cannot get any tighter in whole packs
+        if target_gap and lp_value <= bound * (1.0 + target_gap / 2):
+            break  # close enough: rounding costs the other half
         if rounds >= max_rounds or (deadline is not None and time.perf_counter() > deadline):
             timed_out = rounds < max_rounds
             break
@@ -562,8 +582,7 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
             keep = (x > 1e-9) | (reduced < 0.02)
             model.drop(keep)
             x = x[keep]  # still the LP solution: every column in use is kept
-        added = model.add(items for value, items in _take(candidates, max_new_columns))
-        if added == 0:
+        if model.add(new_columns) == 0:
             converged = True
             break
     if x is not None and x.size < len(model.columns.items):  # columns added after the last solve
@@ -573,6 +592,58 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
 
 _PRICE_LEVELS = 256
 _EXACT_EVERY = 5
+_SMOOTHING = 0.8
+_MAX_MISPRICINGS = 3
+
+
+def _better_center(center, center_value, info):
+    if info["value"] > center_value:
+        return info["point"], info["value"]
+    return center, center_value
+
+
+def _price(pricer, bound_pricer, duals, center, smoothing, rounds, demand, max_new_columns, deadline):
+    """One pricing step with Wentges dual smoothing. Prices at ``smoothing * center +
+    (1 - smoothing) * duals`` (the smoothed point oscillates less than the master's duals,
+    which cuts the rounds of column generation); keeps the columns that improve the
+    master at its own ``duals``. If none do (a mispricing), the point moves towards
+    ``duals`` and pricing repeats; at ``duals`` itself, no improving column means the LP
+    is solved (on the pricing grid).
+
+    Returns (columns to add, converged, info) where info has this step's Farley values:
+    ``point``/``value`` (generation pricer, to pick the next centre) and
+    ``bound``/``bound_duals`` (certification pricer, on exact steps; else 0 / None)."""
+    point = duals if center is None or not smoothing else smoothing * center + (1.0 - smoothing) * duals
+    info = {"point": None, "value": -math.inf, "bound": 0.0, "bound_duals": None}
+    for attempt in range(_MAX_MISPRICINGS + 1):
+        at_duals = point is duals
+        # Generation prices duals rounded down to at most _PRICE_LEVELS values (the DP costs
+        # one pass per distinct value); only an exact pass can end generation or certify.
+        coarse = _coarsen(point)
+        best_value, candidates = pricer.candidates(coarse, deadline)
+        exact = coarse is point or (at_duals and best_value <= 1.0 + _PRICE_TOLERANCE) or rounds % _EXACT_EVERY == 0
+        if exact and coarse is not point:
+            best_value, candidates = pricer.candidates(point, deadline)
+        priced = point if exact else coarse
+        value = float(demand @ priced) / max(1.0, best_value)
+        if value > info["value"]:
+            info["point"], info["value"] = priced, value
+        if exact:
+            bound_value = best_value if bound_pricer is pricer else bound_pricer.candidates(point, deadline)[0]
+            bound = float(demand @ point) / max(1.0, bound_value)
+            if bound > info["bound"]:
+                info["bound"], info["bound_duals"] = bound, point / max(1.0, bound_value)
+        if at_duals and exact and best_value <= 1.0 + _PRICE_TOLERANCE:
+            return [], True, info
+        found = []
+        for _, items in _take(candidates, max_new_columns):
+            if float(duals[items].sum()) > 1.0 + _PRICE_TOLERANCE:  # improves the master as it is
+                found.append(items)
+        if found:
+            return found, False, info
+        # mispricing: move the point halfway to the master's duals (at the end, onto them)
+        point = duals if attempt + 1 >= _MAX_MISPRICINGS else 0.5 * (point + duals)
+    return [], False, info
 
 
 def _coarsen(duals):
@@ -644,12 +715,28 @@ def _groups(weights, demand, max_items):
     return np.cumsum(group)
 
 
+_REFINE_LEVELS = (64, 256)
+
+
+def _nested_groups(weights, demand, sizes):
+    """:func:`_groups` for each size (ascending), each grouping a refinement of the one
+    before (its boundaries include the coarser ones')."""
+    starts = np.zeros(weights.size, dtype=bool)
+    found = []
+    for size in sizes:
+        group = _groups(weights, demand, size)
+        starts[1:] |= np.diff(group) > 0
+        found.append(np.cumsum(starts))
+    return found
+
+
 def _plan_packs(repeats):
     return int(sum(int(r) for r in repeats))
 
 
 def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_limit=2.0, max_milp_sequences=10_000,
-            max_milp_columns=3000, time_limit=None, max_lp_items=1024, master="highs", target_gap=1e-4):
+            max_milp_columns=3000, time_limit=None, max_lp_items=1024, master="highs", target_gap=1e-4,
+            pricing_cells=2048):
     """Plan with the LP. Returns (strategies, repeats, details) where details has
     ``lp_bound_packs`` (certified lower bound on the packs of any plan at this depth),
     ``lp_value``, ``num_columns``, ``num_rounds``, ``converged``, ``rounding`` and
@@ -694,39 +781,57 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
         details["converged"] = True  # nothing left for the LP to do: within target_gap of a bound
         return best_strategies, best_repeats, details
 
-    group = _groups(weights, demand, max_lp_items)
-    num_groups = int(group[-1]) + 1
-    first_item = np.searchsorted(group, np.arange(num_groups))
-    top_item = np.append(first_item[1:], weights.size) - 1
-    group_demand = np.bincount(group, weights=demand, minlength=num_groups).astype(np.int64)
-    top, bottom = weights[top_item], weights[first_item]
-    details["num_lp_items"] = num_groups
-
-    columns = _Columns()
-    # A wide enumerated start pays on big data (Wikipedia: one solve, no generation); on
-    # small data a few cheap generation rounds beat one wide solve.
-    for block in dominant_columns(top, max_sequence_length, depth, max_triples=min(40_000, int(demand.sum()))):
-        for items in block.tolist():
-            columns.add(items)
-    for strategy in best_strategies:
-        members = group[item_of_length[np.asarray(strategy)]]
-        if top[members].sum() <= max_sequence_length:  # with each length raised to its group's longest
-            columns.add(members.tolist())
-    # The LP gets 80 % of the time; rounding and repair (about a second at 1M sequences and
-    # thousands of lengths) must fit in the rest.
+    # Coarse to fine (only when lengths are grouped anyway): the LP is solved on a few groups
+    # first (a handful of rounds), and each finer grouping starts from the coarser one's
+    # columns, so its column generation starts near the optimum instead of from the
+    # heuristic plan (mixture-8192 at depth 8, 10 s: 0.73 % -> 0.66 % over the bound).
+    levels = [size for size in _REFINE_LEVELS if size < max_lp_items < weights.size] + [max_lp_items]
+    groupings = _nested_groups(weights, demand, levels)
     lp_deadline = None if deadline is None else started + 0.8 * float(time_limit)
-    solution = solve_lp(group_demand, top, max_sequence_length, depth, columns, deadline=lp_deadline,
-                        bound_weights=bottom, master=master, target_gap=target_gap)
-    lp_bound = _ceil_bound(solution.bound)
+    quantum = max(1, max_sequence_length // int(pricing_cells))
+    previous, certificate = None, (0.0, None)
+    for level, group in enumerate(groupings):
+        num_groups = int(group[-1]) + 1
+        first_item = np.searchsorted(group, np.arange(num_groups))
+        top_item = np.append(first_item[1:], weights.size) - 1
+        group_demand = np.bincount(group, weights=demand, minlength=num_groups).astype(np.int64)
+        top, bottom = weights[top_item], weights[first_item]
+        columns = _Columns()
+        if previous is None:
+            # A wide enumerated start pays on big data (Wikipedia: one solve, no generation); on
+            # small data a few cheap generation rounds beat one wide solve.
+            for block in dominant_columns(top, max_sequence_length, depth,
+                                          max_triples=min(40_000, int(demand.sum()))):
+                for items in block.tolist():
+                    columns.add(items)
+            for strategy in best_strategies:
+                members = group[item_of_length[np.asarray(strategy)]]
+                if top[members].sum() <= max_sequence_length:  # with each length raised to its group's longest
+                    columns.add(members.tolist())
+        else:
+            coarse_columns, coarse_top_item = previous
+            for items in coarse_columns.items:  # a coarse slot is its top length, a fine group's top
+                columns.add([int(group[coarse_top_item[g]]) for g in items])
+        last = level == len(groupings) - 1
+        level_deadline = lp_deadline if last or lp_deadline is None else \
+            time.perf_counter() + 0.25 * (lp_deadline - time.perf_counter())
+        solution = solve_lp(group_demand, top, max_sequence_length, depth, columns, deadline=level_deadline,
+                            bound_weights=bottom, master=master, target_gap=target_gap if last else 0.0,
+                            quantum=quantum)
+        if solution.bound_duals is not None and solution.bound > certificate[0]:
+            certificate = (solution.bound, solution.bound_duals[group])
+        previous = (solution.columns, top_item)
+    details["num_lp_items"] = num_groups
+    lp_bound = _ceil_bound(certificate[0])
     timed_out = solution.timed_out
     details.update({"lp_value": None if solution.x is None else solution.lp_value,
                     "num_columns": len(solution.columns.items), "num_rounds": solution.num_rounds,
                     "converged": solution.converged})
-    if solution.bound_duals is not None:
+    if certificate[1] is not None:
         # the certificate: lp_bound_packs = ceil(demand . lp_duals), with lp_duals >= 0,
         # non-decreasing, and no strategy worth more than 1 under them
         details["lp_item_lengths"] = weights.tolist()
-        details["lp_duals"] = solution.bound_duals[group].tolist()
+        details["lp_duals"] = certificate[1].tolist()
         details["lp_bound_packs"] = lp_bound
 
     if solution.x is not None:
@@ -751,7 +856,7 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
                            max_kept=4 * num_groups)
             left = np.bincount(group, weights=remaining, minlength=num_groups).astype(np.int64)
             current = solve_lp(left, top, max_sequence_length, depth, cheap, max_rounds=20, deadline=deadline,
-                               master=master)
+                               master=master, quantum=quantum)
             if current.x is None:
                 timed_out = True
                 break
