@@ -71,21 +71,28 @@ def _rows(args):
     return rows
 
 
+def _lp_options(args):
+    """lp's options from the command line (--time-limit bounds every lp call, the extra
+    --bound ones too)."""
+    limit = getattr(args, "time_limit", None)
+    return {} if limit is None else {"time_limit": limit}
+
+
 def _run_rows(histogram, rows, args, progress=True):
     results = []
     for name, depth in rows:
         if progress and sys.stderr.isatty():
             print(f"  {name} (depth {_depth_label(depth)}) ...", file=sys.stderr, flush=True)
         options = {"batch_size": args.batch_size} if name == "sort" else {}
-        if name == "lp" and getattr(args, "time_limit", None) is not None:
-            options["time_limit"] = args.time_limit
+        if name == "lp":
+            options.update(_lp_options(args))
         results.append(pack(histogram, name, depth, seed=args.seed, **options))
     # The LP bound is a property of (histogram, depth): share it with every row of that depth.
     bounds = {result.max_sequences_per_pack: result.lp_bound_packs for result in results if result.algorithm == "lp"}
     if args.bound:
         for depth in {result.max_sequences_per_pack for result in results} - set(bounds):
             if depth != 1:
-                bounds[depth] = pack(histogram, "lp", depth).lp_bound_packs
+                bounds[depth] = pack(histogram, "lp", depth, **_lp_options(args)).lp_bound_packs
     rows_out = []
     for result in results:
         row = result.to_dict()

@@ -169,3 +169,77 @@ def test_ffd_bfd_scale_to_many_distinct_lengths():
         result = pack(histogram, name, None)
         result.plan.validate(histogram.counts)
         assert result.seconds < 10, (name, result.seconds)
+
+
+def _best_strategy_value(weights, values, capacity, depth):
+    """The most valuable multiset of at most ``depth`` items (None = any number) with total
+    weight <= capacity, by a textbook table over (items used, capacity), written apart
+    from packing.lp."""
+    weights, values = np.asarray(weights, dtype=np.int64), np.asarray(values, dtype=np.float64)
+    rounds = capacity // int(weights.min()) if depth is None else depth
+    table = np.zeros(capacity + 1)
+    for _ in range(rounds):
+        deeper = table.copy()
+        for w, v in zip(weights.tolist(), values.tolist()):
+            if w <= capacity:
+                deeper[w:] = np.maximum(deeper[w:], table[:capacity + 1 - w] + v)
+        table = deeper
+    return float(table[capacity])
+
+
+@SETTINGS
+@given(data=st.data())
+def test_grid_pricing_stays_feasible_and_certifiable(data):
+    # The pricing DP on a capacity grid of q tokens: rounding weights up must only return
+    # strategies that really fit (value <= the true best), rounding down must never price
+    # below the true best (so the Farley bound built on it stays valid).
+    from packing.lp import _Pricer
+
+    L = data.draw(st.integers(8, 120), label="L")
+    weights = np.array(sorted(set(data.draw(st.lists(st.integers(1, L), min_size=1, max_size=12), label="w"))))
+    raw = data.draw(st.lists(st.floats(0, 1), min_size=weights.size, max_size=weights.size), label="v")
+    values = np.maximum.accumulate(np.array(raw))
+    depth = data.draw(st.sampled_from([None, 1, 2, 3, 5, 8]), label="depth")
+    quantum = data.draw(st.integers(1, 6), label="quantum")
+    exact = _best_strategy_value(weights, values, L, depth)
+    assert _Pricer(weights, L, depth).candidates(values)[0] == pytest.approx(exact, abs=1e-9)
+    up_value, candidates = _Pricer(weights, L, depth, quantum, "up").candidates(values)
+    assert up_value <= exact + 1e-9
+    for value, items in list(candidates)[:5]:
+        assert weights[items].sum() <= L and (depth is None or len(items) <= depth)
+        assert value == pytest.approx(values[items].sum(), abs=1e-9)
+    assert _Pricer(weights, L, depth, quantum, "down").candidates(values)[0] >= exact - 1e-9
+
+
+def test_long_context_certificate_checks_out_independently():
+    # L = 4,096, depth 8, ~3,000 distinct lengths: lp groups lengths, prices on a capacity
+    # grid and refines coarse to fine; the certificate it returns is re-checked here with
+    # the exact lengths: no strategy is worth more than 1 under lp_duals, and
+    # ceil(demand . lp_duals) is the LP bound it reports.
+    histogram = _mixture(4096, 100_000, seed=5)
+    result = pack(histogram, "lp", 8, time_limit=8)
+    lengths, duals = np.asarray(result.details["lp_item_lengths"]), np.asarray(result.details["lp_duals"])
+    assert lengths.size > 1024  # grouped
+    assert np.all(duals >= 0) and np.all(np.diff(duals) >= 0)
+    levels = np.flatnonzero(np.diff(np.concatenate([[0.0], duals])) > 0)  # shortest length of each value
+    assert _best_strategy_value(lengths[levels], duals[levels], 4096, 8) <= 1.0 + 1e-9
+    demand = histogram.counts[lengths - 1]
+    assert result.details["bounds"]["lp"] <= np.ceil(float(demand @ duals) - 1e-6)
+    assert result.details["bounds"]["lp"] > 0.97 * result.details["bounds"]["tokens"]  # not a trivial certificate
+    heuristic = min(pack(histogram, name, 8).num_packs for name in ("lpfhp", "spfhp"))
+    assert result.num_packs < 0.9 * heuristic
+
+
+def test_lp_skips_the_search_for_a_last_pack_on_small_inputs():
+    # A few thousand LLM sequences at unlimited depth: lpfhp is one pack over the token
+    # bound. lp returns that plan at once (saying why) instead of spending its time limit
+    # on an exact search; target_gap=0 asks for the search and gets the LP.
+    histogram = _mixture(8192, 3000, seed=5)
+    heuristic = pack(histogram, "lpfhp", None)
+    assert heuristic.num_packs == heuristic.details["bounds"]["tokens"] + 1
+    result = pack(histogram, "lp", None, time_limit=5)
+    assert "within one pack" in result.details["lp_skipped"]
+    assert result.num_packs == heuristic.num_packs and result.details["num_rounds"] == 0
+    searched = pack(histogram, "lp", None, time_limit=1, target_gap=0)
+    assert searched.details["lp_skipped"] is None and searched.details["num_rounds"] > 0
+    assert searched.lp_bound_packs <= searched.num_packs <= heuristic.num_packs

@@ -154,3 +154,21 @@ def test_library_errors_are_packing_errors():
     with pytest.raises(PackingError, match="does not take"):
         pack(Histogram.from_lengths([3], 8), "spfhp", 2, batch_size=3)
     assert issubclass(PackingError, ValueError)
+
+
+def test_report_bound_honours_the_time_limit(small_histogram, monkeypatch, capsys):
+    # --bound runs lp for depths that have no lp row: that call takes --time-limit too
+    # (it used to run without one, however long the LP took).
+    import packing.cli as cli
+
+    calls = []
+
+    def recording_pack(histogram, algorithm, depth, **options):
+        calls.append((algorithm, depth, options.get("time_limit")))
+        return pack(histogram, algorithm, depth, **options)
+
+    monkeypatch.setattr(cli, "pack", recording_pack)
+    assert main(["report", "--histogram", str(small_histogram), "--algorithm", "lpfhp",
+                 "--max-sequences-per-pack", "3", "--bound", "--time-limit", "2.5"]) == 0
+    assert ("lp", 3, 2.5) in calls, calls
+    assert "LP bound" in capsys.readouterr().out
