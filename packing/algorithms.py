@@ -67,9 +67,10 @@ def _check_lp_options(options):
     gap = options.get("target_gap", 0.0)
     if not (_is_number(gap) and gap >= 0):
         raise PackingError(f"lp's target_gap must be a non-negative fraction, got {gap!r}")
-    items = options.get("max_lp_items", 1)
-    if isinstance(items, bool) or not isinstance(items, (int, np.integer)) or items < 1:
-        raise PackingError(f"lp's max_lp_items must be a positive integer, got {items!r}")
+    for name in ("max_lp_items", "pricing_cells"):
+        value = options.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise PackingError(f"lp's {name} must be a positive integer, got {value!r}")
     master = options.get("master", "highs")
     if not isinstance(master, str) or master not in lp.MASTERS:
         raise PackingError(f"lp's master must be one of {', '.join(sorted(lp.MASTERS))}, got {master!r}")

@@ -93,6 +93,7 @@ def test_time_limit_is_validated():
     ("target_gap", -1, "target_gap must be a non-negative"), ("target_gap", float("nan"), "target_gap"),
     ("target_gap", "x", "target_gap"), ("max_lp_items", 0, "max_lp_items must be a positive integer"),
     ("max_lp_items", 1.5, "max_lp_items"), ("max_lp_items", None, "max_lp_items"),
+    ("pricing_cells", 0, "pricing_cells must be a positive integer"), ("pricing_cells", 2.0, "pricing_cells"),
     ("master", "foo", "master must be one of highs, scipy"), ("master", None, "master")])
 def test_lp_options_are_validated(option, bad, message):
     histogram = Histogram.from_lengths([3, 4, 5], 8)
