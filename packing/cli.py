@@ -93,15 +93,11 @@ def _run_rows(histogram, rows, args, progress=True):
         for depth in {result.max_sequences_per_pack for result in results} - set(bounds):
             if depth != 1:
                 bounds[depth] = pack(histogram, "lp", depth, **_lp_options(args)).lp_bound_packs
-    rows_out = []
     for result in results:
-        row = result.to_dict()
         shared = bounds.get(result.max_sequences_per_pack)
-        if shared is not None and shared > row["lp_bound_packs"]:
-            row["lp_bound_packs"] = shared
-            row["gap"] = row["num_packs"] / shared - 1.0
-        rows_out.append(row)
-    return rows_out
+        if shared is not None and shared > result.lp_bound_packs:
+            result.lp_bound_packs = shared  # its gap follows
+    return [result.to_dict() for result in results]
 
 
 def format_table(histogram, rows):

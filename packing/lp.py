@@ -326,14 +326,12 @@ class _Pricer:
     """
 
     def __init__(self, weights, max_sequence_length, depth, quantum=1, rounding="up"):
-        self.weights = weights
         quantum = max(1, int(quantum))
         if rounding == "down":
             quantum = min(quantum, int(weights[0]))  # keep every weight >= 1 cell
             self.grid = weights // quantum
         else:
             self.grid = -(-weights // quantum)
-        self.quantum = quantum
         self.capacity = max_sequence_length // quantum
         # Depth only binds if that many of the shortest item can share a pack.
         binding = depth is not None and depth < self.capacity // int(self.grid[0])
@@ -565,7 +563,8 @@ def solve_lp(demand, weights, max_sequence_length, depth, columns=None, max_roun
         except _OutOfTime:
             timed_out = True
             break
-        center, center_value = _better_center(center, center_value, bound_info)
+        if bound_info["value"] > center_value:
+            center, center_value = bound_info["point"], bound_info["value"]
         if bound_info["bound"] >= bound and bound_info["bound_duals"] is not None:
             bound, bound_duals = bound_info["bound"], bound_info["bound_duals"]
         if converged:
@@ -594,12 +593,6 @@ _PRICE_LEVELS = 256
 _EXACT_EVERY = 5
 _SMOOTHING = 0.5
 _MAX_MISPRICINGS = 3
-
-
-def _better_center(center, center_value, info):
-    if info["value"] > center_value:
-        return info["point"], info["value"]
-    return center, center_value
 
 
 def _price(pricer, bound_pricer, duals, center, smoothing, rounds, demand, max_new_columns, deadline):

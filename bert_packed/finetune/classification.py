@@ -172,13 +172,7 @@ class ClassificationTask(ft_data.PackedTask):
             raise ConfigError("fine-tuning needs finetune.train_file (a CSV, TSV or JSONL file)")
         if not f.packing:
             d.max_sequences_per_pack = 1  # one sequence per row: the padded baseline
-        self._tokenizer = self.tokenizer()
-        if self._tokenizer is None:
-            raise ConfigError("fine-tuning needs a tokenizer: --init-checkpoint a Hugging Face directory with "
-                              "tokenizer files (tokenizer.json or vocab.txt), or set model.tokenizer")
-        if self._tokenizer.get_vocab_size() > c.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {self._tokenizer.get_vocab_size()} tokens but the model's "
-                              f"vocab_size is {c.model.vocab_size}; use the checkpoint's own tokenizer")
+        self._tokenizer = self.checked_tokenizer("fine-tuning")
         columns = [f.text_column] + ([f.text_pair_column] if f.text_pair_column else []) + [f.label_column]
         train = ft_data.read_table(f.train_file, columns)
         if f.validation_file:

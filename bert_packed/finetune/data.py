@@ -303,6 +303,21 @@ class PackedTask(Task):
         self.eval_data: Optional[PackedDataset] = None
         self._eval_batches: List[Tuple[Dict[str, np.ndarray], np.ndarray]] = []
 
+    def checked_tokenizer(self, purpose: str):
+        """:meth:`Task.tokenizer`, refused in one line when there is none or it has more tokens
+        than the model's vocabulary (``purpose`` names the task in the message)."""
+        from bert_packed.config import ConfigError
+
+        tokenizer = self.tokenizer()
+        if tokenizer is None:
+            raise ConfigError(f"{purpose} needs a tokenizer: --init-checkpoint a Hugging Face directory with "
+                              "tokenizer files (tokenizer.json or vocab.txt), or set model.tokenizer")
+        vocab_size = self.config.model.vocab_size
+        if tokenizer.get_vocab_size() > vocab_size:
+            raise ConfigError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
+                              f"{vocab_size}; use the checkpoint's own tokenizer")
+        return tokenizer
+
     def num_steps(self, packs_per_step: int) -> int:
         """``train.steps``, or ``finetune.epochs`` over the training packs (unless steps came from the CLI)."""
         f, t = self.config.finetune, self.config.train

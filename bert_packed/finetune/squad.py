@@ -486,13 +486,7 @@ class SquadTask(PackedTask):
             raise ConfigError(f"finetune.doc_stride must be >= 0, got {f.doc_stride}")
         if not f.packing:
             d.max_sequences_per_pack = 1  # one feature per row: the padded baseline
-        tokenizer = self.tokenizer()
-        if tokenizer is None:
-            raise ConfigError("question answering needs a tokenizer: --init-checkpoint a Hugging Face directory with "
-                              "tokenizer files (tokenizer.json or vocab.txt), or set model.tokenizer")
-        if tokenizer.get_vocab_size() > c.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
-                              f"{c.model.vocab_size}; use the checkpoint's own tokenizer")
+        tokenizer = self.checked_tokenizer("question answering")
         train = read_squad(f.train_file)
         if f.validation_file:
             validation = read_squad(f.validation_file)
