@@ -7,17 +7,19 @@
     python run.py --config phase2 --backend mock --profile           # packing overhead report
     python run.py --backend ipu --config phase2 --compile-only       # memory estimate + offline compile
     python run.py --config finetune_classification --init-checkpoint DIR --set finetune.train_file=train.csv ...
+    python run.py --print-config phase2 --backend mock               # the resolved config
 
-Configs: configs/NAME[.yaml] or a path; `python -m bert_packed.config NAME` prints one resolved.
-Exit codes: 0 done; 2 a user mistake (one line on stderr); 3 training diverged; 128+N stopped
-by signal N (SIGINT 130, SIGTERM 143) after writing a checkpoint.
+Configs: configs/NAME[.yaml] or a path. Exit codes: 0 done; 2 a user mistake (one line on
+stderr); 3 training diverged; 128+N stopped by signal N (SIGINT 130, SIGTERM 143) after
+writing a checkpoint.
 """
 import json
 import os
 import sys
 
-from backends import get_backend
-from bert_packed.config import ArgumentParser, load_config, validate
+from backends import get_backend, get_backend_class, offline_compilers
+from packing.entry import ArgumentParser, run_cli
+from bert_packed.config import ConfigError, dump, load_config, validate
 
 
 def parse_args(argv=None):
@@ -36,63 +38,58 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true", help="write the packing-overhead report instead of training")
     p.add_argument("--compile-only", action="store_true",
                    help="ipu/mock: print the per-IPU memory estimate and compile offline (Poplar memory report)")
+    p.add_argument("--print-config", nargs="?", const=True, metavar="NAME",
+                   help="print the resolved config (of NAME, else --config) for --backend and exit")
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                   help="data-parallel processes to validate for (default: $WORLD_SIZE or 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     args = p.parse_args(argv)
     if args.init_checkpoint is not None and not args.init_checkpoint.strip():
         p.error("--init-checkpoint needs a Hugging Face directory or a checkpoint path, got an empty one")
+    if isinstance(args.print_config, str):
+        args.config = args.print_config
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    return run_cli(lambda: _main(args))
+
+
+def _main(args) -> int:
     overrides = args.overrides + ([f"train.steps={args.steps}"] if args.steps is not None else [])
     # A path, never YAML: quoted, so "null", "123" or "true" stay the folder names they are.
     overrides += [f"model.init_checkpoint={json.dumps(args.init_checkpoint)}"] if args.init_checkpoint else []
-    from bert_packed.train import TrainingStopped
+    config = load_config(args.config, overrides)
+    # Config mistakes first, the same way whether or not the backend can run here.
+    warnings = validate(config, get_backend_class(args.backend), args.world_size)
+    if args.print_config:
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        print(f"# resolved config {config.name!r} for backend {args.backend!r}")
+        print(dump(config), end="")
+        return 0
+    if args.compile_only:  # compiles offline: it needs the compiler (the Poplar SDK), not free devices
+        backend = get_backend(args.backend, check_available=False)
+        if not backend.offline_compile:
+            raise ConfigError(f"--compile-only compiles ahead of time: use --backend "
+                              f"{' or '.join(offline_compilers())}, not {args.backend!r}")
+        backend.compile_only(config, args.output_dir or os.path.join("runs", config.name, "compile"))
+        return 0
+    backend = get_backend(args.backend)
+    if args.profile:
+        from bert_packed.profiling import run_profile
 
-    try:
-        config = load_config(args.config, overrides)
-        # Config mistakes first, the same way whether or not the backend can run here.
-        warnings = validate(config, args.backend, int(os.environ.get("WORLD_SIZE", "1")))
-        # --compile-only compiles offline: it needs the Poplar SDK, not free IPUs.
-        backend = get_backend(args.backend, check_available=False) if args.compile_only else get_backend(args.backend)
-        if args.compile_only:
-            from ipu.offline import compile_only
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
+        run_profile(config, backend, output_dir)
+        backend.memory_report(config, output_dir)
+        return 0
+    from bert_packed.train import train
 
-            compile_only(config, backend, args.output_dir or os.path.join("runs", config.name, "compile"))
-            return 0
-        if args.profile:
-            from bert_packed.profiling import run_profile
-
-            for warning in warnings:
-                print(f"warning: {warning}", file=sys.stderr)
-            output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
-            run_profile(config, backend, output_dir)
-            if backend.name in ("ipu", "mock"):
-                from ipu.offline import report_memory
-
-                report_memory(config, backend, output_dir)
-            return 0
-        from bert_packed.train import train
-
-        train(config, backend, output_dir=args.output_dir, resume=args.resume or args.resume_force,
-              resume_force=args.resume_force, show_progress=not args.no_progress)
-    except ValueError as exc:
-        # Our error classes (ConfigError, DataError, PackingError, ...) subclass ValueError and
-        # mean a user mistake: one line, no traceback. A bare ValueError is a bug: show it.
-        if type(exc) is ValueError:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except TrainingStopped as exc:  # divergence (3), a signal (128 + N): one line
-        print(f"{exc.label}: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except OSError as exc:  # a file we were asked to read or write: not a bug of ours
-        print(f"error: {exc.filename or ''}{': ' if exc.filename else ''}{exc.strerror or exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted (nothing half-written was kept)", file=sys.stderr)
-        return 130
+    train(config, backend, output_dir=args.output_dir, resume=args.resume or args.resume_force,
+          resume_force=args.resume_force, show_progress=not args.no_progress)
     return 0
 
 

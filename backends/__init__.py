@@ -2,26 +2,28 @@
 that e.g. ``cpu`` never imports poptorch or CUDA-only code.
 
     backend = get_backend("cpu")          # an instance, ready for prepare(...)
+
+Importing this package registers the backends' config sections (``ipu``, ``cuda``) with
+``bert_packed.config``, which names no backend itself.
 """
 from __future__ import annotations
 
 import importlib
 
-from bert_packed.config import ConfigError
+from backends.cuda_config import CUDAConfig
+from bert_packed.config import ConfigError, register_section
+from ipu.config import IPUConfig
 
-# name -> (module, class). Only the chosen one is imported.
+# name -> (module, class, the config section it reads). Only the chosen one is imported.
 BACKENDS = {
-    "cpu": ("backends.cpu", "CPUBackend"),
-    "cuda": ("backends.cuda", "CUDABackend"),
-    "ipu": ("backends.ipu", "IPUBackend"),
-    "mock": ("backends.mock", "MockBackend"),
+    "cpu": ("backends.cpu", "CPUBackend", None),
+    "cuda": ("backends.cuda", "CUDABackend", "cuda"),
+    "ipu": ("backends.ipu", "IPUBackend", "ipu"),
+    "mock": ("backends.mock", "MockBackend", "ipu"),
 }
-
-# Why a backend can't run, shown to the user with the fix.
-_UNAVAILABLE_HINTS = {
-    "cuda": "no CUDA GPU visible to torch (torch.cuda.is_available() is False); use --backend cpu",
-    "ipu": "no IPU found (needs the Poplar SDK's poptorch and IPU hardware); use --backend mock to run the IPU code path",
-}
+SECTIONS = {"ipu": IPUConfig, "cuda": CUDAConfig}
+for _section, _cls in SECTIONS.items():
+    register_section(_section, _cls, readers=tuple(n for n, entry in BACKENDS.items() if entry[2] == _section))
 
 
 def available_backends():
@@ -31,7 +33,7 @@ def available_backends():
 def get_backend_class(name: str):
     if name not in BACKENDS:
         raise ConfigError(f"unknown backend {name!r}; available: {', '.join(available_backends())}")
-    module_name, class_name = BACKENDS[name]
+    module_name, class_name, _ = BACKENDS[name]
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -43,7 +45,10 @@ def get_backend(name: str, *, check_available: bool = True):
     """An instance of backend ``name``; ConfigError (one line) if unknown or unavailable."""
     cls = get_backend_class(name)
     if check_available and not cls.is_available():
-        reason = getattr(cls, "unavailable_reason", None)
-        hint = (reason() if callable(reason) else None) or _UNAVAILABLE_HINTS.get(name, "not available on this machine")
-        raise ConfigError(f"backend {name!r} is not available: {hint}")
+        raise ConfigError(f"backend {name!r} is not available: {cls.unavailable_reason()}")
     return cls()
+
+
+def offline_compilers():
+    """Names of the backends that compile ahead of time (``run.py --compile-only``)."""
+    return [name for name in available_backends() if get_backend_class(name).offline_compile]

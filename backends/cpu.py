@@ -23,19 +23,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bert_packed.backend import Backend
 from bert_packed.losses import metric_keys, step_normalizers
 
-class CPUBackend:
+
+class CPUBackend(Backend):
     name = "cpu"
     device = torch.device("cpu")
-    dist_backend = "gloo"  # process-group backend run.py initialises under torchrun
+    dist_backend = "gloo"  # process-group backend the loop initialises under torchrun
+    cost_unit = "ms"
+    cost_note = "wall time of forward+backward, fastest of interleaved runs"
 
     @staticmethod
     def is_available() -> bool:
         return True
 
     def __init__(self) -> None:
-        self.model = self.optimizer = self.scheduler = self.config = None
+        super().__init__()
+        self.model = self.optimizer = self.scheduler = None
         self.forward_module = None
         self.grad_norm = 0.0  # of the last step, set by clip_gradients
 
@@ -75,7 +80,7 @@ class CPUBackend:
     def clip_gradients(self) -> None:
         """Measure the global gradient norm (``self.grad_norm``, before clipping) and clip it to
         ``optimizer.max_grad_norm`` when configured."""
-        max_norm = self.config.optimizer.max_grad_norm if self.config is not None else None
+        max_norm = self.plan.max_grad_norm
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         else:
@@ -110,13 +115,20 @@ class CPUBackend:
 
     # -- the protocol ------------------------------------------------------------------------
 
-    def prepare(self, model: torch.nn.Module, optimizer: Any, config: Any, scheduler: Optional[Any] = None) -> None:
+    def prepare(self, model: torch.nn.Module, optimizer: Any, plan, *, scheduler: Optional[Any] = None,
+                state: Optional[Dict[str, Any]] = None) -> None:
+        self.plan = plan
         self.model = model.to(self.device)
-        self.optimizer, self.scheduler, self.config = optimizer, scheduler, config
+        self.optimizer, self.scheduler = optimizer, scheduler
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.distributed():  # every rank starts from rank 0's weights, whatever its seed did
             for tensor in self.model.state_dict().values():
                 dist.broadcast(tensor, src=0)
         self.forward_module = self.wrap_model(self.model)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}
 
     def _normalise(self, micro_batches: List[Dict[str, np.ndarray]]) -> List[Dict[str, np.ndarray]]:
         """Copy the batches and give every pack the step's global counts (all ranks)."""
@@ -159,6 +171,11 @@ class CPUBackend:
         with self.autocast():
             out = self.forward_module(**self.to_device(batch))
         return {name: out[name].detach().float().cpu().numpy() for name in names}
+
+    def scope_breakdown(self, model: torch.nn.Module, batch: Dict[str, np.ndarray]) -> Optional[Dict[str, float]]:
+        from bert_packed.profiling import scope_breakdown
+
+        return scope_breakdown(model, batch, device=str(self.device))
 
     def profile(self, model: torch.nn.Module, batch: Dict[str, np.ndarray], *, num_repeats: int = 5) -> Dict[str, Any]:
         """Median ms (``start_timer``) of one forward+backward of ``model`` on ``batch`` (after a warm-up)."""

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from backends.cpu import CPUBackend
-from bert_packed.config import ConfigError
+from bert_packed.config import ConfigError, check_section
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -56,15 +56,17 @@ def num_compiled_graphs() -> int:
 
 class CUDABackend(CPUBackend):
     name = "cuda"
+    config_section = "cuda"
     # Object/host collectives of the loop (CPU tensors) over gloo, gradients over NCCL.
     dist_backend = "cpu:gloo,cuda:nccl"
+    cost_note = "CUDA-event time of forward+backward, fastest of interleaved runs"
 
     @staticmethod
     def is_available() -> bool:
         return torch.cuda.is_available()
 
-    @staticmethod
-    def unavailable_reason() -> Optional[str]:
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
         """Why ``--backend cuda`` cannot run here (one line with the fix), or None if it can."""
         if torch.version.cuda is None:
             return (f"torch {torch.__version__} is a CPU-only build (no CUDA); install a CUDA build of torch "
@@ -89,16 +91,11 @@ class CUDABackend(CPUBackend):
 
     # -- configuration ----------------------------------------------------------------------
 
-    def _check_config(self, model: torch.nn.Module, config: Any) -> None:
+    def _check_model(self, model: torch.nn.Module) -> None:
         """Refuse combinations that cannot run, before any work (one line each)."""
-        cuda = config.cuda
-        if cuda.num_warmup_steps < 0 or cuda.max_recompiles_after_warmup < 0:
-            raise ConfigError("cuda.num_warmup_steps and cuda.max_recompiles_after_warmup must be >= 0")
-        if cuda.loss_scale_init <= 0:
-            raise ConfigError(f"cuda.loss_scale_init must be > 0, got {cuda.loss_scale_init}")
-        model_config = getattr(model, "config", None)
-        attention = getattr(model_config, "attention_implementation", None)
-        dropout = getattr(model_config, "attention_probs_dropout_prob", 0.0)
+        cuda = self.plan.settings
+        attention = model.config.attention_implementation
+        dropout = model.config.attention_probs_dropout_prob
         if attention == "flex" and dropout > 0:
             raise ConfigError(
                 f"model.attention_implementation=flex has no attention dropout but "
@@ -112,9 +109,12 @@ class CUDABackend(CPUBackend):
                 f"scaling) or fp32"
             )
 
-    def prepare(self, model: torch.nn.Module, optimizer: Any, config: Any, scheduler: Optional[Any] = None) -> None:
-        self._check_config(model, config)
-        cuda = config.cuda
+    def prepare(self, model: torch.nn.Module, optimizer: Any, plan, *, scheduler: Optional[Any] = None,
+                state: Optional[Dict[str, Any]] = None) -> None:
+        self.plan = plan
+        check_section(self.config_section, plan.settings)
+        self._check_model(model)
+        cuda = plan.settings
         self.autocast_dtype = _AUTOCAST_DTYPES[cuda.precision]
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = cuda.allow_tf32
@@ -126,7 +126,7 @@ class CUDABackend(CPUBackend):
             else:  # torch 2.0 (the Poplar SDK's): only the CUDA class exists
                 self.scaler = torch.cuda.amp.GradScaler(init_scale=cuda.loss_scale_init,
                                                         enabled=self.device.type == "cuda")
-        super().prepare(model, optimizer, config, scheduler=scheduler)
+        super().prepare(model, optimizer, plan, scheduler=scheduler, state=state)
 
     # -- hooks of the cpu step --------------------------------------------------------------
 
@@ -136,7 +136,7 @@ class CUDABackend(CPUBackend):
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        cuda = self.config.cuda
+        cuda = self.plan.settings
         if not cuda.compile:
             return model
         # dynamic=False: packs have one fixed [B, S] shape, so one static graph serves
@@ -176,12 +176,13 @@ class CUDABackend(CPUBackend):
         metrics = super().train_step(micro_batches)
         device_seconds = timer.stop()
         self.num_steps += 1
-        if self.num_steps > self.config.cuda.num_warmup_steps:
+        cuda = self.plan.settings
+        if self.num_steps > cuda.num_warmup_steps:
             self.num_recompiles += num_compiled_graphs() - graphs_before
-            if self.num_recompiles > self.config.cuda.max_recompiles_after_warmup:
+            if self.num_recompiles > cuda.max_recompiles_after_warmup:
                 raise RecompileError(
                     f"torch.compile compiled {self.num_recompiles} new graph(s) after the "
-                    f"{self.config.cuda.num_warmup_steps} warm-up steps (at step {self.num_steps}): a shape or guard "
+                    f"{cuda.num_warmup_steps} warm-up steps (at step {self.num_steps}): a shape or guard "
                     f"changed between steps; keep [B, S] fixed, or raise cuda.max_recompiles_after_warmup / "
                     f"cuda.num_warmup_steps"
                 )

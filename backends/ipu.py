@@ -30,8 +30,8 @@ class IPUBackend(PopTorchBackend):
         poptorch = _import_poptorch()
         return poptorch is not None and bool(poptorch.ipuHardwareIsAvailable())
 
-    @staticmethod
-    def unavailable_reason() -> str:
+    @classmethod
+    def unavailable_reason(cls) -> str:
         if _import_poptorch() is None:
             return INSTALL_HINT
         return "poptorch is installed but no IPU is visible (check `gc-info -l`); use --backend mock"

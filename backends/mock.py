@@ -17,6 +17,9 @@ from ipu import options as ipu_options
 class MockBackend(PopTorchBackend):
     name = "mock"
     cost_unit = "estimated cycles"
+    cost_note = "GC200 cost-model estimate, not a measurement"
+    prices_from_shapes = True
+    throughput_is_estimated = True
 
     @staticmethod
     def is_available() -> bool:

@@ -99,7 +99,7 @@ def check_same_initial_weights(sets):
     import torch
 
     from bert_packed.config import load_config
-    from bert_packed.train import build_model
+    from bert_packed.build import build_model
 
     states = []
     for values in sets:

@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from bert_packed.config import ConfigError, load_config  # noqa: E402
 from bert_packed.io import write_text_atomic  # noqa: E402
+from bert_packed.loop.plan import make_plan
 
 DEFAULT_ATTENTIONS = ("dense", "sdpa", "flex")
 LAYOUTS = (("padded", 1), ("packed", 3))
@@ -46,7 +47,7 @@ def build_run(model_name, depth, attention, args):
     """(backend, pool of micro-batches) for one configuration, model prepared on the device."""
     from backends.cuda import CUDABackend
     from bert_packed.data import build_data_source
-    from bert_packed.train import build_model, build_optimizer
+    from bert_packed.build import build_model, build_optimizer
 
     overrides = [
         f"data.max_sequences_per_pack={depth}", f"model.attention_implementation={attention}",
@@ -65,7 +66,7 @@ def build_run(model_name, depth, attention, args):
     model = build_model(config)
     optimizer, scheduler = build_optimizer(config, model)
     backend = CUDABackend(device=args.device)
-    backend.prepare(model, optimizer, config, scheduler=scheduler)
+    backend.prepare(model, optimizer, make_plan(config, backend), scheduler=scheduler)
     return backend, pool
 
 

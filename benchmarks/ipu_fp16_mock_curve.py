@@ -2,7 +2,7 @@
 
     python benchmarks/ipu_fp16_mock_curve.py [--steps 50] [--set section.key=value ...]
 
-phase2 shrunk (ipu.testing.FP16_CURVE): replication 2 x accumulation 8, a 4-stage pipeline, fp16
+phase2 shrunk (tests/ipu_helpers.py FP16_CURVE): replication 2 x accumulation 8, a 4-stage pipeline, fp16
 weights/activations/accumulators with loss scaling, 50 LAMB steps over four cycled global batches.
 Prints the largest absolute and relative per-step loss difference, and the same for an fp32 mock
 run (``--set ipu.half_precision=false``) as the floor. tests/test_ipu_readiness.py asserts 0.5 %.
@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ipu.testing import mock_and_cpu_loss_curves  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from ipu_helpers import mock_and_cpu_loss_curves  # noqa: E402
 
 
 def main(argv=None):

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from backends.mock import MockBackend  # noqa: E402
 from bert_packed.config import ConfigError, load_config  # noqa: E402
 from bert_packed.data import empty_batch  # noqa: E402
-from bert_packed.train import build_model  # noqa: E402
+from bert_packed.build import build_model  # noqa: E402
 
 
 def main(argv=None):

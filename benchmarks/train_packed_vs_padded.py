@@ -22,7 +22,8 @@ import torch  # noqa: E402
 from backends import get_backend  # noqa: E402
 from bert_packed.config import load_config  # noqa: E402
 from bert_packed.data import build_data_source  # noqa: E402
-from bert_packed.train import build_model, build_optimizer  # noqa: E402
+from bert_packed.build import build_model, build_optimizer  # noqa: E402
+from bert_packed.loop.plan import make_plan
 
 
 def _variant(config_name, depth, overrides, backend_name):
@@ -33,7 +34,7 @@ def _variant(config_name, depth, overrides, backend_name):
     model = build_model(config)
     optimizer, scheduler = build_optimizer(config, model)
     backend = get_backend(backend_name)
-    backend.prepare(model, optimizer, config, scheduler=scheduler)
+    backend.prepare(model, optimizer, make_plan(config, backend), scheduler=scheduler)
     source = build_data_source(config, micro_batch_size=config.train.micro_batch_size)
     return {"config": config, "backend": backend, "iterator": iter(source), "source": source,
             "sequences": 0.0, "tokens": 0.0, "seconds": 0.0, "steps": 0, "losses": []}

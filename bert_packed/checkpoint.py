@@ -122,19 +122,8 @@ def load_checkpoint(path: str) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- resume compatibility
-
-# Keys a resumed run may change without changing what the remaining steps compute. Everything
-# else (model shape, optimizer, batch and accumulation, packing, data files, seeds) would make the
-# continuation a different run, so it is refused unless forced. train.steps extends or shortens
-# the run; the linear schedule then decays to the new end (the resume note says so).
-RESUME_HARMLESS_KEYS = frozenset({
-    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
-    "train.output_dir", "train.tensorboard", "train.num_threads", "train.max_consecutive_skipped_steps",
-    "train.collective_timeout_minutes", "data.eval_path", "data.num_eval_sequences",
-    "ipu.executable_cache_dir", "ipu.log_cycle_count",
-    "cuda.compile", "cuda.compile_mode", "cuda.num_warmup_steps", "cuda.max_recompiles_after_warmup",
-})
-
+# (Which differing keys a resume may accept is declared on the config fields:
+# bert_packed.config.resume_harmless_keys.)
 
 def config_differences(saved: Dict[str, Dict[str, Any]], current: Dict[str, Dict[str, Any]]) -> List[str]:
     """Dotted keys whose values differ between two ``Config.to_dict()``s (sorted)."""

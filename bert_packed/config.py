@@ -1,25 +1,39 @@
-"""Configuration: YAML files mapped onto documented dataclasses.
+"""Configuration: YAML files mapped onto documented dataclasses, one *section* per owner.
 
 Precedence: ``--set section.key=value`` on the command line > the YAML file > the
-defaults written below. Unknown sections/keys and values of the wrong type are rejected
-with one line (:class:`ConfigError`); a setting that does not apply to the chosen backend
-(e.g. ``--set ipu.replication_factor=2`` when training on ``cpu``) gets a warning.
+defaults written in the section classes. Unknown sections/keys and values of the wrong
+type are rejected with one line (:class:`ConfigError`); a setting that does not apply to
+the chosen backend or task (e.g. ``--set ipu.replication_factor=2`` when training on
+``cpu``) gets a warning.
+
+Sections and who owns them:
+
+- ``model``, ``data``, ``optimizer``, ``train``: the model and the loop (this module);
+- ``finetune``: the keys every fine-tuning task shares (this module) plus each task's own
+  keys, declared by the task class (``Task.config_fields``, see ``bert_packed.task``);
+- one section per backend that has settings (``ipu``, ``cuda``): declared by the backend
+  package, which registers it with :func:`register_section` when imported (``import
+  backends``; ``run.py`` does). This module names no backend.
+
+Bounds are declared on the fields (``bounded(default, ge=1)``) and checked by
+:func:`validate` for every section alike; so are the keys a resumed run may change
+(``metadata={"resume_harmless": True}``).
 
 A config NAME resolves to ``configs/NAME`` or ``configs/NAME.yaml`` (relative to the
 repository), or to a path to a YAML file.
 
-    python -m bert_packed.config phase2            # print the resolved config
-    python -m bert_packed.config phase2 --backend mock --set train.steps=10
+    python run.py --print-config phase2 --backend mock     # the resolved config
+    python -m bert_packed.config phase2                    # the same (delegates to run.py)
 
 Counting conventions used throughout: a *pack* is one fixed-shape row of
 ``max_sequence_length`` tokens holding up to ``max_sequences_per_pack`` sequences (an
 unpacked/padded row is a pack with one sequence). ``micro_batch_size`` counts packs per
 replica per forward pass; a *replica* is one data-parallel copy of the model (a torchrun
-process on cpu/cuda, ``replication_factor`` x processes on the IPU).
+process on cpu/cuda; a backend may feed several from one process, see
+``Backend.replicas_per_process``).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import math
@@ -28,50 +42,57 @@ import re
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import yaml
+
+from bert_packed.errors import ConfigError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration; the message is one line naming the fix."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a command-line mistake as one line and exit 2, like every other
-    user mistake (argparse's default prints the usage block first). For run.py and our CLIs."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+__all__ = ["ConfigError", "Config", "ModelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "FinetuneConfig",
+           "register_section", "section_names", "bounded", "load_config", "config_from_dict", "resolve_config_path",
+           "validate", "num_replicas", "gradient_accumulation", "resume_harmless_keys", "dump", "CONFIG_DIR"]
 
 
-def _choices(*values: str) -> Dict[str, Any]:
+def _choices(*values: Any) -> Dict[str, Any]:
     return {"choices": values}
 
 
+def bounded(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None, lt: Optional[float] = None,
+            le: Optional[float] = None, **metadata: Any):
+    """A dataclass field whose value :func:`validate` keeps within the given bounds (None is
+    always allowed for an Optional field: it means "not set")."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("lt", lt), ("le", le)) if v is not None}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={**metadata, **bounds})
+    return field(default=default, metadata={**metadata, **bounds})
+
+
+HARMLESS = {"resume_harmless": True}  # a resumed run may change this key without changing its steps
+
+
 # ---------------------------------------------------------------------------------------
-# Sections. Every field has a default so a YAML file only states what differs.
+# The core sections. Every field has a default so a YAML file only states what differs.
 
 
 @dataclass
 class ModelConfig:
     """The BERT architecture (Hugging Face ``BertConfig`` field names)."""
 
-    vocab_size: int = 30522
-    hidden_size: int = 1024
-    num_hidden_layers: int = 24
-    num_attention_heads: int = 16
-    intermediate_size: int = 4096
-    max_position_embeddings: int = 512
+    vocab_size: int = bounded(30522, ge=1)
+    hidden_size: int = bounded(1024, ge=1)
+    num_hidden_layers: int = bounded(24, ge=1)
+    num_attention_heads: int = bounded(16, ge=1)
+    intermediate_size: int = bounded(4096, ge=1)
+    max_position_embeddings: int = bounded(512, ge=1)
     type_vocab_size: int = 2
     hidden_act: str = "gelu"
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    layer_norm_eps: float = 1e-12
-    initializer_range: float = 0.02
+    hidden_dropout_prob: float = bounded(0.1, ge=0.0, lt=1.0)
+    attention_probs_dropout_prob: float = bounded(0.1, ge=0.0, lt=1.0)
+    layer_norm_eps: float = bounded(1e-12, gt=0.0)
+    initializer_range: float = bounded(0.02, ge=0.0)
     # Name in bert_packed.attention's registry; "dense" runs everywhere (IPU included).
     attention_implementation: str = "dense"
     # "token": mean over the masked tokens of the step (canonical BERT);
@@ -101,16 +122,16 @@ class DataConfig:
 
     path: Optional[str] = None
     # Held-out HDF5 data for evaluation (with path set); generated data makes its own.
-    eval_path: Optional[str] = None
-    max_sequence_length: int = 512
+    eval_path: Optional[str] = field(default=None, metadata=HARMLESS)
+    max_sequence_length: int = bounded(512, ge=1)
     # Packing depth K; 1 = classic padded BERT (one sequence per row).
-    max_sequences_per_pack: int = 3
+    max_sequences_per_pack: int = bounded(3, ge=1)
     packing_algorithm: str = "lpfhp"
     # Masked-token budget of ONE full-length sequence (76 at S=512, 20 at S=128);
     # a pack gets max_masked_tokens + max_sequences_per_pack - 1 slots because rounding
     # 15 % per sequence can add up to one token per extra sequence.
-    max_masked_tokens: int = 76
-    mask_probability: float = 0.15
+    max_masked_tokens: int = bounded(76, ge=1)
+    mask_probability: float = bounded(0.15, gt=0.0, lt=1.0)
     # Generated data only ------------------------------------------------------------
     histogram: str = "wikipedia-512"
     # How histogram lengths map onto max_sequence_length when they differ:
@@ -118,8 +139,8 @@ class DataConfig:
     # "truncate" clips long sequences to S (what create_pretraining_data does at S=128).
     length_mapping: str = field(default="scale", metadata=_choices("scale", "truncate"))
     # Sequences per epoch of generated training data (packed once, then cycled).
-    num_sequences: int = 20000
-    num_eval_sequences: int = 2000
+    num_sequences: int = bounded(20000, ge=1)
+    num_eval_sequences: int = bounded(2000, ge=1, **HARMLESS)
 
     @property
     def max_masked_tokens_per_pack(self) -> int:
@@ -131,37 +152,37 @@ class OptimizerConfig:
     """Optimizer and learning-rate schedule (bert_packed.optim)."""
 
     name: str = field(default="lamb", metadata=_choices("lamb", "adamw"))
-    learning_rate: float = 0.002828
+    learning_rate: float = bounded(0.002828, ge=0.0)
     # Fraction of train.steps spent warming up linearly from 0.
-    warmup_fraction: float = 0.128
+    warmup_fraction: float = bounded(0.128, ge=0.0, le=1.0)
     schedule: str = field(default="linear", metadata=_choices("linear", "constant"))
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-6
+    weight_decay: float = bounded(0.01, ge=0.0)
+    beta1: float = bounded(0.9, ge=0.0, lt=1.0)
+    beta2: float = bounded(0.999, ge=0.0, lt=1.0)
+    eps: float = bounded(1e-6, gt=0.0)
     # Global gradient-norm clip; null = none (LAMB's trust ratio already bounds steps).
-    max_grad_norm: Optional[float] = None
+    max_grad_norm: Optional[float] = bounded(None, gt=0.0)
     # LAMB trust ratio phi(||w||) / ||u|| with phi(z) = min(z, max_weight_norm), for the
     # weight-decayed tensors; null = no clamp (the published LAMB).
-    max_weight_norm: Optional[float] = None
+    max_weight_norm: Optional[float] = bounded(None, ge=0.0, hint="(0 = no trust ratio) or null (no clamp)")
     # The same for biases and LayerNorm parameters (not decayed). 0 = no trust ratio for them,
     # a plain Adam-style step: Graphcore's BERT choice. With the trust ratio a LayerNorm gain's
     # step grows with its own norm and can run away (norms of 1e17, then NaN); null = unclamped.
-    bias_max_weight_norm: Optional[float] = 0.0
+    bias_max_weight_norm: Optional[float] = bounded(0.0, ge=0.0, hint="(0 = no trust ratio) or null (no clamp)")
 
 
 @dataclass
 class TrainConfig:
     """The loop: batch layout, length, logging, evaluation and checkpoints."""
 
-    steps: int = 2137
+    steps: int = bounded(2137, ge=1, **HARMLESS)
     # Packs per replica per forward pass.
-    micro_batch_size: int = 2
+    micro_batch_size: int = bounded(2, ge=1)
     # Micro-batches per replica per optimizer step (used when global_batch_size is null).
-    gradient_accumulation: int = 1024
+    gradient_accumulation: int = bounded(1024, ge=1)
     # Packs per optimizer step over all replicas; when set, gradient_accumulation is
     # derived from it (so torchrun with N processes keeps the same step) and must divide.
-    global_batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = bounded(None, ge=1)
     # Adapt the unpacked recipe to packing factor p (sequences per pack), see the paper:
     # "none" (the config is already adjusted), "gradient_accumulation" (divide it by p:
     # same sequences per update), "betas" (keep the batch, LAMB beta := beta ** p).
@@ -169,100 +190,37 @@ class TrainConfig:
         default="none", metadata=_choices("none", "gradient_accumulation", "betas")
     )
     # p for the adjustment; null = measured on the training data (sequences / packs).
-    packing_factor: Optional[float] = None
-    seed: int = 0
-    log_every: int = 1
+    packing_factor: Optional[float] = bounded(None, ge=1.0, hint="(sequences per pack)")
+    seed: int = bounded(0, ge=0)
+    log_every: int = bounded(1, ge=1, **HARMLESS)
     # Evaluate on held-out generated/HDF5 data every N steps (0 = never; always at the end
     # when eval_every > 0).
-    eval_every: int = 0
-    eval_batches: int = 4
+    eval_every: int = bounded(0, ge=0, **HARMLESS)
+    eval_batches: int = bounded(4, ge=1, **HARMLESS)
     # Atomic checkpoint every N steps (0 = only with --resume-able end state off).
-    checkpoint_every: int = 0
+    checkpoint_every: int = bounded(0, ge=0, **HARMLESS)
     # null = runs/<config name>
-    output_dir: Optional[str] = None
-    tensorboard: bool = True
+    output_dir: Optional[str] = field(default=None, metadata=HARMLESS)
+    tensorboard: bool = field(default=True, metadata=HARMLESS)
     # Write the Hugging Face export (model + tokenizer) to <output_dir>/hf at the end.
     hf_export: bool = True
     # torch intra-op threads (null = torch's default, one per core). Small models gain
     # nothing from more threads, and on a shared machine spinning threads stall badly.
-    num_threads: Optional[int] = None
+    num_threads: Optional[int] = bounded(None, ge=1, **HARMLESS)
     # A backend may skip an update by design (fp16 loss scaling after an overflow); this many
     # skipped steps in a row stop the run (the loss scale can no longer recover).
-    max_consecutive_skipped_steps: int = 20
+    max_consecutive_skipped_steps: int = bounded(20, ge=1, **HARMLESS)
     # Distributed runs (torchrun): a collective that waits longer than this (a hung or dead
     # rank) ends the job with an error instead of gloo's/NCCL's 30-minute default.
-    collective_timeout_minutes: float = 10.0
-
-
-@dataclass
-class IPUConfig:
-    """Graphcore IPU settings (backends ``ipu`` and ``mock``); see research notes on
-    Graphcore's PopTorch BERT. Pipeline: one stage per IPU of a replica."""
-
-    # Encoder layers on each IPU of one replica; its length is the IPUs per replica and
-    # it must sum to model.num_hidden_layers. Embeddings and heads sit on IPU 0.
-    layers_per_ipu: List[int] = field(default_factory=lambda: [3, 7, 7, 7])
-    replication_factor: int = 4
-    # Optimizer steps per host call (PopTorch deviceIterations).
-    device_iterations: int = 1
-    # What the host gets back per call (PopTorch OutputMode).
-    output_mode: str = field(default="sum", metadata=_choices("all", "sum", "final", "default"))
-    # Fraction of tile memory for matmul/conv temporaries, one per IPU (or one for all).
-    available_memory_proportion: List[float] = field(default_factory=lambda: [0.1, 0.15, 0.15, 0.15])
-    enable_half_partials: bool = True
-    half_precision: bool = True
-    # Gradient accumulators (PopTorch optimizer accum_type): "auto" = fp16 with half_precision
-    # (Graphcore's choice: half the memory; PopTorch then keeps a running mean, which cannot
-    # overflow), else fp32. LAMB's two moments are always fp32.
-    accumulator_dtype: str = field(default="auto", metadata=_choices("auto", "fp16", "fp32"))
-    stochastic_rounding: bool = True
-    loss_scaling: float = 8192.0
-    # PopTorch's executable cache: BERT-Large compiles for tens of minutes, a cached executable
-    # loads in seconds. A relative path is relative to the working directory; null = off.
-    executable_cache_dir: Optional[str] = "runs/executable_cache"
-    synthetic_data: bool = False
-    log_cycle_count: bool = False
-    optimizer_state_offchip: bool = True
-    replicated_tensor_sharding: bool = True
-    recompute_checkpoint_every_layer: bool = True
-    auto_round_num_ipus: bool = True
-    # Split the tied MLM decoder matmul into this many pieces to fit IPU 0's memory.
-    embedding_serialization_factor: int = 2
-
-    @property
-    def ipus_per_replica(self) -> int:
-        return len(self.layers_per_ipu)
-
-    @property
-    def fp16_accumulators(self) -> bool:
-        return self.accumulator_dtype == "fp16" or (self.accumulator_dtype == "auto" and self.half_precision)
-
-
-@dataclass
-class CUDAConfig:
-    """NVIDIA GPU settings (backend ``cuda``)."""
-
-    precision: str = field(default="bf16", metadata=_choices("bf16", "fp16", "fp32"))
-    # torch.compile the model once (fixed shapes: no recompiles after warm-up).
-    compile: bool = False
-    # torch.compile mode: "default", "reduce-overhead" (CUDA graphs) or "max-autotune".
-    compile_mode: str = field(default="default", metadata=_choices("default", "reduce-overhead", "max-autotune"))
-    # Optimizer steps that may compile (the first forward/backward compiles; eval compiles
-    # its own graph on first use). After them, graphs compiled are counted as recompiles.
-    num_warmup_steps: int = 2
-    # Recompiles tolerated after warm-up; more is an error (a shape or guard changed: with
-    # fixed [B, S] packs that is a bug, and it silently costs seconds per step).
-    max_recompiles_after_warmup: int = 0
-    # fp16 only: GradScaler's initial loss scale (dynamic afterwards).
-    loss_scale_init: float = 65536.0
-    # Let fp32 matmuls use TF32 tensor cores (Ampere and newer).
-    allow_tf32: bool = True
+    collective_timeout_minutes: float = bounded(10.0, gt=0.0, **HARMLESS)
 
 
 @dataclass
 class FinetuneConfig:
-    """Fine-tuning (``task`` null = pre-training). Data: CSV/TSV/JSONL files with named columns,
-    tokenised with the checkpoint's tokenizer, packed with data.packing_algorithm at depth
+    """Fine-tuning keys every task shares (``task`` null = pre-training). Each task adds its
+    own keys to this section (``Task.config_fields``: e.g. ``text_column`` for
+    classification, ``doc_stride`` for SQuAD). Data: the task's files, tokenised with the
+    checkpoint's tokenizer, packed with data.packing_algorithm at depth
     data.max_sequences_per_pack into rows of data.max_sequence_length (bert_packed/finetune)."""
 
     task: Optional[str] = None
@@ -270,64 +228,131 @@ class FinetuneConfig:
     # null = hold out validation_fraction of the training rows (seeded).
     validation_file: Optional[str] = None
     validation_fraction: float = 0.1
-    text_column: str = "text"
-    text_pair_column: Optional[str] = None
-    label_column: str = "label"
-    # Hugging Face's names; null = from the labels (lists: multi-label, fractional numbers or
-    # num_labels 1: regression, else single-label).
-    problem_type: Optional[str] = field(default=None, metadata=_choices(
-        None, "single_label_classification", "multi_label_classification", "regression"))
-    # null = from the data (string labels: their count; integer labels: the largest + 1).
-    num_labels: Optional[int] = None
-    # Multi-label labels written as one string: the separator between label names.
-    label_separator: str = ","
     # false = one sequence per row (padded), the baseline to compare packing with.
     packing: bool = True
     # A text longer than data.max_sequence_length: "truncate" (with a warning) or "error".
     truncation: str = field(default="truncate", metadata=_choices("truncate", "error"))
     # Passes over the training data; sets train.steps unless --steps / --set train.steps is given.
-    epochs: Optional[float] = 3.0
-    # eval_* key selecting the best model (null = accuracy / f1_micro / pearson by problem type).
+    epochs: Optional[float] = bounded(3.0, gt=0.0)
+    # eval_* key selecting the best model (null = the task's own default).
     metric_for_best_model: Optional[str] = None
     # At the end, export and predict with the best evaluated weights (not the last).
     load_best_model_at_end: bool = True
-    # Question answering (task squad; data.max_sequence_length is the window length).
-    # Context tokens shared by consecutive windows of a long context (Hugging Face's stride).
-    doc_stride: int = 128
-    # Questions longer than this many tokens are cut.
-    max_query_length: int = 64
-    # Start and end candidates per window, and answers kept per question (nbest_predictions.json).
-    n_best_size: int = 20
-    # Longest answer in tokens.
-    max_answer_length: int = 30
-    # SQuAD v2.0 (unanswerable questions): null = when the data has any.
-    version_2_with_negative: Optional[bool] = None
-    # v2.0: answer "" when null score - best span score exceeds this.
-    null_score_diff_threshold: float = 0.0
 
 
-@dataclass
+# ---------------------------------------------------------------------------------------
+# The section registry
+
+
+@dataclass(frozen=True)
+class Section:
+    """One config section: its dataclass and who reads it (``readers``: the backends that do;
+    None = every run). ``key_owners``: for a section several tasks extend, the tasks that
+    declared each key (a key missing from it is shared)."""
+
+    name: str
+    cls: type
+    readers: Optional[Tuple[str, ...]] = None
+    key_owners: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
+
+
+_SECTIONS: Dict[str, Section] = {}
+
+
+def register_section(name: str, cls: type, *, readers: Optional[Iterable[str]] = None) -> None:
+    """Make ``name: {...}`` a config section mapped onto dataclass ``cls``. ``readers`` names the
+    backends that read it (a setting given for another backend gets a warning). Registering the
+    same class again is a no-op; another class under a taken name is a programming error."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"config section {name!r}: {cls!r} is not a dataclass")
+    existing = _SECTIONS.get(name)
+    if existing is not None:
+        if existing.cls is not cls:
+            raise TypeError(f"config section {name!r} is already registered with {existing.cls.__name__}")
+        return
+    _SECTIONS[name] = Section(name, cls, tuple(readers) if readers is not None else None)
+
+
+for _name, _cls in (("model", ModelConfig), ("data", DataConfig), ("optimizer", OptimizerConfig),
+                    ("train", TrainConfig)):
+    register_section(_name, _cls)
+
+
+def _finetune_section() -> Section:
+    """``finetune``: the shared keys plus every registered task's ``config_fields`` (built once;
+    the tasks are imported here, so they must not import this module)."""
+    section = _SECTIONS.get("finetune")
+    if section is not None:
+        return section
+    from bert_packed.task import task_config_fields
+
+    hints = typing.get_type_hints(FinetuneConfig)
+    fields = [(f.name, hints[f.name], _copy_field(f)) for f in dataclasses.fields(FinetuneConfig)]
+    owners: Dict[str, List[str]] = {}
+    declared: Dict[str, Any] = {}
+    for task_name, fields_cls in task_config_fields().items():
+        task_hints = typing.get_type_hints(fields_cls)
+        for f in dataclasses.fields(fields_cls):
+            signature = (task_hints[f.name], f.default, f.metadata.get("choices"))
+            if f.name in hints:
+                raise TypeError(f"task {task_name!r} redeclares the shared key finetune.{f.name}")
+            if f.name in declared and declared[f.name] != signature:
+                raise TypeError(f"tasks declare finetune.{f.name} differently ({', '.join(owners[f.name])}, "
+                                f"{task_name})")
+            if f.name not in declared:
+                declared[f.name] = signature
+                fields.append((f.name, task_hints[f.name], _copy_field(f)))
+            owners.setdefault(f.name, []).append(task_name)
+    cls = dataclasses.make_dataclass("FinetuneConfig", fields, bases=(FinetuneConfig,))
+    cls.__doc__ = FinetuneConfig.__doc__
+    section = Section("finetune", cls, None, tuple((k, tuple(v)) for k, v in owners.items()))
+    _SECTIONS["finetune"] = section
+    return section
+
+
+def _copy_field(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:
+        return field(default_factory=f.default_factory, metadata=f.metadata)
+    return field(default=f.default, metadata=f.metadata)
+
+
+def section_names() -> Tuple[str, ...]:
+    """The registered sections, in their order (core, then backends as registered, finetune last)."""
+    _finetune_section()
+    names = [n for n in _SECTIONS if n != "finetune"]
+    return tuple(names + ["finetune"])
+
+
+def _section(name: str, source: str) -> Section:
+    if name == "finetune":
+        return _finetune_section()
+    if name not in _SECTIONS:
+        raise ConfigError(f"{source}: unknown section {name!r}; sections are: {', '.join(section_names())}")
+    return _SECTIONS[name]
+
+
 class Config:
-    """The whole run. ``name`` is the config file's name (for the default output dir)."""
+    """The whole run: one object per registered section (``config.train``, ``config.ipu``, ...)
+    and ``name``, the config file's name (for the default output dir). ``cli_keys`` records
+    which keys the command line set (warnings and "did the user ask for steps?" read it)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    ipu: IPUConfig = field(default_factory=IPUConfig)
-    cuda: CUDAConfig = field(default_factory=CUDAConfig)
-    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
-    name: str = "default"
+    def __init__(self, name: str = "default"):
+        self.name = name
+        self.sections: Dict[str, Any] = {n: _section(n, "config").cls() for n in section_names()}
+        self.cli_keys: Dict[str, set] = {n: set() for n in self.sections}
+        self.unregistered: Dict[str, Dict[str, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        sections = self.__dict__.get("sections")
+        if sections is not None and name in sections:
+            return sections[name]
+        if sections is not None and not name.startswith("_"):
+            raise AttributeError(f"the config has no section {name!r} (sections: {', '.join(sections)}); a backend's "
+                                 f"section exists once its package is imported (import backends)")
+        raise AttributeError(name)
 
     def to_dict(self) -> Dict[str, Any]:
-        out = {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
-        return out
-
-
-SECTIONS = ("model", "data", "optimizer", "train", "ipu", "cuda", "finetune")
-# Sections that only some backends read; a --set for one of them while another backend
-# is chosen gets a warning.
-BACKEND_SECTIONS = {"ipu": ("ipu", "mock"), "cuda": ("cuda",)}
+        return {**{name: dataclasses.asdict(obj) for name, obj in self.sections.items()}, **self.unregistered}
 
 
 # ---------------------------------------------------------------------------------------
@@ -402,9 +427,8 @@ def _section_types(section_cls) -> Dict[str, Any]:
 
 
 def _set_value(config: Config, section: str, key: str, value: Any, source: str) -> None:
-    if section not in SECTIONS:
-        raise ConfigError(f"{source}: unknown section {section!r}; sections are: {', '.join(SECTIONS)}")
-    obj = getattr(config, section)
+    _section(section, source)
+    obj = config.sections[section]
     types = _section_types(type(obj))
     if key not in types:
         close = difflib.get_close_matches(key, list(types), n=1)
@@ -433,12 +457,27 @@ def _parse_override(text: str) -> tuple:
 
 
 def config_from_dict(values: Dict[str, Any], name: str = "checkpoint") -> Config:
-    """A Config from ``Config.to_dict()`` output (e.g. the one a checkpoint keeps), checked like YAML."""
+    """A Config from ``Config.to_dict()`` output (e.g. the one a checkpoint keeps), checked like YAML.
+
+    A section no registered owner reads here (a backend's, when its package is not imported,
+    e.g. exporting a checkpoint) is kept as it was in ``unregistered`` (and in ``to_dict()``)."""
     config = Config(name=name)
     for section, entries in values.items():
+        if section not in config.sections and section not in _SECTIONS:
+            config.unregistered[section] = dict(entries or {})
+            continue
         for key, value in (entries or {}).items():
             _set_value(config, section, key, value, name)
     return config
+
+
+def _read_yaml(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML ({first})") from None
 
 
 def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
@@ -448,39 +487,28 @@ def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = Non
         path = resolve_config_path(name)
         base = os.path.basename(path)
         config.name = base[:-5] if base.endswith(".yaml") else base
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as exc:
-            first = str(exc).splitlines()[0]
-            raise ConfigError(f"{path}: not valid YAML ({first})") from None
+        data = _read_yaml(path)
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections (model:, data:, train:, ...)")
         for section, values in data.items():
-            if section not in SECTIONS:
-                raise ConfigError(f"{base}: unknown section {section!r}; sections are: {', '.join(SECTIONS)}")
+            _section(section, base)
             if not isinstance(values, dict):
                 raise ConfigError(f"{base}: section {section!r} must be a mapping of key: value")
             for key, value in values.items():
                 _set_value(config, section, key, value, base)
-    from_cli: Dict[str, set] = {s: set() for s in SECTIONS}
     for text in overrides or []:
         section, key, value = _parse_override(text)
         _set_value(config, section, key, value, "--set")
-        from_cli[section].add(key)
-    # Settings the user asked for on the command line: warned about if the backend ignores
-    # them. (A shared YAML such as phase2.yaml carries an ipu section for every backend;
-    # warning about it on every cpu run would be noise.)
-    config._from_cli = from_cli  # type: ignore[attr-defined]
+        config.cli_keys[section].add(key)
     if config.model.init_checkpoint:
         # The model's shape comes from the checkpoint, so validation and the printed config see it.
         from bert_packed import hf_io
 
         # A config file's shape (e.g. finetune_squad's BERT-Base) is what to build without a
         # checkpoint; with one, the checkpoint's wins. Only a --set shape can contradict it.
-        for name in hf_io.SHAPE_FIELDS:
-            if name not in from_cli["model"]:
-                setattr(config.model, name, getattr(ModelConfig, name))
+        for key in hf_io.SHAPE_FIELDS:
+            if key not in config.cli_keys["model"]:
+                setattr(config.model, key, getattr(ModelConfig(), key))
         try:
             hf_io.resolve_model_config(config.model, hf_io.read_pretrained(config.model.init_checkpoint, weights=False))
         except hf_io.CheckpointError as exc:  # a config problem to every caller of load_config
@@ -492,14 +520,13 @@ def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = Non
 # Validation and derived values
 
 
-def num_replicas(config: Config, backend: str, world_size: int = 1) -> int:
-    """Data-parallel model copies taking part in one optimizer step."""
-    if backend in ("ipu", "mock"):
-        return world_size * config.ipu.replication_factor
-    return world_size
+def num_replicas(config: Config, backend, world_size: int = 1) -> int:
+    """Data-parallel model copies taking part in one optimizer step (``backend``: a backend
+    object or class; it says how many replicas one process feeds)."""
+    return world_size * backend.replicas_per_process(config)
 
 
-def gradient_accumulation(config: Config, backend: str, world_size: int = 1) -> int:
+def gradient_accumulation(config: Config, backend, world_size: int = 1) -> int:
     """Micro-batches per replica per step before any packing adjustment."""
     t = config.train
     if t.global_batch_size is None:
@@ -508,49 +535,50 @@ def gradient_accumulation(config: Config, backend: str, world_size: int = 1) -> 
     return t.global_batch_size // per_pass
 
 
-def validate(config: Config, backend: str, world_size: int = 1) -> List[str]:
-    """Raise ConfigError on an inconsistent config; return warnings (one line each)."""
+def _bound_message(key: str, value: Any, meta: Dict[str, Any]) -> Optional[str]:
+    ge, gt, lt, le = (meta.get(k) for k in ("ge", "gt", "lt", "le"))
+    low_ok = (ge is None or value >= ge) and (gt is None or value > gt)
+    high_ok = (lt is None or value < lt) and (le is None or value <= le)
+    if low_ok and high_ok:
+        return None
+    low = f"[{ge:g}" if ge is not None else (f"({gt:g}" if gt is not None else None)
+    high = f"{lt:g})" if lt is not None else (f"{le:g}]" if le is not None else None)
+    hint = f" {meta['hint']}" if meta.get("hint") else ""
+    if low and high:
+        return f"{key} must be in {low}, {high}{hint}, got {value}"
+    if low:
+        return f"{key} must be {'>=' if ge is not None else '>'} {ge if ge is not None else gt:g}{hint}, got {value}"
+    return f"{key} must be {'<' if lt is not None else '<='} {lt if lt is not None else le:g}{hint}, got {value}"
+
+
+def check_section(name: str, obj: Any) -> None:
+    """Every field of section ``obj`` declared with bounds (``bounded``): one line for the first
+    value outside them. (Backends call it on their own section in ``prepare`` too, for callers
+    that build a plan without validating the config.)"""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None or not any(k in f.metadata for k in ("ge", "gt", "lt", "le")):
+            continue
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            where = f"{name}.{f.name}" if not isinstance(value, list) else f"{name}.{f.name}[{i}]"
+            message = _bound_message(where, item, f.metadata)
+            if message is not None:
+                raise ConfigError(message)
+
+
+def check_bounds(config: Config) -> None:
+    """``check_section`` of every section."""
+    for name, obj in config.sections.items():
+        check_section(name, obj)
+
+
+def validate(config: Config, backend, world_size: int = 1) -> List[str]:
+    """Raise ConfigError on an inconsistent config; return warnings (one line each).
+
+    ``backend`` is a backend object or class (``backends.get_backend_class(name)``): it
+    validates its own section (``validate_config``) and says how many replicas a process feeds."""
+    check_bounds(config)
     m, d, t, o = config.model, config.data, config.train, config.optimizer
-    positives = {
-        "model.vocab_size": m.vocab_size, "model.hidden_size": m.hidden_size,
-        "model.num_hidden_layers": m.num_hidden_layers, "model.num_attention_heads": m.num_attention_heads,
-        "model.intermediate_size": m.intermediate_size, "model.max_position_embeddings": m.max_position_embeddings,
-        "data.max_sequences_per_pack": d.max_sequences_per_pack, "data.max_sequence_length": d.max_sequence_length,
-        "data.max_masked_tokens": d.max_masked_tokens, "data.num_sequences": d.num_sequences,
-        "data.num_eval_sequences": d.num_eval_sequences,
-        "train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation": t.gradient_accumulation,
-        "train.steps": t.steps, "train.log_every": t.log_every, "train.eval_batches": t.eval_batches,
-        "train.max_consecutive_skipped_steps": t.max_consecutive_skipped_steps,
-    }
-    if t.num_threads is not None:
-        positives["train.num_threads"] = t.num_threads
-    if t.global_batch_size is not None:
-        positives["train.global_batch_size"] = t.global_batch_size
-    for key, value in positives.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    non_negatives = {"train.seed": t.seed, "train.eval_every": t.eval_every,
-                     "train.checkpoint_every": t.checkpoint_every, "optimizer.learning_rate": o.learning_rate,
-                     "optimizer.weight_decay": o.weight_decay, "model.initializer_range": m.initializer_range}
-    for key, value in non_negatives.items():
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
-    for key, value in (("optimizer.max_weight_norm", o.max_weight_norm),
-                       ("optimizer.bias_max_weight_norm", o.bias_max_weight_norm)):
-        if value is not None and value < 0:
-            raise ConfigError(f"{key} must be >= 0 (0 = no trust ratio) or null (no clamp), got {value}")
-    strictly_positive = {"optimizer.eps": o.eps, "model.layer_norm_eps": m.layer_norm_eps,
-                         "train.collective_timeout_minutes": t.collective_timeout_minutes}
-    if o.max_grad_norm is not None:
-        strictly_positive["optimizer.max_grad_norm"] = o.max_grad_norm
-    for key, value in strictly_positive.items():
-        if not value > 0:
-            raise ConfigError(f"{key} must be > 0, got {value}")
-    for key, value in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2),
-                       ("model.hidden_dropout_prob", m.hidden_dropout_prob),
-                       ("model.attention_probs_dropout_prob", m.attention_probs_dropout_prob)):
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{key} must be in [0, 1), got {value}")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"
@@ -564,12 +592,6 @@ def validate(config: Config, backend: str, world_size: int = 1) -> List[str]:
             f"data.max_sequence_length={d.max_sequence_length} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}; raise the latter or shorten the sequences"
         )
-    if not 0.0 < d.mask_probability < 1.0:
-        raise ConfigError(f"data.mask_probability must be in (0, 1), got {d.mask_probability}")
-    if not 0.0 <= o.warmup_fraction <= 1.0:
-        raise ConfigError(f"optimizer.warmup_fraction must be in [0, 1], got {o.warmup_fraction}")
-    if t.packing_factor is not None and t.packing_factor < 1.0:
-        raise ConfigError(f"train.packing_factor must be >= 1 (sequences per pack), got {t.packing_factor}")
     if t.global_batch_size is not None:
         per_pass = t.micro_batch_size * num_replicas(config, backend, world_size)
         if t.global_batch_size % per_pass:
@@ -578,45 +600,32 @@ def validate(config: Config, backend: str, world_size: int = 1) -> List[str]:
                 f"= {t.micro_batch_size} x {num_replicas(config, backend, world_size)} = {per_pass}; "
                 f"pick a multiple of {per_pass}"
             )
-    if backend in ("ipu", "mock"):
-        ipu = config.ipu
-        negative = [n for n in ipu.layers_per_ipu if n < 0]
-        if negative or not ipu.layers_per_ipu:
-            raise ConfigError(f"ipu.layers_per_ipu={ipu.layers_per_ipu}: give one count >= 0 per IPU "
-                              f"(encoder layers on that IPU)")
-        if sum(ipu.layers_per_ipu) != m.num_hidden_layers:
-            raise ConfigError(
-                f"ipu.layers_per_ipu={ipu.layers_per_ipu} sums to {sum(ipu.layers_per_ipu)} but "
-                f"model.num_hidden_layers={m.num_hidden_layers}; make them agree"
-            )
-        if len(ipu.available_memory_proportion) not in (1, len(ipu.layers_per_ipu)):
-            raise ConfigError(
-                f"ipu.available_memory_proportion has {len(ipu.available_memory_proportion)} entries; "
-                f"give 1 or one per IPU ({len(ipu.layers_per_ipu)})"
-            )
-        bad = [p for p in ipu.available_memory_proportion if not 0.0 < p <= 1.0]
-        if bad:
-            raise ConfigError(f"ipu.available_memory_proportion={ipu.available_memory_proportion}: each entry is a "
-                              f"fraction of tile memory in (0, 1], got {bad[0]}")
-        if ipu.replication_factor < 1 or ipu.device_iterations < 1:
-            raise ConfigError("ipu.replication_factor and ipu.device_iterations must be >= 1")
-        if ipu.embedding_serialization_factor < 1 or m.vocab_size % ipu.embedding_serialization_factor:
-            raise ConfigError(
-                f"ipu.embedding_serialization_factor={ipu.embedding_serialization_factor} must be >= 1 and divide "
-                f"model.vocab_size={m.vocab_size}; pick a divisor (1 = no serialization)"
-            )
-        if not ipu.loss_scaling > 0:
-            raise ConfigError(f"ipu.loss_scaling must be > 0, got {ipu.loss_scaling}")
-    warns = []
-    from_cli = getattr(config, "_from_cli", {})
-    for section, backends in BACKEND_SECTIONS.items():
-        changed = sorted(from_cli.get(section, ()))
-        if changed and backend not in backends:
+    warns = list(backend.validate_config(config, world_size))
+    for name, section in _SECTIONS.items():
+        changed = sorted(config.cli_keys.get(name, ()))
+        if changed and section.readers is not None and backend.name not in section.readers:
             warns.append(
-                f"{section}.{{{', '.join(changed)}}} do not apply to backend {backend!r} "
-                f"(only to {'/'.join(backends)}); ignored"
+                f"{name}.{{{', '.join(changed)}}} do not apply to backend {backend.name!r} "
+                f"(only to {'/'.join(section.readers)}); ignored"
             )
+    owners = dict(_finetune_section().key_owners)
+    task = config.finetune.task
+    foreign = sorted(k for k in config.cli_keys.get("finetune", ()) if k in owners and task not in owners[k])
+    if foreign:
+        tasks = sorted({name for k in foreign for name in owners[k]})
+        warns.append(f"finetune.{{{', '.join(foreign)}}} do not apply to task {task!r} (only to {'/'.join(tasks)}); "
+                     f"ignored")
     return warns
+
+
+def resume_harmless_keys() -> frozenset:
+    """Dotted keys a resumed run may change without changing what its remaining steps compute
+    (declared on the fields: ``metadata={"resume_harmless": True}``). Everything else (model
+    shape, optimizer, batch and accumulation, packing, data files, seeds) would make the
+    continuation a different run, so it is refused unless forced."""
+    section_names()
+    return frozenset(f"{name}.{f.name}" for name, section in _SECTIONS.items()
+                     for f in dataclasses.fields(section.cls) if f.metadata.get("resume_harmless"))
 
 
 class _Dumper(yaml.SafeDumper):
@@ -627,28 +636,12 @@ _Dumper.add_representer(list, lambda dumper, data: dumper.represent_sequence("ta
 
 
 def dump(config: Config) -> str:
-    """The resolved config as YAML (what `python -m bert_packed.config NAME` prints)."""
+    """The resolved config as YAML (what `python run.py --print-config NAME` prints)."""
     return yaml.dump(config.to_dict(), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = ArgumentParser(prog="python -m bert_packed.config", description="Print a resolved config.")
-    parser.add_argument("name", nargs="?", default="demo", help="configs/NAME[.yaml] or a path (default: demo)")
-    parser.add_argument("--backend", default="cpu", help="validate for this backend (default: cpu)")
-    parser.add_argument("--world-size", type=int, default=1, help="data-parallel processes to validate for")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.name, args.overrides)
-        for line in validate(config, args.backend, args.world_size):
-            print(f"warning: {line}", file=sys.stderr)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"# resolved config {config.name!r} for backend {args.backend!r}")
-    print(dump(config), end="")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m bert_packed.config NAME [--backend B] [--set ...]`: the backends' sections are
+    # registered by the backend package, which this layer does not import; run.py, which wires
+    # the layers together, prints the resolved config.
+    os.execv(sys.executable, [sys.executable, os.path.join(REPO_ROOT, "run.py"), "--print-config", *sys.argv[1:]])

@@ -33,7 +33,6 @@ import torch
 
 # One error class for every unusable checkpoint (ours or Hugging Face's): one line, exit 2.
 from bert_packed.checkpoint import CheckpointError
-from bert_packed.config import ModelConfig
 from bert_packed.io import atomic_path, write_text_atomic
 
 __all__ = [
@@ -155,13 +154,13 @@ def read_pretrained(path: str, *, weights: bool = True) -> Pretrained:
     return Pretrained(path, "ours", values, hf_config, dict(state["model"]) if weights else {}, tokenizer)
 
 
-def resolve_model_config(model: ModelConfig, pretrained: Pretrained) -> None:
+def resolve_model_config(model, pretrained: Pretrained) -> None:
     """Take the model's shape (and, unless set, its other architecture fields) from the checkpoint.
 
     A shape field the run's config sets to something other than its default AND other than
     the checkpoint's value is a contradiction: ``CheckpointError`` naming both.
     """
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(type(model))}  # ``model``: the model section
     where = os.path.join(pretrained.path, CONFIG_NAME) if pretrained.kind == "hf" else pretrained.path
     for name in SHAPE_FIELDS:
         if name not in pretrained.model_values:
@@ -304,7 +303,7 @@ def save_pretrained(model: torch.nn.Module, directory: str, *, tokenizer=None, i
     from safetensors.torch import save_file
 
     cfg = model.config
-    architecture = getattr(model, "hf_architecture", type(model).__name__)
+    architecture = model.hf_architecture
     config = {"architectures": [architecture], "model_type": "bert", **cfg.to_hf_dict()}
     config.pop("num_labels", None)  # Hugging Face derives it from id2label
     if hasattr(model, "classifier"):

@@ -323,16 +323,11 @@ PRETRAINING_COUNTS = ("num_sequences", "num_mlm_tokens")
 def metric_keys(model) -> Tuple[str, ...]:
     """The output keys every backend sums over micro-batches and replicas: the model's
     ``metric_names`` (normalised by the step's global counts, so their sum is the step's mean)
-    then its ``count_names`` (this batch's counts)."""
-    return (tuple(getattr(model, "metric_names", PRETRAINING_METRICS))
-            + tuple(getattr(model, "count_names", PRETRAINING_COUNTS)))
+    then its ``count_names`` (this batch's counts); see ``modeling.BertPreTrainedModel``."""
+    return tuple(model.metric_names) + tuple(model.count_names)
 
 
 def step_normalizers(model, micro_batches, *, all_reduce=None) -> List[MutableMapping[str, object]]:
     """Copies of one step's ``micro_batches`` carrying the step's global counts as ``model``
-    wants them (its ``add_step_normalizers``; pre-training's for a model without one)."""
-    batches = [dict(b) for b in micro_batches]
-    add = getattr(model, "add_step_normalizers", None)
-    if add is not None:
-        return add(batches, all_reduce=all_reduce)
-    return add_step_normalizers(batches, model.config.mlm_loss_normalization, all_reduce=all_reduce)
+    wants them (its ``add_step_normalizers``)."""
+    return model.add_step_normalizers([dict(b) for b in micro_batches], all_reduce=all_reduce)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,7 @@ __all__ = [
     "BertForPreTraining",
     "BertForSequenceClassification",
     "BertForQuestionAnswering",
+    "PipelineLayout",
     "PRETRAINING_FIELDS",
     "CLASSIFICATION_FIELDS",
     "PROBLEM_TYPES",
@@ -378,10 +379,48 @@ class BertPooler(nn.Module):
 # ----------------------------------------------------------------------------- base model
 
 
+class PipelineLayout(NamedTuple):
+    """What a pipelined backend places, declared by the model (the IPU layout needs no guessing).
+
+    ``embeddings`` start the first stage; ``layers`` are the encoder layers, one block each;
+    ``head`` is the first module of the heads (their block starts where it runs);
+    ``head_tied_to_embeddings``: the heads share a weight with the embeddings (the MLM decoder
+    is the word-embedding matrix), so they must sit on the embeddings' device; other heads go
+    after the last layer. ``vocabulary_projection``: the tied [H, V] decoder, which a backend
+    may split to fit memory (None when the model has none)."""
+
+    embeddings: nn.Module
+    layers: Sequence[nn.Module]
+    head: nn.Module
+    head_tied_to_embeddings: bool
+    vocabulary_projection: Optional[nn.Linear] = None
+
+
 class BertPreTrainedModel(nn.Module):
-    """Weight initialisation shared by the models (Hugging Face's ``_init_weights`` rule)."""
+    """What every model declares to the backends and tasks, and the weight initialisation
+    shared by the models (Hugging Face's ``_init_weights`` rule).
+
+    ``metric_names``: outputs normalised by the step's global counts (their sum over
+    micro-batches and replicas is the step's mean); ``count_names``: this batch's counts;
+    ``normalizer_fields``: the batch fields ``add_step_normalizers`` fills in."""
 
     config: BertConfig
+    metric_names: Tuple[str, ...] = ()
+    count_names: Tuple[str, ...] = ()
+    normalizer_fields: Tuple[str, ...] = ()
+
+    @property
+    def hf_architecture(self) -> str:
+        """The ``transformers`` class the export is loaded as (``architectures`` in config.json)."""
+        return type(self).__name__
+
+    def add_step_normalizers(self, micro_batches, *, all_reduce=None):
+        """Give every pack of one optimizer step the step's global counts (``normalizer_fields``)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no step normalizers")
+
+    def pipeline_layout(self) -> PipelineLayout:
+        """The blocks a pipelined backend places (see ``PipelineLayout``)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no pipeline layout")
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -526,6 +565,12 @@ class BertForPreTraining(BertPreTrainedModel):
     count_names = PRETRAINING_COUNTS
     normalizer_fields = OPTIONAL_FIELDS
 
+    def pipeline_layout(self) -> PipelineLayout:
+        # The pooler runs first among the heads (pool -> cls); the MLM decoder is the word
+        # embeddings' matrix when tied, so the heads belong with the embeddings then.
+        return PipelineLayout(self.bert.embeddings, self.bert.encoder.layer, self.bert.pooler,
+                              bool(self.config.tie_word_embeddings), self.cls.predictions.decoder)
+
     def tie_weights(self) -> None:
         """Share the MLM decoder weight with the word embeddings (call again after replacing either).
 
@@ -629,6 +674,9 @@ class BertForSequenceClassification(BertPreTrainedModel):
     def metric_names(self):
         return ("loss",) if self.problem_type == "regression" else ("loss", "accuracy")
 
+    def pipeline_layout(self) -> PipelineLayout:
+        return PipelineLayout(self.bert.embeddings, self.bert.encoder.layer, self.bert.pooler, False)
+
     def add_step_normalizers(self, micro_batches, *, all_reduce=None):
         """Set ``normalizer`` (float32 ``[B]``) in every micro-batch to the step's sequence count
         (``label_weights`` summed over all micro-batches, and over processes by ``all_reduce``)."""
@@ -696,6 +744,9 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 
     # The step's feature count (label_weights over all micro-batches and processes), as for classification.
     add_step_normalizers = BertForSequenceClassification.add_step_normalizers
+
+    def pipeline_layout(self) -> PipelineLayout:
+        return PipelineLayout(self.bert.embeddings, self.bert.encoder.layer, self.qa_outputs, False)
 
     def forward(
         self,

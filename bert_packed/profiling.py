@@ -51,8 +51,6 @@ from bert_packed.io import atomic_path, write_text_atomic
 DEPTHS = (1, 2, 3, 4, 8, 16)
 CATEGORIES = ("mask", "attention", "loss_unpacking", "rest")
 SCOPES = {"packing/mask": "mask", "packing/attention": "attention", "packing/loss_unpacking": "loss_unpacking"}
-# Backends whose cost is exact for a fixed program: one measurement per shape is enough.
-DETERMINISTIC_BACKENDS = ("mock", "ipu")
 GC200_CLOCK_HZ = 1.33e9
 # Packs the depths the configured algorithm is not defined for (fast, any depth).
 FALLBACK_ALGORITHM = "lpfhp"
@@ -161,16 +159,17 @@ def profile_batches(config, depths: Sequence[int], micro_batch_size: int) -> Dic
     return batches
 
 
-def build_profile_model(config, backend_name: str, execute: Optional[bool] = None):
-    """The model to profile. mock (unless ``execute``): on the meta device (shapes only, no memory,
-    nothing computed), since its cost is an estimate from shapes; otherwise a real model (the mock
-    then runs it through its trainingModel with logCycleCount and reads cycleCount())."""
+def build_profile_model(config, backend, execute: Optional[bool] = None):
+    """The model to profile. A backend that prices shapes (the mock; unless ``execute``): on the
+    meta device (no memory, nothing computed), since its cost is an estimate from shapes;
+    otherwise a real model (the mock then runs it through its trainingModel with logCycleCount
+    and reads cycleCount())."""
     import torch
 
-    from bert_packed.train import build_model
+    from bert_packed.build import build_model
 
     if execute is None:
-        execute = backend_name != "mock"
+        execute = not backend.prices_from_shapes
     if not execute:
         with torch.device("meta"):
             return build_model(config)
@@ -305,8 +304,9 @@ def measure_throughput(config, make_backend: Callable[[], Any], packed_depth: in
     """
     import torch
 
+    from bert_packed.build import build_model, build_optimizer
     from bert_packed.data.generated import GeneratedSource
-    from bert_packed.train import build_model, build_optimizer
+    from bert_packed.loop.plan import make_plan
 
     if num_steps < 1:
         raise ProfilingError(f"throughput needs at least one step per mode, got {num_steps}")
@@ -319,7 +319,7 @@ def measure_throughput(config, make_backend: Callable[[], Any], packed_depth: in
         model = build_model(cfg)
         optimizer, scheduler = build_optimizer(cfg, model)
         backend = make_backend()
-        backend.prepare(model, optimizer, cfg, scheduler=scheduler)
+        backend.prepare(model, optimizer, make_plan(cfg, backend), scheduler=scheduler)
         it = iter(source)
         backend.train_step([next(it)])  # warm-up (compilation, allocators), not timed
         modes[name] = {"backend": backend, "iterator": it, "seconds": 0.0, "sequences": 0.0, "packs": 0,
@@ -454,14 +454,6 @@ def plot_report(report: Dict, path: str) -> None:
     plt.close(fig)
 
 
-_COST_NOTES = {
-    "mock": "GC200 cost-model estimate, not a measurement",
-    "ipu": "IPU hardware cycle counter",
-    "cpu": "wall time of forward+backward, fastest of interleaved runs",
-    "cuda": "CUDA-event time of forward+backward, fastest of interleaved runs",
-}
-
-
 def run_profile(config, backend, output_dir: str, *, depths: Sequence[int] = DEPTHS,
                 num_repeats: int = 3, throughput: bool = True, throughput_steps: int = 8,
                 report_reader: Optional[Callable[[str], Any]] = None, show_progress: bool = True,
@@ -486,17 +478,14 @@ def run_profile(config, backend, output_dir: str, *, depths: Sequence[int] = DEP
     B, S = config.train.micro_batch_size, config.data.max_sequence_length
     packing = packing_statistics(config, depths, data_lengths(config))
 
-    model = build_profile_model(config, backend_name, execute)
+    model = build_profile_model(config, backend, execute)
     batches = profile_batches(config, depths, B)
-    deterministic = backend_name in DETERMINISTIC_BACKENDS
+    deterministic = backend.deterministic_cost
     num_calls = (1 if deterministic else num_repeats) * (len(depths) - 1)
     from tqdm import tqdm
 
     bar = tqdm(total=num_calls, desc=f"profile {backend_name}", disable=not show_progress, leave=False)
-    profile_kwargs = {}
-    if backend_name in ("ipu", "mock"):
-        # PopVision reports (engine option autoReport.directory) go next to the report.
-        profile_kwargs = {"config": config, "profile_dir": os.path.join(output_dir, "popvision")}
+    profile_kwargs = backend.profile_options(config, output_dir)
     costs = measure_costs(backend, model, batches, num_repeats=num_repeats, deterministic=deterministic,
                           progress=bar.update, profile_kwargs=profile_kwargs)
     bar.close()
@@ -505,9 +494,8 @@ def run_profile(config, backend, output_dir: str, *, depths: Sequence[int] = DEP
     for depth in depths:
         c, p = costs[depth], packing["rows"][depth]
         breakdown = c["breakdown"]
-        if breakdown is None and backend_name in ("cpu", "cuda"):
-            device = "cuda" if backend_name == "cuda" else "cpu"
-            breakdown = scope_breakdown(model, batches[depth], device=device)
+        if breakdown is None:
+            breakdown = backend.scope_breakdown(model, batches[depth])
         rows.append({"depth": depth, "algorithm": p["algorithm"], "unpacked_cost": c["unpacked_cost"],
                      "packed_cost": c["packed_cost"], "overhead": c["overhead"],
                      "overhead_paired_median": c.get("overhead_paired_median"), "num_samples": c["num_samples"],
@@ -518,19 +506,15 @@ def run_profile(config, backend, output_dir: str, *, depths: Sequence[int] = DEP
     unit = costs[depths[-1]]["unit"] or costs[1]["unit"]
     m = config.model
     report = {"backend": backend_name, "config": getattr(config, "name", ""), "unit": unit,
-              "cost_note": _COST_NOTES.get(backend_name, ""),
+              "cost_note": backend.cost_note,
               "model": f"{m.num_hidden_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
                        f"attention {m.attention_implementation}",
               "micro_batch_size": B, "max_sequence_length": S, "algorithm": config.data.packing_algorithm,
               "packing_source": packing["source"], "theoretical_speedup": packing["theoretical_speedup"],
               "num_repeats": 1 if deterministic else num_repeats, "rows": rows}
-    if backend_name in ("ipu", "mock") and len(config.ipu.layers_per_ipu) > 1:
-        # The IPU's throughput is set by its slowest pipeline stage, so that is what is priced.
-        report["cost_scope"] = (
-            f"Pipelined over {len(config.ipu.layers_per_ipu)} IPUs (layers_per_ipu {config.ipu.layers_per_ipu}): "
-            "costs and breakdown are the bottleneck stage's, per micro-batch. Mask construction and loss "
-            "unpacking run on IPU 0 with the embeddings and heads; where IPU 0 is not the bottleneck they "
-            "cost no throughput and show as 0 %.")
+    scope = backend.cost_scope(config)
+    if scope:
+        report["cost_scope"] = scope
 
     # PopVision totals when the backend left a profile directory behind (ipu; mock in tests).
     raw = costs[depths[-1]].get("raw") or {}
@@ -543,7 +527,7 @@ def run_profile(config, backend, output_dir: str, *, depths: Sequence[int] = DEP
 
     packed_depth = config.data.max_sequences_per_pack if config.data.max_sequences_per_pack in depths else 3
     if throughput and packed_depth in depths and packed_depth > 1:
-        if backend_name == "mock":
+        if backend.throughput_is_estimated:
             report["throughput"] = estimated_throughput(rows, packed_depth, B)
         else:
             tbar = tqdm(total=2 * throughput_steps, desc="throughput", disable=not show_progress, leave=False)

@@ -27,7 +27,6 @@ gives. Command line::
                                   [--packing-speedup 1.913] [--max-devices 2048]
                                   [--output-dir DIR] [--json]
 """
-import argparse
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 from scipy import integrate, optimize, stats
 
+from packing.entry import ArgumentParser, run_cli
 from bert_packed.io import atomic_path, write_text_atomic
 
 PAPER_ALPHA_8 = 1.6038
@@ -163,7 +163,7 @@ def _device_counts(max_devices: int) -> List[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bert_packed.scaling", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m bert_packed.scaling", description=__doc__.split("\n")[0])
     parser.add_argument("--alpha-8", type=float, default=PAPER_ALPHA_8, help="location of the observed Gumbel")
     parser.add_argument("--beta-8", type=float, default=PAPER_BETA_8, help="scale of the observed Gumbel")
     parser.add_argument("--num-fit-devices", type=int, default=PAPER_NUM_FIT_DEVICES,
@@ -174,12 +174,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--output-dir", default=None, help="write scaling.json and scaling.png here")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
-    try:
-        fit = fit_single_device(args.alpha_8, args.beta_8, args.num_fit_devices)
-        rows = scaling_table(fit, _device_counts(args.max_devices), args.packing_speedup)
-    except ScalingError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: _run(args))
+
+
+def _run(args) -> None:
+    fit = fit_single_device(args.alpha_8, args.beta_8, args.num_fit_devices)
+    rows = scaling_table(fit, _device_counts(args.max_devices), args.packing_speedup)
     report = {"fit": {"alpha_1": fit.alpha, "beta_1": fit.beta, "residual_median": fit.residual_median,
                       "residual_mode": fit.residual_mode, "alpha_n": args.alpha_8, "beta_n": args.beta_8,
                       "num_fit_devices": args.num_fit_devices}, "rows": rows}
@@ -197,7 +197,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(args.output_dir, exist_ok=True)
         write_text_atomic(os.path.join(args.output_dir, "scaling.json"), json.dumps(report, indent=2))
         plot(rows, fit, os.path.join(args.output_dir, "scaling.png"))
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,39 +1,45 @@
 """Tasks: what the ONE training loop (``bert_packed.train``) trains.
 
 The loop owns the mechanics (backend steps, timing, metrics.jsonl, checkpoints, resume,
-progress); a *task* says what is trained and how it is judged. Pre-training is one task;
-fine-tuning tasks (``bert_packed.finetune``) plug in the same way, chosen by
-``finetune.task`` (null = pre-training). A task provides:
+progress); a *task* says what is trained and how it is judged, and owns everything of its
+own: its config keys, its data and collation, its model (head and loss), its metrics, its
+best-model choice and its outputs. Pre-training is one task; fine-tuning tasks
+(``bert_packed.finetune``) plug in the same way, chosen by ``finetune.task`` (null =
+pre-training). A task provides:
 
-- ``setup(...)``: read its data, resolve the config (checkpoint shape, labels, steps);
-- ``build_model()``: the model (``model.init_checkpoint`` loaded, see ``bert_packed.hf_io``);
-  the model declares ``metric_names`` / ``count_names`` (what the backends sum) and
-  ``add_step_normalizers`` (the step's global counts);
+- ``config_fields``: a dataclass of its own ``finetune.*`` keys (merged into the section by
+  ``bert_packed.config``; a key set for another task gets a warning);
+- ``setup(...)``: read its data, resolve the config (checkpoint shape, labels);
+- ``num_steps(packs_per_step)``: optimizer steps (e.g. from epochs);
+- ``model_class()`` / ``build_model()``: the model (``model.init_checkpoint`` loaded, see
+  ``bert_packed.hf_io``); the model declares ``metric_names`` / ``count_names`` (what the
+  backends sum), ``add_step_normalizers`` and its ``pipeline_layout``;
 - ``data_source(split, ...)``: endless micro-batches of packs with the data-source
   contract of ``bert_packed.data`` (sharding, ``state_dict``, ``packing_factor``);
 - ``metric_names``: the keys of each metrics.jsonl line after ``step`` (from the backend's
   metrics); ``progress_text(line)``: the progress line;
-- ``prepare_evaluation(micro_batch_size=, rank=, world_size=)``: build the held-out batches
-  once, before the first step (when ``train.eval_every > 0``);
-  ``evaluate(backend)``: ``{"eval_*": float}`` on them; ``best_metric`` names the
-  key that selects the best model (None: no selection) and ``greater_is_better``;
-- ``on_evaluation(step, metrics, backend, model, output_dir)``: best-model bookkeeping;
+- ``prepare_evaluation(micro_batch_size=, rank=, world_size=)`` and ``evaluate(backend)``:
+  ``{"eval_*": float}``; ``best_metric`` names the key that selects the best model (None: no
+  selection) and ``greater_is_better``: the base class keeps the best evaluation
+  (:class:`BestModel`, ``OUT/best``) and reports it at the end;
 - ``finish(backend, model, output_dir, summary)``: end-of-run outputs (predictions, the
   Hugging Face export in ``OUT/hf``) and the ``summary["eval"]`` metrics;
 - ``state_dict()`` / ``load_state_dict()``: what a checkpoint must keep for ``--resume``;
 - ``export(model, directory)``: the Hugging Face export (class = the model's
   ``hf_architecture``, labels, tokenizer).
 
-Register a task with ``TASKS[name] = "module:Class"`` (imported on use).
+Register a task with one line in ``TASKS`` (``name: "module:Class"``, imported on use). Task
+modules must not import ``bert_packed.config`` (it imports them to learn their keys): raise
+``bert_packed.errors.ConfigError``.
 """
 from __future__ import annotations
 
 import importlib
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
-from bert_packed.config import Config, ConfigError
+from bert_packed.errors import ConfigError
 
 TASKS = {
     "pretraining": "bert_packed.task:PretrainingTask",
@@ -42,35 +48,79 @@ TASKS = {
 }
 
 
-def get_task(config: Config) -> "Task":
-    """The task object for ``config`` (``finetune.task``; null = pre-training)."""
-    name = getattr(getattr(config, "finetune", None), "task", None) or "pretraining"
+def task_class(name: str) -> type:
+    """The task class registered as ``name``."""
     if name not in TASKS:
         raise ConfigError(f"finetune.task={name!r} is not a task; tasks: {', '.join(sorted(TASKS))}")
     module, cls = TASKS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(config)
+    return getattr(importlib.import_module(module), cls)
+
+
+def task_config_fields() -> Dict[str, type]:
+    """``{task name: its config_fields dataclass}`` of every registered task that has keys."""
+    fields = {}
+    for name in TASKS:
+        cls = task_class(name)
+        if cls.config_fields is not None:
+            fields[name] = cls.config_fields
+    return fields
+
+
+def get_task(config) -> "Task":
+    """The task object for ``config`` (``finetune.task``; null = pre-training)."""
+    return task_class(config.finetune.task or "pretraining")(config)
+
+
+class BestModel:
+    """The best evaluation so far by one metric: ``value``, ``step`` and all its ``metrics``.
+    A NaN value (e.g. the Pearson correlation of a constant prediction) never counts as better."""
+
+    def __init__(self, greater_is_better: bool = True):
+        self.greater_is_better = greater_is_better
+        self.best: Dict[str, Any] = {}
+
+    def is_better(self, value: float) -> bool:
+        if value != value:
+            return False
+        if "value" not in self.best:
+            return True
+        return value > self.best["value"] if self.greater_is_better else value < self.best["value"]
+
+    def update(self, step: int, value: float, metrics: Dict[str, float]) -> bool:
+        """Keep this evaluation when it is better; returns whether it was."""
+        if not self.is_better(value):
+            return False
+        self.best = {"value": value, "step": step, "metrics": dict(metrics)}
+        return True
 
 
 class Task:
-    """Base class: the pre-training-independent parts (init checkpoint, export, defaults)."""
+    """Base class: the parts every task shares (init checkpoint, best model, export, defaults)."""
 
-    name = "task"
+    name: ClassVar[str] = "task"
+    config_fields: ClassVar[Optional[type]] = None  # the task's own finetune.* keys (a dataclass)
     metric_names: tuple = ("loss",)
     headline_metric = "loss"  # the metric of the run's closing line (first -> last)
     always_evaluate = False  # evaluate at the end even with train.eval_every 0
-    best_metric: Optional[str] = None
+    best_metric: Optional[str] = None  # eval_* key that selects the best model; None: no selection
     greater_is_better = True
 
-    def __init__(self, config: Config):
+    def __init__(self, config):
         self.config = config
         self.pretrained = None  # bert_packed.hf_io.Pretrained when model.init_checkpoint is set
         self.is_main = True
         self.show_progress = True
+        self.best_model = BestModel()
+        self.last_eval: Dict[str, Any] = {}
+        self.last_outputs: Any = None  # what the latest evaluation predicted (task-specific)
+        self.best_outputs: Any = None  # ... and the best one
+        self._tokenizer_cache: Tuple[Optional[str], Any] = (None, None)
 
     # -- setup ----------------------------------------------------------------------------
     def setup(self, *, rank: int = 0, world_size: int = 1, show_progress: bool = True) -> None:
         """Resolve the config before anything is built (override and call super())."""
         self.is_main, self.show_progress = rank == 0, show_progress
+        self.best_model.greater_is_better = self.greater_is_better
         path = self.config.model.init_checkpoint
         if path:
             from bert_packed import hf_io
@@ -100,7 +150,7 @@ class Task:
 
     def build_model(self):
         """The task's model from the config, with the init checkpoint's weights loaded."""
-        from bert_packed.train import bert_config
+        from bert_packed.build import bert_config
 
         model = self.model_class()(bert_config(self.config, **self.bert_config_overrides()))
         if self.pretrained is not None:
@@ -127,36 +177,42 @@ class Task:
     def eval_text(self, metrics: Dict[str, float]) -> str:
         return " ".join(f"{k[len('eval_'):]} {v:.4f}" for k, v in metrics.items())
 
+    # -- the best model ---------------------------------------------------------------------
     def on_evaluation(self, step: int, metrics: Dict[str, float], backend, model, output_dir: str) -> None:
-        pass
-
-    # -- best model (fine-tuning tasks) ------------------------------------------------------
-    def record_evaluation(self, step: int, metrics: Dict[str, float], backend, model, output_dir: str, *,
-                          better: bool) -> bool:
-        """Remember the last evaluation; when ``better``, it becomes ``self.best`` and, with
-        ``finetune.load_best_model_at_end``, the weights are exported to ``OUT/best``. Returns ``better``."""
+        """After every evaluation: remember it; when it is the best by ``best_metric``, keep its
+        outputs and, with ``finetune.load_best_model_at_end``, its weights in ``OUT/best``."""
+        if self.best_metric is None:
+            return
+        if self.best_metric not in metrics:
+            raise ConfigError(f"finetune.metric_for_best_model: no {self.best_metric} among the evaluation "
+                              f"metrics ({', '.join(k[5:] for k in metrics)})")
         self.last_eval = {"step": step, **metrics}
-        if not better:
-            return False
-        self.best = {"value": metrics[self.best_metric], "step": step, "metrics": dict(metrics)}
+        if not self.best_model.update(step, metrics[self.best_metric], metrics):
+            return
+        self.best_outputs = self.last_outputs
         if self.is_main and self.config.finetune.load_best_model_at_end:
-            sync_to_host = getattr(backend, "sync_to_host", None)  # IPU: weights live on the device
-            if callable(sync_to_host):
-                sync_to_host()
+            backend.sync_to_host()  # IPU: the weights live on the device
             self.export(model, os.path.join(output_dir, "best"))
-        return True
 
-    def restore_best(self, model, output_dir: str, value_text: str) -> bool:
-        """At the end of a run: True when the best evaluation is the one to report; its weights
-        (``OUT/best``) are loaded back into ``model`` when training went on past it."""
-        use_best = self.config.finetune.load_best_model_at_end and "step" in self.best
-        if use_best and self.best["step"] != self.last_eval.get("step"):
+    def chosen_evaluation(self, model, output_dir: str, summary: Dict[str, Any]) -> Any:
+        """At the end: the evaluation to report (the best with ``finetune.load_best_model_at_end``,
+        its weights loaded back into ``model`` when training went on past it; else the last)
+        goes to ``summary["eval"]``; returns its outputs."""
+        best = self.best_model.best
+        use_best = self.config.finetune.load_best_model_at_end and "step" in best
+        if use_best and best["step"] != self.last_eval.get("step"):
             from bert_packed import hf_io
 
-            best = hf_io.read_pretrained(os.path.join(output_dir, "best"))
-            hf_io.load_weights(model, best.state_dict, source=best.path)
-            self.note(f"loaded the best model (step {self.best['step']}, {value_text}) from {best.path}")
-        return use_best
+            saved = hf_io.read_pretrained(os.path.join(output_dir, "best"))
+            hf_io.load_weights(model, saved.state_dict, source=saved.path)
+            self.note(f"loaded the best model (step {best['step']}, {self.best_metric[len('eval_'):]} "
+                      f"{best['value']:.4f}) from {saved.path}")
+        chosen = best if use_best else ({"step": self.last_eval.get("step"), "metrics": self.last_eval}
+                                        if self.last_eval else {})
+        if chosen.get("metrics"):
+            metrics = {k[len("eval_"):]: v for k, v in chosen["metrics"].items() if k.startswith("eval_")}
+            summary["eval"] = {**metrics, "step": chosen["step"]}
+        return self.best_outputs if use_best else self.last_outputs
 
     # -- end of run -------------------------------------------------------------------------
     def tokenizer(self):
@@ -167,9 +223,11 @@ class Task:
         init = self.config.model.init_checkpoint
         if not path and init and os.path.isdir(init) and hf_io.tokenizer_in(init):
             path = init  # e.g. exporting a run's checkpoint: the checkpoint it started from
-        if path and getattr(self, "_tokenizer_path", None) != path:
-            self._tokenizer_cache, self._tokenizer_path = hf_io.load_tokenizer(path), path
-        return getattr(self, "_tokenizer_cache", None) if path else None
+        if not path:
+            return None
+        if self._tokenizer_cache[0] != path:
+            self._tokenizer_cache = (path, hf_io.load_tokenizer(path))
+        return self._tokenizer_cache[1]
 
     def export_labels(self) -> Optional[Dict[int, str]]:
         return None
@@ -191,11 +249,23 @@ class Task:
                 self.note(f"note: {directory} has no tokenizer (set model.tokenizer to a vocab.txt or tokenizer "
                           f"directory to ship one)")
 
+    # -- resume -----------------------------------------------------------------------------
+    def outputs_state(self, outputs: Any) -> Any:
+        """``outputs`` (of an evaluation) as plain data for the checkpoint."""
+        return outputs
+
+    def outputs_from_state(self, state: Any) -> Any:
+        return state
+
     def state_dict(self) -> Dict[str, Any]:
-        return {}
+        return {"best": dict(self.best_model.best), "last_eval": dict(self.last_eval),
+                "best_outputs": None if self.best_outputs is None else self.outputs_state(self.best_outputs)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        pass
+        self.best_model.best = dict(state.get("best") or {})
+        self.last_eval = dict(state.get("last_eval") or {})
+        saved = state.get("best_outputs")
+        self.best_outputs = None if saved is None else self.outputs_from_state(saved)
 
 
 class PretrainingTask(Task):
@@ -205,7 +275,7 @@ class PretrainingTask(Task):
     metric_names = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
     headline_metric = "mlm_loss"
 
-    def __init__(self, config: Config):
+    def __init__(self, config):
         super().__init__(config)
         self.eval_batches: List[Dict[str, Any]] = []
 

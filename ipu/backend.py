@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import re
 import warnings
 from typing import Any, Dict, List, Optional
@@ -30,8 +31,11 @@ import numpy as np
 import torch
 
 from bert_packed import attention as attention_registry
-from bert_packed.config import ConfigError
+from bert_packed.backend import Backend
+from bert_packed.build import build_model
+from bert_packed.config import Config, ConfigError, check_section
 from bert_packed.losses import metric_keys, step_normalizers
+from ipu import config as ipu_section
 from ipu import options as ipu_options
 from ipu import pipeline
 from ipu.cost_model import estimate_cycles
@@ -163,34 +167,53 @@ def _annotate(model, ipu_config, poptorch):
     return model.train()
 
 
-class PopTorchBackend:
-    """Backend protocol (backends/base.py) on PopTorch. Subclasses choose the ``poptorch`` module."""
+class PopTorchBackend(Backend):
+    """The backend contract (``bert_packed.backend``) on PopTorch. Subclasses choose the
+    ``poptorch`` module."""
 
     name = "ipu"
+    config_section = "ipu"
     cost_unit = "cycles"
+    cost_note = "IPU hardware cycle counter"
+    deterministic_cost = True
+    offline_compile = True
 
     def __init__(self, poptorch=None, popart=None, popdist=None) -> None:
+        super().__init__()
         self.poptorch = poptorch
         self.popart = popart
         self.popdist = ipu_options.init_popdist(popdist)
-        self.model = self.config = self.scheduler = None
+        self.model = self.settings = self.scheduler = None
         self.host_optimizer = self.optimizer = None
         self.training_model = self.inference_model = None
         self.predict_models = {}  # predict_step's executables, one per tuple of output names
-        self.micro_batches_per_step = 1
-        self.steps_per_call = 1
 
-    @staticmethod
-    def process_shard():
+    # -- before anything is built -------------------------------------------------------------
+    @classmethod
+    def validate_config(cls, config, world_size: int) -> List[str]:
+        return ipu_section.validate(config, world_size)
+
+    @classmethod
+    def replicas_per_process(cls, config) -> int:
+        return config.ipu.replication_factor
+
+    @classmethod
+    def steps_per_call_for(cls, config) -> int:
+        return config.ipu.device_iterations
+
+    @classmethod
+    def process_shard(cls):
         """(instance index, number of instances) under PopRun, else None (see ipu.options.data_shard)."""
         popdist = ipu_options.init_popdist(ipu_options.import_popdist())
         return None if popdist is None else ipu_options.data_shard(popdist)
 
     # -- setup --------------------------------------------------------------------------------
-    def prepare(self, model, optimizer, config, scheduler=None, *, offline: bool = False,
-                report_dir: Optional[str] = None, **kwargs) -> None:
+    def prepare(self, model, optimizer, plan, *, scheduler=None, state=None, offline: bool = False,
+                report_dir: Optional[str] = None) -> None:
         """Annotate, cast and wrap ``model`` for PopTorch; replace ``optimizer`` by PopTorch's.
 
+        ``state`` (a checkpoint's ``state_dict()``) is loaded into PopTorch's optimizer before the
+        training executable is created: PopTorch compiles the optimizer as it is then.
         ``offline``: compile for a GC200 without attaching to one (``compile_offline``);
         ``report_dir``: Poplar writes its reports (memory, even when out of memory) there.
 
@@ -198,7 +221,8 @@ class PopTorchBackend:
         new learning rates are copied over and pushed with ``setOptimizer`` (PopTorch only sees
         hyperparameter changes pushed that way, and only between calls).
         """
-        poptorch, ipu = self.poptorch, config.ipu
+        poptorch, ipu = self.poptorch, plan.settings
+        check_section(self.config_section, ipu)
         if ipu.output_mode in ("final", "default"):
             raise ConfigError(f"ipu.output_mode={ipu.output_mode} returns only the last micro-batch per replica "
                               f"in training, so the step's loss can't be reported; use sum or all")
@@ -208,59 +232,65 @@ class PopTorchBackend:
             # group they would be per instance and the step num_instances times too large.
             raise ConfigError("PopRun with several instances needs torch.distributed initialised (for the "
                               "step's global counts); see docs/ipu.md, or run one instance")
-        self.config, self.scheduler, self.host_optimizer = config, scheduler, optimizer
-        ga = config.train.gradient_accumulation
-        self.micro_batches_per_step = ga * ipu.replication_factor
-        self.steps_per_call = ipu.device_iterations
-        pipeline.layer_ipus(ipu.layers_per_ipu, config.model.num_hidden_layers)
-        if config.train.steps % ipu.device_iterations:
-            raise ConfigError(f"train.steps={config.train.steps} is not a multiple of ipu.device_iterations="
-                              f"{ipu.device_iterations} (one PopTorch call runs that many steps); change either")
-        pipeline.check_pipeline_depth(ipu.layers_per_ipu, ga, ipu.device_iterations)
+        self.plan, self.settings, self.scheduler, self.host_optimizer = plan, ipu, scheduler, optimizer
+        ga = plan.gradient_accumulation
+        layout = model.pipeline_layout()
+        pipeline.layer_ipus(ipu.layers_per_ipu, len(layout.layers))
+        if plan.steps % plan.steps_per_call:
+            raise ConfigError(f"train.steps={plan.steps} is not a multiple of ipu.device_iterations="
+                              f"{plan.steps_per_call} (one PopTorch call runs that many steps); change either")
+        pipeline.check_pipeline_depth(ipu.layers_per_ipu, ga, plan.steps_per_call,
+                                      pipeline.heads_ipu(ipu.layers_per_ipu, layout.head_tied_to_embeddings))
         self.model = _annotate(model, ipu, poptorch)
-        self.optimizer = pipeline.build_optimizer(optimizer, poptorch, config)
-        num_total = ipu_options.num_total_replicas(config, self.popdist)
+        self.optimizer = pipeline.build_optimizer(optimizer, poptorch, ipu)
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        num_total = ipu_options.num_total_replicas(ipu, self.popdist)
         wrapper = pipeline.TrainingWrapper(self.model, poptorch, loss_multiplier=ga * num_total)
-        opts = ipu_options.build_options(poptorch, config, training=True, popdist=self.popdist, popart=self.popart,
-                                         offline=offline, profile_dir=report_dir)
+        opts = ipu_options.build_options(poptorch, ipu, seed=plan.seed, gradient_accumulation=ga, training=True,
+                                         popdist=self.popdist, popart=self.popart, offline=offline,
+                                         profile_dir=report_dir)
         self.training_model = poptorch.trainingModel(wrapper, opts, optimizer=self.optimizer)
-        # The loop checkpoints and restores the optimizer it built; the state that matters is
-        # PopTorch's (on the device for real IPUs), so its state_dict/load_state_dict go there.
-        optimizer.state_dict = self.optimizer.state_dict
-        optimizer.load_state_dict = self._load_optimizer_state
+
+    def state_dict(self) -> Dict[str, Any]:
+        """PopTorch's optimizer state (the device's, for real IPUs)."""
+        return {"optimizer": self.optimizer.state_dict()}
 
     def memory_estimate(self, config) -> Dict[str, Any]:
         """``ipu.memory`` per-IPU estimate of ``config``'s training layout (all replicas counted
         for sharding, PopRun instances included)."""
-        from bert_packed.train import build_model
-
         with torch.device("meta"):  # the model's sizes, no weights
             bert_config = build_model(config).config
-        layout = memory.layout_from_config(config, replicas=ipu_options.num_total_replicas(config, self.popdist))
+        layout = memory.layout_from_config(config, replicas=ipu_options.num_total_replicas(config.ipu, self.popdist))
         return memory.estimate_memory(bert_config, layout)
 
-    def compile_offline(self, model, optimizer, config, report_dir: str):
+    def memory_report(self, config, output_dir: str) -> Dict[str, Any]:
+        from ipu.offline import report_memory
+
+        return report_memory(config, self, output_dir)
+
+    def compile_only(self, config, output_dir: str) -> Dict[str, Any]:
+        from ipu.offline import compile_only
+
+        return compile_only(config, self, output_dir)
+
+    def compile_offline(self, model, optimizer, plan, config, report_dir: str):
         """Compile the training executable for a GC200 without an IPU (``useOfflineIpuTarget``),
         with Poplar writing its memory report to ``report_dir`` even when the layout does not
         fit (``debug.allowOutOfMemory`` + ``autoReport.all``). Returns the executable."""
         from bert_packed.data import empty_batch
 
-        self.prepare(model, optimizer, config, offline=True, report_dir=report_dir)
+        self.prepare(model, optimizer, plan, offline=True, report_dir=report_dir)
         d = config.data
-        batch = empty_batch(config.train.micro_batch_size, d.max_sequence_length, d.max_sequences_per_pack,
+        batch = empty_batch(plan.micro_batch_size, d.max_sequence_length, d.max_sequences_per_pack,
                             d.max_masked_tokens_per_pack)
-        batches = self._normalise([batch] * self.micro_batches_per_step) * self.steps_per_call
-        host = stack_host_batch(batches, num_steps=self.steps_per_call,
-                                gradient_accumulation=config.train.gradient_accumulation,
-                                num_replicas=config.ipu.replication_factor)
+        batches = self._normalise([batch] * plan.micro_batches_per_step) * plan.steps_per_call
+        host = stack_host_batch(batches, num_steps=plan.steps_per_call,
+                                gradient_accumulation=plan.gradient_accumulation,
+                                num_replicas=plan.replicas_per_process)
         with no_profiler_scopes():
             self.training_model.compile(**host)
         return self.training_model
-
-    def _load_optimizer_state(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
-        if self.training_model is not None and self.training_model.isCompiled():
-            self.training_model.setOptimizer(self.optimizer)
 
     def sync_to_host(self) -> None:
         """The trained weights into the host model (before checkpointing or host evaluation).
@@ -276,8 +306,7 @@ class PopTorchBackend:
     def _normalise(self, step_batches, model=None):
         """The step's global counts in every pack (kept if the loop already filled them)."""
         model = model or self.model
-        fields = getattr(model, "normalizer_fields", ("mlm_normalizer", "nsp_normalizer"))
-        if all(all(name in b for name in fields) for b in step_batches):
+        if all(all(name in b for name in model.normalizer_fields) for b in step_batches):
             return step_batches
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         # Under PopRun the counts are summed over all instances.
@@ -302,8 +331,8 @@ class PopTorchBackend:
         batches = []
         for s in range(num_steps):
             batches += self._normalise(micro_batches[s * n:(s + 1) * n])
-        host = stack_host_batch(batches, num_steps=num_steps, gradient_accumulation=self.config.train.gradient_accumulation,
-                                num_replicas=self.config.ipu.replication_factor)
+        host = stack_host_batch(batches, num_steps=num_steps, gradient_accumulation=self.plan.gradient_accumulation,
+                                num_replicas=self.plan.replicas_per_process)
         self._switch_to(self.training_model, self.inference_model)
         learning_rate = float(self.optimizer.param_groups[0]["lr"])
         with no_profiler_scopes():
@@ -332,13 +361,22 @@ class PopTorchBackend:
         values = {}
         for name, tensor in zip(metric_keys(self.model), outputs):
             flat = tensor.detach().double().reshape(-1)
-            if self.config.ipu.output_mode == "all":
+            if self.settings.output_mode == "all":
                 values[name] = flat.reshape(num_steps, -1).sum(dim=1).tolist()
             else:
                 values[name] = [float(flat.sum()) / num_steps] * num_steps
         return [{name: values[name][s] for name in values} for s in range(num_steps)]
 
     # -- evaluation ---------------------------------------------------------------------------
+    def _inference_options(self):
+        """One replica, one step per call, every output returned, sharded (not pipelined)."""
+        poptorch = self.poptorch
+        opts = ipu_options.build_options(poptorch, self.settings, seed=self.plan.seed, training=False, popdist=None,
+                                         popart=self.popart, device_iterations=1, replication_factor=1)
+        opts.setExecutionStrategy(poptorch.ShardedExecution(poptorch.AutoStage.AutoIncrement))
+        opts.outputMode(poptorch.OutputMode.All)
+        return opts
+
     @torch.no_grad()
     def eval_step(self, batch):
         """Metrics of one micro-batch on one replica, forward only (its own executable).
@@ -348,10 +386,7 @@ class PopTorchBackend:
         """
         poptorch = self.poptorch
         if self.inference_model is None:
-            opts = ipu_options.build_options(poptorch, self.config, training=False, popdist=None, popart=self.popart,
-                                             device_iterations=1, replication_factor=1)
-            opts.setExecutionStrategy(poptorch.ShardedExecution(poptorch.AutoStage.AutoIncrement))
-            opts.outputMode(poptorch.OutputMode.All)
+            opts = self._inference_options()
             self.inference_model = poptorch.inferenceModel(pipeline.EvalWrapper(self.model), opts)
         batch = self._normalise([batch])[0]
         host = stack_host_batch([batch], num_steps=1, gradient_accumulation=1, num_replicas=1)
@@ -373,10 +408,7 @@ class PopTorchBackend:
         executors = self.predict_models
         names = tuple(names)
         if names not in executors:
-            opts = ipu_options.build_options(poptorch, self.config, training=False, popdist=None, popart=self.popart,
-                                             device_iterations=1, replication_factor=1)
-            opts.setExecutionStrategy(poptorch.ShardedExecution(poptorch.AutoStage.AutoIncrement))
-            opts.outputMode(poptorch.OutputMode.All)
+            opts = self._inference_options()
             executors[names] = poptorch.inferenceModel(pipeline.PredictWrapper(self.model, names), opts)
         executor = executors[names]
         host = stack_host_batch([batch], num_steps=1, gradient_accumulation=1, num_replicas=1)
@@ -404,8 +436,7 @@ class PopTorchBackend:
         the mock with a model on the meta device (nothing to execute) the same cost model is
         asked directly with the same shapes and layout.
         """
-        from bert_packed.config import Config
-        config = config or self.config or Config()
+        config = config or Config()
         ipu = config.ipu
         ga = 2 * len(pipeline.forward_stage_ipus(ipu.layers_per_ipu)) - 1
         precision = "fp16" if ipu.half_precision else "fp32"
@@ -414,7 +445,7 @@ class PopTorchBackend:
         if profile_dir:
             result["profile_dir"] = profile_dir
         if on_meta:
-            if not getattr(self.poptorch, "IS_MOCK", False):
+            if not self.prices_from_shapes:
                 raise ConfigError("profile() needs a model with real weights on IPU hardware (got the meta device)")
             signature = [(f"kwargs[{name!r}]", tuple(np.asarray(v).shape), None) for name, v in batch.items()]
             estimate = estimate_run_cycles({
@@ -425,9 +456,9 @@ class PopTorchBackend:
             return result
         # A copy: the annotations and casts below must not leak into the caller's model.
         model = _annotate(copy.deepcopy(model), ipu, self.poptorch)
-        opts = ipu_options.build_options(self.poptorch, config, training=True, popdist=None, popart=self.popart,
-                                         log_cycle_count=True, profile_dir=profile_dir, device_iterations=1,
-                                         gradient_accumulation=ga, replication_factor=1)
+        opts = ipu_options.build_options(self.poptorch, ipu, seed=config.train.seed, gradient_accumulation=ga,
+                                         training=True, popdist=None, popart=self.popart, log_cycle_count=True,
+                                         profile_dir=profile_dir, device_iterations=1, replication_factor=1)
         optimizer = self.poptorch.optim.SGD(model.parameters(), lr=0.0)  # measure, don't train
         executor = self.poptorch.trainingModel(pipeline.TrainingWrapper(model, self.poptorch), opts, optimizer=optimizer)
         batch = self._normalise([dict(batch)], model)[0]
@@ -441,10 +472,24 @@ class PopTorchBackend:
         finally:
             executor.destroy()
         result.update(cost=float(np.median(costs)), breakdown=None, cycle_count_logged=True)
-        if getattr(self.poptorch, "IS_MOCK", False):
+        if self.prices_from_shapes:  # the mock: its cycle count came from the cost model
             info = dict(executor._last_run_info, precision=precision)
             result["breakdown"] = estimate_run_cycles(info)["breakdown"]
         return result
+
+    def profile_options(self, config, output_dir: str) -> Dict[str, Any]:
+        # PopVision reports (engine option autoReport.directory) go next to the report.
+        return {"config": config, "profile_dir": os.path.join(output_dir, "popvision")}
+
+    def cost_scope(self, config) -> Optional[str]:
+        ipu = config.ipu
+        if len(ipu.layers_per_ipu) == 1:
+            return None
+        # The IPU's throughput is set by its slowest pipeline stage, so that is what is priced.
+        return (f"Pipelined over {len(ipu.layers_per_ipu)} IPUs (layers_per_ipu {ipu.layers_per_ipu}): "
+                "costs and breakdown are the bottleneck stage's, per micro-batch. Mask construction and loss "
+                "unpacking run on IPU 0 with the embeddings and heads; where IPU 0 is not the bottleneck they "
+                "cost no throughput and show as 0 %.")
 
 
 def install_mock_estimators(mock_poptorch) -> None:

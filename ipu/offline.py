@@ -17,7 +17,6 @@ import sys
 import time
 from typing import Any, Dict
 
-from bert_packed.config import ConfigError
 from bert_packed.io import write_text_atomic
 
 ESTIMATE_NAME, REPORT_DIR_NAME = "memory_estimate", "poplar_report"
@@ -42,30 +41,36 @@ def report_memory(config, backend, output_dir: str) -> Dict[str, Any]:
 
 
 def compile_only(config, backend, output_dir: str) -> Dict[str, Any]:
-    """Estimate, then compile offline with Poplar's memory report in ``output_dir``."""
-    if backend.name not in ("ipu", "mock"):
-        raise ConfigError("--compile-only compiles the IPU executable: use --backend ipu "
-                          "(or --backend mock for the same code path without the Poplar SDK)")
-    from bert_packed.train import build_model, build_optimizer
+    """Estimate, then compile offline with Poplar's memory report in ``output_dir``.
+
+    The executable is the real run's: the task's model and the step plan the training loop
+    computes (packing-adjusted accumulation and betas, steps)."""
+    import torch
+
+    from bert_packed.build import build_optimizer
+    from bert_packed.loop.plan import make_plan
+    from bert_packed.task import get_task
 
     estimate = report_memory(config, backend, output_dir)
     report_dir = os.path.join(output_dir, REPORT_DIR_NAME)
-    if backend.name == "mock":
-        import torch
-
+    task = get_task(config)
+    task.setup(show_progress=False)
+    source = task.data_source("train", micro_batch_size=config.train.micro_batch_size, rank=0, world_size=1)
+    plan = make_plan(config, backend, packing_factor=source.packing_factor, num_steps=task.num_steps)
+    if backend.prices_from_shapes:
         with torch.device("meta"):  # the mock compiles shapes: no gigabytes of weights on the CPU
-            model = build_model(config)
+            model = task.build_model()
     else:
-        model = build_model(config)
-    optimizer, _ = build_optimizer(config, model)
+        model = task.build_model()
+    optimizer, _ = build_optimizer(config, model, plan.betas, steps=plan.steps)
     print(f"compiling {config.name} for {backend.name} offline (no IPU attached); Poplar's reports go to "
           f"{report_dir}", flush=True)
     start = time.perf_counter()
-    executable = backend.compile_offline(model, optimizer, config, report_dir)
+    executable = backend.compile_offline(model, optimizer, plan, config, report_dir)
     seconds = time.perf_counter() - start
     plan = getattr(executable, "pipeline", None)
     stages = f", pipeline stages on IPUs {plan['stage_ipus']}" if plan else ""
-    if backend.name == "mock":
+    if backend.prices_from_shapes:
         print(f"mock compile done in {seconds:.0f} s{stages}: annotations, options and shapes checked; the mock "
               f"has no Poplar, so no memory report (the estimate above is all there is)", flush=True)
     else:

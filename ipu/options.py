@@ -1,4 +1,4 @@
-"""``poptorch.Options`` from the config's ``ipu`` section (and ``train`` for accumulation and seed).
+"""``poptorch.Options`` from the ``ipu`` config section (and the step plan's accumulation and seed).
 
 Written against a ``poptorch`` module passed in, so the same lines configure the real PopTorch
 (``--backend ipu``) and the IPU-free mock (``--backend mock``). The choices follow Graphcore's
@@ -55,10 +55,11 @@ def data_shard(popdist: Optional[Any] = None) -> Tuple[int, int]:
     return int(popdist.getInstanceIndex()), int(popdist.getNumInstances())
 
 
-def num_total_replicas(config, popdist: Optional[Any] = None) -> int:
-    """Replicas over all PopRun instances (what PopTorch's Mean reduction averages over)."""
+def num_total_replicas(ipu, popdist: Optional[Any] = None) -> int:
+    """Replicas over all PopRun instances (what PopTorch's Mean reduction averages over);
+    ``ipu``: the ``ipu`` config section."""
     if popdist is None:
-        return config.ipu.replication_factor
+        return ipu.replication_factor
     return int(popdist.getNumTotalReplicas())
 
 
@@ -76,20 +77,18 @@ ENGINE_OPTIONS = {"opt.useAutoloader": "true", "target.syncReplicasIndependently
 REPORT_ENGINE_OPTIONS = {"debug.allowOutOfMemory": "true", "autoReport.all": "true"}
 
 
-def build_options(poptorch, config, *, training: bool = True, popdist: Optional[Any] = None,
-                  popart: Optional[Any] = None, log_cycle_count: Optional[bool] = None,
+def build_options(poptorch, ipu, *, seed: int, gradient_accumulation: int = 1, training: bool = True,
+                  popdist: Optional[Any] = None, popart: Optional[Any] = None, log_cycle_count: Optional[bool] = None,
                   profile_dir: Optional[str] = None, device_iterations: Optional[int] = None,
-                  gradient_accumulation: Optional[int] = None, replication_factor: Optional[int] = None,
-                  offline: bool = False):
-    """A ``poptorch.Options`` for ``config`` (a ``bert_packed.config.Config``).
+                  replication_factor: Optional[int] = None, offline: bool = False):
+    """A ``poptorch.Options`` for ``ipu`` (the ``ipu`` config section, an ``ipu.config.IPUConfig``).
 
-    Keyword overrides exist for the backend's own uses (profiling, evaluation, compile-only);
-    by default every value comes from the config: ``ipu.*`` plus ``train.gradient_accumulation``
-    (per replica, already packing-adjusted by the loop) and ``train.seed``. ``profile_dir``
-    makes Poplar write its reports there (with ``debug.allowOutOfMemory``, so a layout that
-    does not fit still reports); ``offline`` compiles for a GC200 without attaching to one.
+    ``seed`` and ``gradient_accumulation`` (per replica, already packing-adjusted: the step
+    plan's) come from the run; keyword overrides exist for the backend's own uses (profiling,
+    evaluation, compile-only). ``profile_dir`` makes Poplar write its reports there (with
+    ``debug.allowOutOfMemory``, so a layout that does not fit still reports); ``offline``
+    compiles for a GC200 without attaching to one.
     """
-    ipu = config.ipu
     rf = ipu.replication_factor if replication_factor is None else replication_factor
     if popdist is not None:
         opts = popdist.poptorch.Options(ipus_per_replica=ipu.ipus_per_replica)
@@ -102,11 +101,10 @@ def build_options(poptorch, config, *, training: bool = True, popdist: Optional[
         opts.replicationFactor(rf)
     opts.autoRoundNumIPUs(ipu.auto_round_num_ipus)
     opts.deviceIterations(ipu.device_iterations if device_iterations is None else device_iterations)
-    opts.randomSeed(int(config.train.seed))
+    opts.randomSeed(int(seed))
 
     if training:
-        ga = config.train.gradient_accumulation if gradient_accumulation is None else gradient_accumulation
-        opts.Training.gradientAccumulation(ga)
+        opts.Training.gradientAccumulation(int(gradient_accumulation))
         # Mean over accumulation and replicas (PopTorch's default, made explicit): the backend
         # scales each micro-batch's loss by the number of micro-batches so that the mean of the
         # gradients is the global-count-normalised gradient (see ipu/backend.py).
@@ -141,7 +139,7 @@ def build_options(poptorch, config, *, training: bool = True, popdist: Optional[
 
     # Optimizer state (LAMB's two moments: 2x the weights) in Streaming Memory, sharded over
     # the replicas so each only streams its 1/R share; sharding needs more than one replica.
-    sharded = bool(ipu.replicated_tensor_sharding) and num_total_replicas(config, popdist) > 1
+    sharded = bool(ipu.replicated_tensor_sharding) and num_total_replicas(ipu, popdist) > 1
     opts.TensorLocations.setOptimizerLocation(
         poptorch.TensorLocationSettings()
         .useOnChipStorage(not ipu.optimizer_state_offchip)

@@ -1,14 +1,18 @@
-"""Pipeline stages, recomputation, precision and the PopTorch optimizer for ``BertForPreTraining``.
+"""Pipeline stages, recomputation, precision and the PopTorch optimizer for the BERT models.
 
+The model declares its blocks (``model.pipeline_layout()``: embeddings, encoder layers, the
+first head module, whether the heads share the embeddings' weight); this module places them.
 Layout (Graphcore's PopTorch BERT, ``layers_per_ipu`` e.g. ``[3, 7, 7, 7]`` for BERT-Large on
 4 IPUs per replica):
 
     IPU 0: "Embedding" (word/position/segment embeddings, attention-mask preparation),
            encoder layers 0..2
     IPU 1..3: encoder layers 3..9, 10..16, 17..23 ("Encoder<i>" blocks)
-    IPU 0: "Heads": pooler, NSP head and the MLM head, whose decoder weight is TIED to the
-           word embeddings, so it must sit on the IPU holding the embedding table; with
-           AutoStage.AutoIncrement this is a last, separate pipeline stage on IPU 0.
+    "Heads": pre-training's pooler, NSP head and MLM head, whose decoder weight is TIED to the
+           word embeddings, sit on IPU 0 (the IPU holding the embedding table; with
+           AutoStage.AutoIncrement a last, separate pipeline stage); a task head that shares no
+           weight (classification, question answering) sits after the last layer, on the last
+           IPU, as in Graphcore's fine-tuning layouts (no extra stage).
 
 ``layers_per_ipu`` entries may be 0 (an IPU with no encoder layers: Graphcore's IPU 0 in
 some layouts is embeddings + heads only).
@@ -33,21 +37,29 @@ def layer_ipus(layers_per_ipu: List[int], num_layers: int) -> List[int]:
     return [ipu for ipu, count in enumerate(layers_per_ipu) for _ in range(count)]
 
 
-def forward_stage_ipus(layers_per_ipu: List[int]) -> List[int]:
-    """IPU of each forward pipeline stage of the layout: ``[3, 7, 7, 7]`` -> ``[0, 1, 2, 3, 0]``.
+def heads_ipu(layers_per_ipu: List[int], tied_to_embeddings: bool) -> int:
+    """Where the heads go: with the embeddings (IPU 0) when they share its weight (the MLM
+    decoder), else after the last encoder layer, on the last IPU (Graphcore's fine-tuning layouts)."""
+    return 0 if tied_to_embeddings else len(layers_per_ipu) - 1
+
+
+def forward_stage_ipus(layers_per_ipu: List[int], heads_on_ipu: int = 0) -> List[int]:
+    """IPU of each forward pipeline stage of the layout: ``[3, 7, 7, 7]`` -> ``[0, 1, 2, 3, 0]``
+    (heads on IPU 0), ``[0, 1, 2, 3]`` (heads on IPU 3).
 
     Consecutive blocks on one IPU form one stage (PopART merges them); one IPU -> ``[0]``.
     """
-    blocks = [0] + layer_ipus(layers_per_ipu, sum(layers_per_ipu)) + [0]
+    blocks = [0] + layer_ipus(layers_per_ipu, sum(layers_per_ipu)) + [heads_on_ipu]
     stages = [ipu for i, ipu in enumerate(blocks) if i == 0 or ipu != blocks[i - 1]]
     return stages if len(stages) > 1 else [0]
 
 
-def check_pipeline_depth(layers_per_ipu: List[int], gradient_accumulation: int, device_iterations: int) -> None:
+def check_pipeline_depth(layers_per_ipu: List[int], gradient_accumulation: int, device_iterations: int,
+                         heads_on_ipu: int = 0) -> None:
     """PopART's rule as a config error: pipelined training keeps 2 x stages - 1 micro-batches in
     flight (forward and backward stages), so accumulation (or, without it, device iterations)
     must be at least that."""
-    num_stages = len(forward_stage_ipus(layers_per_ipu))
+    num_stages = len(forward_stage_ipus(layers_per_ipu, heads_on_ipu))
     if num_stages == 1:
         return
     depth = 2 * num_stages - 1
@@ -83,21 +95,19 @@ def _serialize_decoder(decoder: nn.Linear, poptorch, factor: int) -> None:
 
 
 def parallelize(model, ipu_config, poptorch):
-    """Annotate ``model`` (a ``BertForPreTraining``) in place for pipelined execution; returns it."""
-    layers = model.bert.encoder.layer
-    ipus = layer_ipus(ipu_config.layers_per_ipu, len(layers))
-    poptorch.BeginBlock(model.bert.embeddings, "Embedding", ipu_id=0)
-    for index, (layer, ipu) in enumerate(zip(layers, ipus)):
+    """Annotate ``model`` in place for pipelined execution from the blocks it declares
+    (``model.pipeline_layout()``, see ``bert_packed.modeling.PipelineLayout``); returns it."""
+    layout = model.pipeline_layout()
+    ipus = layer_ipus(ipu_config.layers_per_ipu, len(layout.layers))
+    poptorch.BeginBlock(layout.embeddings, "Embedding", ipu_id=0)
+    for index, (layer, ipu) in enumerate(zip(layout.layers, ipus)):
         poptorch.BeginBlock(layer, f"Encoder{index}", ipu_id=ipu)
         if ipu_config.recompute_checkpoint_every_layer:
             layer.register_forward_hook(_checkpoint_output(poptorch))
-    if model.bert.pooler is not None:
-        # The pooler runs first among the heads (pool -> cls), so the "Heads" block starts there.
-        poptorch.BeginBlock(model.bert.pooler, "Heads", ipu_id=0)
-    else:  # question answering: no pooler; its per-token head starts the block (on IPU 0, as every head here)
-        poptorch.BeginBlock(model.qa_outputs, "Heads", ipu_id=0)
-    if ipu_config.embedding_serialization_factor > 1 and hasattr(model, "cls"):  # task heads have no decoder
-        _serialize_decoder(model.cls.predictions.decoder, poptorch, ipu_config.embedding_serialization_factor)
+    poptorch.BeginBlock(layout.head, "Heads",
+                        ipu_id=heads_ipu(ipu_config.layers_per_ipu, layout.head_tied_to_embeddings))
+    if ipu_config.embedding_serialization_factor > 1 and layout.vocabulary_projection is not None:
+        _serialize_decoder(layout.vocabulary_projection, poptorch, ipu_config.embedding_serialization_factor)
     return model
 
 
@@ -145,14 +155,15 @@ class PredictWrapper(nn.Module):
         return tuple(out[name].float() for name in self.names)
 
 
-def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
+def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, ipu_config):
     """The PopTorch optimizer equivalent to the loop's ``torch_optimizer`` (same param groups).
 
     ``bert_packed.optim.Lamb`` -> ``poptorch.optim.LAMB``: same update (see bert_packed/optim.py);
     per-group ``weight_decay`` and ``max_weight_norm`` carry over; a group without a clamp
     (``max_weight_norm=None``) gets PopTorch's default clamp 65500 (fp16 max), far above any
     BERT weight norm. ``torch.optim.AdamW`` -> ``poptorch.optim.AdamW``. ``loss_scaling`` from
-    ``ipu.loss_scaling`` (the device multiplies the loss and divides the gradients by it).
+    ``ipu.loss_scaling`` (the device multiplies the loss and divides the gradients by it);
+    ``ipu_config`` is the ``ipu`` config section.
     """
     groups = []
     for group in torch_optimizer.param_groups:
@@ -162,7 +173,7 @@ def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
             entry["max_weight_norm"] = float(group["max_weight_norm"])
         groups.append(entry)
     defaults = torch_optimizer.defaults
-    loss_scaling = float(config.ipu.loss_scaling)
+    loss_scaling = float(ipu_config.loss_scaling)
     if type(torch_optimizer).__name__ == "Lamb":
         bias_correction = {bool(g.get("bias_correction", True)) for g in torch_optimizer.param_groups}
         if len(bias_correction) != 1:
@@ -172,7 +183,7 @@ def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
         # (MeanReductionStrategy.Running, set in ipu/options.py), never the sum of GA x replicas
         # loss-scaled gradients, so they cannot overflow where one micro-batch's gradient does
         # not. LAMB's first and second moments stay fp32 (in Streaming Memory, sharded).
-        accum = torch.float16 if config.ipu.fp16_accumulators else torch.float32
+        accum = torch.float16 if ipu_config.fp16_accumulators else torch.float32
         return poptorch.optim.LAMB(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]),
                                    eps=float(defaults["eps"]), weight_decay=float(defaults["weight_decay"]),
                                    bias_correction=bias_correction.pop(), loss_scaling=loss_scaling,
@@ -183,7 +194,7 @@ def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, config):
         return poptorch.optim.AdamW(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]),
                                     eps=float(defaults["eps"]), weight_decay=float(defaults["weight_decay"]),
                                     loss_scaling=loss_scaling,
-                                    accum_type=torch.float16 if config.ipu.fp16_accumulators else torch.float32,
+                                    accum_type=torch.float16 if ipu_config.fp16_accumulators else torch.float32,
                                     first_order_momentum_accum_type=torch.float32,
                                     second_order_momentum_accum_type=torch.float32)
     raise ConfigError(f"the IPU path supports optimizer.name lamb or adamw, not {type(torch_optimizer).__name__}")

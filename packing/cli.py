@@ -19,19 +19,13 @@ import numpy as np
 
 from .algorithms import ALGORITHMS, check_algorithm_depth, pack
 from .histogram import Histogram, PackingError
+from .entry import ArgumentParser, run_cli
 
 # Rows of the default report: the paper's Table 1 (plus LPFHP's Table 5 and ours).
 DEFAULT_ROWS = [("none", 1), ("sort", 1), ("greedy", None)] + \
     [("spfhp", d) for d in (2, 3, 4, 8, None)] + [("lpfhp", d) for d in (2, 3, 4, 8, None)] + \
     [("nnlshp", 3)] + [("lp", d) for d in (2, 3, 4, None)]
 UNLIMITED_NAMES = ("max", "unlimited", "none", "inf")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake as one line (exit 2), like every other error."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def _depth(text):
@@ -313,8 +307,8 @@ def command_plot(args):
 
 
 def build_parser():
-    parser = _Parser(prog="python -m packing", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = ArgumentParser(prog="python -m packing", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     def common(sub):
         sub.add_argument("--histogram", default="wikipedia-512",
@@ -358,29 +352,24 @@ def build_parser():
 def main(argv=None):
     """Run the command line; returns the exit status (2 for every user mistake, with one line
     ``error: ...`` on stderr: bad input, unwritable output, Ctrl-C)."""
+    return run_cli(lambda: _run(argv), interrupted="error: interrupted; nothing was written that is not complete",
+                   interrupted_status=2)
+
+
+def _run(argv) -> None:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "batch_size", 1) < 1:
+        raise PackingError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if getattr(args, "repeats", 1) < 1:
+        raise PackingError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.seed < 0:
+        raise PackingError(f"--seed must be a non-negative integer, got {args.seed}")
+    if getattr(args, "time_limit", None) is not None and not 0 < args.time_limit < np.inf:
+        raise PackingError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    if args.max_sequence_length is not None and args.max_sequence_length < 1:
+        raise PackingError(f"--max-sequence-length must be a positive integer, got {args.max_sequence_length}")
     try:
-        args = build_parser().parse_args(argv)
-        if getattr(args, "batch_size", 1) < 1:
-            raise PackingError(f"--batch-size must be at least 1, got {args.batch_size}")
-        if getattr(args, "repeats", 1) < 1:
-            raise PackingError(f"--repeats must be at least 1, got {args.repeats}")
-        if args.seed < 0:
-            raise PackingError(f"--seed must be a non-negative integer, got {args.seed}")
-        if getattr(args, "time_limit", None) is not None and not 0 < args.time_limit < np.inf:
-            raise PackingError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
-        if args.max_sequence_length is not None and args.max_sequence_length < 1:
-            raise PackingError(f"--max-sequence-length must be a positive integer, got {args.max_sequence_length}")
         args.handler(args)
-    except PackingError as exc:
-        return _fail(str(exc))
     except OSError as exc:  # unwritable output, a directory that is a file, a full disk
         where = f" {exc.filename}" if exc.filename else ""
-        return _fail(f"cannot write{where}: {exc.strerror or exc}")
-    except KeyboardInterrupt:
-        return _fail("interrupted; nothing was written that is not complete")
-    return 0
-
-
-def _fail(message):
-    print(f"error: {message}", file=sys.stderr)
-    return 2
+        raise PackingError(f"cannot write{where}: {exc.strerror or exc}") from None

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from backends import available_backends, get_backend
-from backends.base import Backend
+from bert_packed.backend import Backend
 from bert_packed.config import ConfigError, load_config
 from bert_packed.data import build_data_source
-from bert_packed.train import build_model, build_optimizer
+from bert_packed.build import build_model, build_optimizer
+from bert_packed.loop.plan import make_plan
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -21,7 +22,7 @@ def _setup(config, seed=0):
     model = build_model(config)
     optimizer, scheduler = build_optimizer(config, model, (config.optimizer.beta1, config.optimizer.beta2))
     backend = get_backend("cpu")
-    backend.prepare(model, optimizer, config, scheduler=scheduler)
+    backend.prepare(model, optimizer, make_plan(config, backend), scheduler=scheduler)
     return backend, model
 
 

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from backends import get_backend_class
 from bert_packed.config import (CONFIG_DIR, Config, ConfigError, dump, gradient_accumulation, load_config,
                                 resolve_config_path, validate)
 
@@ -31,7 +32,7 @@ def test_name_resolves_with_or_without_extension():
 def test_every_shipped_config_loads_and_validates(name):
     config = load_config(name)
     for backend in ("cpu", "mock"):
-        validate(config, backend)
+        validate(config, get_backend_class(backend))
 
 
 def test_phase2_is_graphcore_pod16_layout():
@@ -82,30 +83,30 @@ def test_layers_per_ipu_must_sum_to_layers_on_ipu_backends_only():
     config = load_config("phase2", ["model.num_hidden_layers=2"])
     for backend in ("ipu", "mock"):
         with pytest.raises(ConfigError, match=r"layers_per_ipu=\[3, 7, 7, 7\] sums to 24 but model.num_hidden_layers=2"):
-            validate(config, backend)
-    assert validate(config, "cpu") == []  # the ipu section does not apply to cpu
+            validate(config, get_backend_class(backend))
+    assert validate(config, get_backend_class("cpu")) == []  # the ipu section does not apply to cpu
     config = load_config("phase2", ["model.num_hidden_layers=2", "ipu.layers_per_ipu=[1, 1]",
                                      "ipu.available_memory_proportion=[0.2]"])
-    validate(config, "mock")
-    assert any("ipu.{" in w and "layers_per_ipu" in w for w in validate(config, "cpu"))  # asked for, ignored: warned
+    validate(config, get_backend_class("mock"))
+    assert any("ipu.{" in w and "layers_per_ipu" in w for w in validate(config, get_backend_class("cpu")))  # asked for, ignored: warned
 
 
 def test_global_batch_must_divide_into_micro_batches_and_replicas():
     config = load_config("tiny", ["train.global_batch_size=10", "train.micro_batch_size=4"])
     with pytest.raises(ConfigError, match="global_batch_size=10 is not divisible by micro_batch_size x replicas"):
-        validate(config, "cpu")
+        validate(config, get_backend_class("cpu"))
     config = load_config("tiny", ["train.global_batch_size=16", "train.micro_batch_size=4"])
-    validate(config, "cpu", world_size=2)
-    assert gradient_accumulation(config, "cpu", world_size=2) == 2
-    assert gradient_accumulation(config, "cpu", world_size=1) == 4
+    validate(config, get_backend_class("cpu"), world_size=2)
+    assert gradient_accumulation(config, get_backend_class("cpu"), world_size=2) == 2
+    assert gradient_accumulation(config, get_backend_class("cpu"), world_size=1) == 4
 
 
 def test_warning_for_settings_of_another_backend():
     config = load_config("tiny", ["cuda.precision=fp16"])
-    (warning,) = validate(config, "cpu")
+    (warning,) = validate(config, get_backend_class("cpu"))
     assert "cuda.{precision}" in warning and "backend 'cpu'" in warning
-    assert validate(config, "cuda") == []
-    assert validate(load_config("phase2"), "cpu") == []  # its YAML ipu section is not nagged about
+    assert validate(config, get_backend_class("cuda")) == []
+    assert validate(load_config("phase2"), get_backend_class("cpu")) == []  # its YAML ipu section is not nagged about
 
 
 def test_dump_round_trips(tmp_path):

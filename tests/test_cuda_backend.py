@@ -19,7 +19,8 @@ from backends.cpu import CPUBackend
 from backends.cuda import CUDABackend, RecompileError, num_compiled_graphs
 from bert_packed.config import ConfigError, load_config
 from bert_packed.data import build_data_source
-from bert_packed.train import build_model, build_optimizer
+from bert_packed.build import build_model, build_optimizer
+from bert_packed.loop.plan import make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +42,7 @@ def setup(backend, overrides=(), seed=0):
     torch.manual_seed(seed)
     model = build_model(config)
     optimizer, scheduler = build_optimizer(config, model, (config.optimizer.beta1, config.optimizer.beta2))
-    backend.prepare(model, optimizer, config, scheduler=scheduler)
+    backend.prepare(model, optimizer, make_plan(config, backend), scheduler=scheduler)
     return config, _BATCHES[key], model
 
 
@@ -137,7 +138,7 @@ class EagerCompileBackend(CUDABackend):
     """Counts dynamo graphs exactly as with inductor, without inductor's CPU compile time."""
 
     def wrap_model(self, model):
-        if not self.config.cuda.compile:
+        if not self.plan.settings.compile:
             return model
         return torch.compile(model, backend="eager", dynamic=False)
 

@@ -15,6 +15,7 @@ from bert_packed.collate import collate_classification, one_per_pack, sample_len
 from bert_packed.config import Config
 from bert_packed.modeling import BertForSequenceClassification
 from bert_packed.optim import build_optimizer
+from bert_packed.loop.plan import make_plan
 from test_model_fixtures import random_packed_problem, tiny_config, to_torch
 
 TOL = 1e-5
@@ -92,7 +93,7 @@ def train_weights(model, micro_batches_per_step):
     config = Config()
     optimizer = build_optimizer(model, "adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     backend = CPUBackend()
-    backend.prepare(model, optimizer, config)
+    backend.prepare(model, optimizer, make_plan(config, backend))
     losses = [backend.train_step(step)["loss"] for step in micro_batches_per_step]
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), losses
 

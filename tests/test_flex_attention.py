@@ -291,7 +291,7 @@ def test_whole_model_with_flex_equals_dense_in_eval_on_cpu():
 
     from bert_packed.config import load_config
     from bert_packed.data import build_data_source
-    from bert_packed.train import build_model
+    from bert_packed.build import build_model
 
     config = load_config("tiny", ["data.num_sequences=300"])
     batches = list(itertools.islice(iter(build_data_source(config, split="train", micro_batch_size=4)), 2))

@@ -17,7 +17,7 @@ from bert_packed.collate import collate, collate_classification  # noqa: E402
 from bert_packed.config import Config  # noqa: E402
 from bert_packed.finetune.data import encode_texts  # noqa: E402
 from bert_packed.modeling import BertForPreTraining, BertForSequenceClassification  # noqa: E402
-from bert_packed.train import bert_config  # noqa: E402
+from bert_packed.build import bert_config  # noqa: E402
 from finetune_fixtures import classification_rows, save_hf_checkpoint, write_vocab  # noqa: E402
 
 TOL = 1e-5

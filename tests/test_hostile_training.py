@@ -117,7 +117,7 @@ def test_non_finite_config_numbers_are_refused_at_config_time(tmp_path, capsys, 
 
 def test_lamb_defaults_to_no_trust_ratio_for_biases_and_layernorm():
     from bert_packed.config import load_config
-    from bert_packed.train import build_model, build_optimizer
+    from bert_packed.build import build_model, build_optimizer
 
     config = load_config("tiny")
     optimizer, _ = build_optimizer(config, build_model(config))

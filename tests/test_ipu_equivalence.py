@@ -23,12 +23,13 @@ import ipu.mock_poptorch as poptorch
 from backends.cpu import CPUBackend
 from backends.mock import MockBackend
 from bert_packed.config import ConfigError, load_config
-from bert_packed.train import build_model, build_optimizer
+from bert_packed.build import build_model, build_optimizer
+from bert_packed.loop.plan import make_plan
 from ipu import options as ipu_options
 from ipu import pipeline
 from ipu.backend import stack_host_batch
 from ipu.pipeline import TrainingWrapper
-from ipu.testing import TINY_MODEL, random_micro_batches
+from ipu_helpers import TINY_MODEL, random_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "num_sequences", "num_mlm_tokens")
@@ -58,9 +59,9 @@ def train_both(config, num_calls):
     betas = (config.optimizer.beta1, config.optimizer.beta2)
     mock, cpu = MockBackend(), CPUBackend()
     optimizer, scheduler = build_optimizer(config, model, betas)
-    mock.prepare(model, optimizer, config, scheduler=scheduler)
+    mock.prepare(model, optimizer, make_plan(config, mock), scheduler=scheduler)
     ref_optimizer, ref_scheduler = build_optimizer(config, reference, betas)
-    cpu.prepare(reference, ref_optimizer, config, scheduler=ref_scheduler)
+    cpu.prepare(reference, ref_optimizer, make_plan(config, cpu), scheduler=ref_scheduler)
     n, num_steps = mock.micro_batches_per_step, mock.steps_per_call
     batches = random_micro_batches(1, n * num_steps * num_calls, config)
     mock_steps, cpu_steps = [], []
@@ -88,7 +89,7 @@ def assert_same_training(mock, model, reference, mock_steps, cpu_steps):
 
 def cpu_backend_for(model, config):
     backend = CPUBackend()
-    backend.prepare(model, None, config)
+    backend.prepare(model, None, make_plan(config, backend))
     return backend
 
 
@@ -131,11 +132,11 @@ def test_ga4_is_too_shallow_for_the_four_ipu_pipeline():
     optimizer, scheduler = build_optimizer(config, model, (0.9, 0.999))
     # The backend says it as a config error before anything runs ...
     with pytest.raises(ConfigError, match=r"needs train.gradient_accumulation >= 9 \(got 4\)"):
-        MockBackend().prepare(model, optimizer, config, scheduler=scheduler)
+        MockBackend().prepare(model, optimizer, make_plan(config, MockBackend), scheduler=scheduler)
     # ... and the mock itself rejects it as PopART would, for code that bypasses the backend.
-    opts = ipu_options.build_options(poptorch, config)
+    opts = ipu_options.build_options(poptorch, config.ipu, seed=config.train.seed, gradient_accumulation=config.train.gradient_accumulation)
     wrapped = poptorch.trainingModel(TrainingWrapper(pipeline.parallelize(model, config.ipu, poptorch), poptorch),
-                                     opts, optimizer=pipeline.build_optimizer(optimizer, poptorch, config))
+                                     opts, optimizer=pipeline.build_optimizer(optimizer, poptorch, config.ipu))
     host = stack_host_batch(random_micro_batches(0, 16, config), num_steps=2, gradient_accumulation=4, num_replicas=2)
     with pytest.raises(poptorch.Error, match=r"number of pipeline stages \(9\)"):
         wrapped(**host)
@@ -175,16 +176,15 @@ def test_loop_optimizer_checkpoints_carry_poptorch_state():
     model = build_model(config)
     optimizer, scheduler = build_optimizer(config, model, (0.9, 0.999))
     mock = MockBackend()
-    mock.prepare(model, optimizer, config, scheduler=scheduler)
+    mock.prepare(model, optimizer, make_plan(config, mock), scheduler=scheduler)
     mock.train_step(random_micro_batches(0, 2, config))
-    saved = optimizer.state_dict()  # what the loop writes into its checkpoint
+    saved = mock.state_dict()["optimizer"]  # what the loop writes into its checkpoint
     assert saved["state"] and all(s["step"] == 1 for s in saved["state"].values())
     torch.manual_seed(0)
     restored_model = build_model(config)
     restored_optimizer, _ = build_optimizer(config, restored_model, (0.9, 0.999))
     restored = MockBackend()
-    restored.prepare(restored_model, restored_optimizer, config)
-    restored_optimizer.load_state_dict(saved)
+    restored.prepare(restored_model, restored_optimizer, make_plan(config, restored), state={"optimizer": saved})
     moments = [s["exp_avg"] for s in restored.optimizer.state_dict()["state"].values()]
     expected = [s["exp_avg"] for s in saved["state"].values()]
     assert all(torch.equal(a, b) for a, b in zip(moments, expected))
@@ -195,4 +195,4 @@ def test_steps_must_fill_whole_calls():
     model = build_model(config)
     optimizer, _ = build_optimizer(config, model, (0.9, 0.999))
     with pytest.raises(ConfigError, match="not a multiple of ipu.device_iterations"):
-        MockBackend().prepare(model, optimizer, config)
+        MockBackend().prepare(model, optimizer, make_plan(config, MockBackend))

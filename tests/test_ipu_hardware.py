@@ -7,8 +7,9 @@ import torch
 
 from backends.cpu import CPUBackend
 from bert_packed.config import load_config
-from bert_packed.train import build_model, build_optimizer
-from ipu.testing import TINY_MODEL, random_micro_batches
+from bert_packed.build import build_model, build_optimizer
+from bert_packed.loop.plan import make_plan
+from ipu_helpers import TINY_MODEL, random_micro_batches
 
 pytestmark = pytest.mark.ipu
 
@@ -25,8 +26,8 @@ def test_ipu_backend_matches_cpu_in_fp32():
     model = build_model(config)
     reference = copy.deepcopy(model)
     ipu_backend, cpu = IPUBackend(), CPUBackend()
-    ipu_backend.prepare(model, build_optimizer(config, model, (0.9, 0.999))[0], config)
-    cpu.prepare(reference, build_optimizer(config, reference, (0.9, 0.999))[0], config)
+    ipu_backend.prepare(model, build_optimizer(config, model, (0.9, 0.999))[0], make_plan(config, ipu_backend))
+    cpu.prepare(reference, build_optimizer(config, reference, (0.9, 0.999))[0], make_plan(config, cpu))
     batches = random_micro_batches(0, 6, config)
     for step in range(3):
         step_batches = batches[2 * step:2 * step + 2]

@@ -13,12 +13,14 @@ import yaml
 import ipu.mock_popdist as mock_popdist
 import ipu.mock_poptorch as poptorch
 from backends.mock import MockBackend
-from bert_packed.config import ConfigError, IPUConfig, load_config, resolve_config_path
+from bert_packed.config import ConfigError, load_config, resolve_config_path
+from ipu.config import IPUConfig
 from bert_packed.optim import build_optimizer
-from bert_packed.train import build_model
+from bert_packed.build import build_model
+from bert_packed.loop.plan import make_plan
 from ipu import options as ipu_options
 from ipu.backend import no_profiler_scopes, stack_host_batch
-from ipu.testing import TINY_MODEL, random_micro_batches
+from ipu_helpers import TINY_MODEL, random_micro_batches
 
 # Only sizes shrink; every ipu value stays phase2's (24 layers keep layers_per_ipu [3, 7, 7, 7]).
 SIZE_ONLY = [s for s in TINY_MODEL]
@@ -31,7 +33,7 @@ def prepared(overrides):
     model = build_model(config)
     optimizer = build_optimizer(model, "lamb", lr=1e-3)
     backend = MockBackend()
-    backend.prepare(model, optimizer, config)
+    backend.prepare(model, optimizer, make_plan(config, backend))
     batch = random_micro_batches(0, 1, config)[0]
     num = backend.micro_batches_per_step * backend.steps_per_call
     host = stack_host_batch([batch] * num, num_steps=backend.steps_per_call,
@@ -65,12 +67,12 @@ CHECKS = {
     "device_iterations": lambda v, o, b, s: o.device_iterations == v,
     "output_mode": lambda v, o, b, s: o.output_mode == {"all": 2, "sum": 3, "final": 0, "default": 4}[v],
     "available_memory_proportion": lambda v, o, b, s: o.available_memory_proportion
-    == {i: p for i, p in enumerate(v if len(v) > 1 else v * len(b.config.ipu.layers_per_ipu))},
+    == {i: p for i, p in enumerate(v if len(v) > 1 else v * len(b.settings.layers_per_ipu))},
     "enable_half_partials": lambda v, o, b, s: o._Popart.options["partialsTypeMatMuls"] == ("half" if v else "float"),
     "half_precision": lambda v, o, b, s: all(p.dtype == (torch.float16 if v else torch.float32)
                                              for p in b.model.parameters()),
     "accumulator_dtype": lambda v, o, b, s: b.optimizer.accum_type == (
-        torch.float16 if v == "fp16" or (v == "auto" and b.config.ipu.half_precision) else torch.float32)
+        torch.float16 if v == "fp16" or (v == "auto" and b.settings.half_precision) else torch.float32)
     and o.Training.meanAccumulationAndReplicationReductionStrategy == (
         poptorch.MeanReductionStrategy.Running if b.optimizer.accum_type == torch.float16
         else poptorch.MeanReductionStrategy.Post),
@@ -84,7 +86,7 @@ CHECKS = {
     "replicated_tensor_sharding": lambda v, o, b, s:
     o.TensorLocations.location_optimizer["useReplicatedTensorSharding"] == int(v and o.replication_factor > 1),
     "recompute_checkpoint_every_layer": lambda v, o, b, s:
-    b.training_model.pipeline["num_recomputation_checkpoints"] == (sum(b.config.ipu.layers_per_ipu) if v else 0),
+    b.training_model.pipeline["num_recomputation_checkpoints"] == (sum(b.settings.layers_per_ipu) if v else 0),
     "auto_round_num_ipus": lambda v, o, b, s: o.auto_round_num_ipus == v,
     "embedding_serialization_factor": lambda v, o, b, s: s == ([v] if v > 1 else []),
 }
@@ -144,14 +146,14 @@ def test_training_output_mode_must_return_every_micro_batch():
     config = load_config("phase2", SIZE_ONLY + ["ipu.output_mode=final"])
     model = build_model(config)
     with pytest.raises(ConfigError, match="output_mode=final"):
-        MockBackend().prepare(model, build_optimizer(model, "lamb", lr=1e-3), config)
+        MockBackend().prepare(model, build_optimizer(model, "lamb", lr=1e-3), make_plan(config, MockBackend))
 
 
 def test_layers_per_ipu_must_match_the_model():
     config = load_config("phase2", SIZE_ONLY + ["model.num_hidden_layers=2"])
     model = build_model(config)
     with pytest.raises(ConfigError, match="layers_per_ipu"):
-        MockBackend().prepare(model, build_optimizer(model, "lamb", lr=1e-3), config)
+        MockBackend().prepare(model, build_optimizer(model, "lamb", lr=1e-3), make_plan(config, MockBackend))
 
 
 # -- PopRun / popdist ---------------------------------------------------------------------------
@@ -165,12 +167,12 @@ def poprun():
 
 def test_poprun_options_come_from_popdist(poprun):
     config = load_config("phase2", SIZE_ONLY + ["ipu.replication_factor=2"])
-    opts = ipu_options.build_options(poptorch, config, popdist=poprun)
+    opts = ipu_options.build_options(poptorch, config.ipu, seed=config.train.seed, gradient_accumulation=config.train.gradient_accumulation, popdist=poprun)
     assert opts.replication_factor == 2
     assert (opts.Distributed.processId, opts.Distributed.numProcesses) == (1, 2)
     assert opts.ipus_per_replica == 4
     assert ipu_options.data_shard(poprun) == (1, 2)
-    assert ipu_options.num_total_replicas(config, poprun) == 4
+    assert ipu_options.num_total_replicas(config.ipu, poprun) == 4
     # Sharding the optimizer state is over all 4 replicas of the two instances.
     assert opts.TensorLocations.location_optimizer["useReplicatedTensorSharding"] == 1
 
@@ -178,7 +180,7 @@ def test_poprun_options_come_from_popdist(poprun):
 def test_poprun_replicas_must_match_the_config(poprun):
     config = load_config("phase2", SIZE_ONLY)  # replication_factor 4 != 2 local replicas
     with pytest.raises(ConfigError, match="PopRun gives this instance 2 replicas"):
-        ipu_options.build_options(poptorch, config, popdist=poprun)
+        ipu_options.build_options(poptorch, config.ipu, seed=config.train.seed, gradient_accumulation=config.train.gradient_accumulation, popdist=poprun)
 
 
 def test_poprun_with_several_instances_needs_a_process_group(poprun, monkeypatch):
@@ -188,7 +190,7 @@ def test_poprun_with_several_instances_needs_a_process_group(poprun, monkeypatch
     backend = MockBackend()
     assert backend.process_shard() == (1, 2)
     with pytest.raises(ConfigError, match="torch.distributed"):
-        backend.prepare(model, build_optimizer(model, "lamb", lr=1e-3), config)
+        backend.prepare(model, build_optimizer(model, "lamb", lr=1e-3), make_plan(config, backend))
 
 
 def test_mock_dataloader_shards_by_instance(poprun):

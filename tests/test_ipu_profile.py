@@ -5,9 +5,9 @@ import torch
 
 from backends.mock import MockBackend
 from bert_packed.config import load_config
-from bert_packed.train import build_model
+from bert_packed.build import build_model
 from ipu.cost_model import estimate_cycles
-from ipu.testing import TINY_MODEL, random_micro_batches
+from ipu_helpers import TINY_MODEL, random_micro_batches
 
 
 def expected_cycles(config, batch):

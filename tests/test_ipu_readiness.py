@@ -18,12 +18,13 @@ import ipu.mock_poptorch as poptorch
 import run
 from backends.cpu import CPUBackend
 from backends.mock import MockBackend
+from bert_packed.loop.plan import make_plan
 from bert_packed.config import load_config
 from bert_packed.losses import mlm_loss_terms
-from bert_packed.train import build_model, build_optimizer
+from bert_packed.build import build_model, build_optimizer
 from ipu import memory
 from ipu import options as ipu_options
-from ipu.testing import TINY_MODEL, mock_and_cpu_loss_curves, prepared_pair, random_micro_batches
+from ipu_helpers import TINY_MODEL, mock_and_cpu_loss_curves, prepared_pair, random_micro_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 METRICS = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "num_sequences", "num_mlm_tokens")
@@ -165,7 +166,8 @@ def test_the_mock_warns_with_per_ipu_figures_when_a_layout_exceeds_an_ipu(tmp_pa
     backend = MockBackend()
     with pytest.warns(UserWarning, match=r"estimated memory above the 897 MiB of an IPU on IPU0.*IPU0 [\d,]+ MiB, "
                                          r"IPU1 [\d,]+ MiB"):
-        backend.compile_offline(model, build_optimizer(config, model)[0], config, str(tmp_path / "report"))
+        backend.compile_offline(model, build_optimizer(config, model)[0], make_plan(config, backend), config,
+                                str(tmp_path / "report"))
     assert backend.training_model.memory_estimate["fits"] is False
     opts = backend.training_model.options
     assert opts.connection_type == poptorch.ConnectionType.Never and opts.ipu_version == 2
@@ -187,7 +189,7 @@ def test_compile_only_prints_the_table_and_compiles_offline(tmp_path, capsys):
 
 
 def test_the_batched_cpu_reference_is_the_same_step():
-    """The 50-step test's cpu reference (ipu.testing.mock_and_cpu_loss_curves) takes 16 packs as
+    """The 50-step test's cpu reference (tests/ipu_helpers.py mock_and_cpu_loss_curves) takes 16 packs as
     one micro-batch: the same step as 16 micro-batches of one pack (global-count normalisation)."""
     base = ["ipu.half_precision=false", "optimizer.learning_rate=0.02"]
     one_by_one, merged_config = small(base + ["train.gradient_accumulation=16"]), small(

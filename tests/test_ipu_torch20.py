@@ -19,8 +19,9 @@ from torch.overrides import TorchFunctionMode
 
 from backends.mock import MockBackend
 from bert_packed.config import load_config
-from bert_packed.train import build_model, build_optimizer
-from ipu.testing import TINY_MODEL, random_micro_batches
+from bert_packed.build import build_model, build_optimizer
+from bert_packed.loop.plan import make_plan
+from ipu_helpers import TINY_MODEL, random_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,7 +116,7 @@ def test_ipu_path_calls_only_torch_2_0_apis():
     model = build_model(config)
     optimizer, scheduler = build_optimizer(config, model, (0.9, 0.999))
     backend = MockBackend()
-    backend.prepare(model, optimizer, config, scheduler=scheduler)
+    backend.prepare(model, optimizer, make_plan(config, backend), scheduler=scheduler)
     batches = random_micro_batches(0, 5, config)
     recorder = _Recorder()
     with recorder:

@@ -6,8 +6,7 @@ User mistakes (including OSErrors: a missing folder, an unwritable path) print o
 import json
 import sys
 
-from ..config import ArgumentParser
-from .errors import DataError
+from packing.entry import ArgumentParser, run_cli
 
 
 def _parser():
@@ -68,64 +67,57 @@ def _parser():
 
 def main(argv=None):
     args = _parser().parse_args(argv)
-    try:
-        if args.command == "vocab":
-            from .vocab import train_vocab
-            num_tokens = train_vocab(args.input, args.size, args.output, lowercase=not args.cased,
-                                     min_frequency=args.min_frequency)
-            print(f"wrote {args.output}: {num_tokens} tokens")
-        elif args.command == "create":
-            from .create import create_pretraining_file
-            summary = create_pretraining_file(
-                args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
-                max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
-                seed=args.seed, short_seq_prob=args.short_seq_prob,
-                masked_lm_prob=args.masked_lm_prob, lowercase=not args.cased,
-                whole_word_mask=args.whole_word_mask, show_progress=sys.stderr.isatty())
-            print(f"wrote {args.output}: {summary['num_sequences']} sequences from "
-                  f"{summary['num_documents']} documents, {summary['num_tokens']} tokens, "
-                  f"{summary['num_masked_tokens']} masked, random next "
-                  f"{100 * summary['random_next_fraction']:.1f} %, padding "
-                  f"{100 * summary['padding_fraction']:.1f} %")
-        elif args.command == "pack":
-            from .pack import pack_file
-            stats = pack_file(args.input, args.output, algorithm=args.algorithm,
-                              max_sequences_per_pack=args.max_sequences_per_pack,
-                              max_sequence_length=args.max_sequence_length,
-                              max_masked_tokens_per_pack=args.max_masked_tokens_per_pack,
-                              seed=args.seed, chunk_packs=args.chunk_packs,
-                              compression=args.compression,
-                              show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
-            print(f"wrote {args.output}: {stats['num_sequences']} sequences in {stats['num_packs']} "
-                  f"packs ({stats['algorithm']}, depth <= {stats['max_sequences_per_pack']}), "
-                  f"packing factor {stats['packing_factor']:.3f}, efficiency "
-                  f"{100 * stats['efficiency']:.2f} % (unpacked {100 * stats['unpacked_efficiency']:.2f} %), "
-                  f"speed-up {stats['speedup']:.3f}x"
-                  + (f"; LP bound {stats['lp_bound_packs']} packs" if stats.get("lp_bound_packs") else ""))
-        elif args.command == "stats":
-            from .stats import dataset_stats, format_stats, plot_stats
-            stats = dataset_stats(args.file)
-            print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
-            if not args.no_plot:
-                path = args.plot or _with_suffix(args.file, ".png")
-                plot_stats(stats, path)
-                print(f"plot: {path}", file=sys.stderr)
-        elif args.command == "kjv":
-            from .kjv import write_kjv_corpus
-            num_documents, num_verses = write_kjv_corpus(args.output, args.first, args.last)
-            print(f"wrote {args.output}: {num_documents} chapters (documents), {num_verses} verses")
-    except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # output folder is a file, unwritable path, disk full, ...
-        where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
-        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        # Outputs are written through temporary files that are removed on the way out, so
-        # an interrupted step leaves the previous outputs as they were.
-        print("interrupted: nothing was written", file=sys.stderr)
-        return 130
+    # Outputs are written through temporary files that are removed on the way out, so an
+    # interrupted step leaves the previous outputs as they were.
+    return run_cli(lambda: _run(args), interrupted="interrupted: nothing was written")
+
+
+def _run(args):
+    if args.command == "vocab":
+        from .vocab import train_vocab
+        num_tokens = train_vocab(args.input, args.size, args.output, lowercase=not args.cased,
+                                 min_frequency=args.min_frequency)
+        print(f"wrote {args.output}: {num_tokens} tokens")
+    elif args.command == "create":
+        from .create import create_pretraining_file
+        summary = create_pretraining_file(
+            args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
+            max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
+            seed=args.seed, short_seq_prob=args.short_seq_prob,
+            masked_lm_prob=args.masked_lm_prob, lowercase=not args.cased,
+            whole_word_mask=args.whole_word_mask, show_progress=sys.stderr.isatty())
+        print(f"wrote {args.output}: {summary['num_sequences']} sequences from "
+              f"{summary['num_documents']} documents, {summary['num_tokens']} tokens, "
+              f"{summary['num_masked_tokens']} masked, random next "
+              f"{100 * summary['random_next_fraction']:.1f} %, padding "
+              f"{100 * summary['padding_fraction']:.1f} %")
+    elif args.command == "pack":
+        from .pack import pack_file
+        stats = pack_file(args.input, args.output, algorithm=args.algorithm,
+                          max_sequences_per_pack=args.max_sequences_per_pack,
+                          max_sequence_length=args.max_sequence_length,
+                          max_masked_tokens_per_pack=args.max_masked_tokens_per_pack,
+                          seed=args.seed, chunk_packs=args.chunk_packs,
+                          compression=args.compression,
+                          show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
+        print(f"wrote {args.output}: {stats['num_sequences']} sequences in {stats['num_packs']} "
+              f"packs ({stats['algorithm']}, depth <= {stats['max_sequences_per_pack']}), "
+              f"packing factor {stats['packing_factor']:.3f}, efficiency "
+              f"{100 * stats['efficiency']:.2f} % (unpacked {100 * stats['unpacked_efficiency']:.2f} %), "
+              f"speed-up {stats['speedup']:.3f}x"
+              + (f"; LP bound {stats['lp_bound_packs']} packs" if stats.get("lp_bound_packs") else ""))
+    elif args.command == "stats":
+        from .stats import dataset_stats, format_stats, plot_stats
+        stats = dataset_stats(args.file)
+        print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
+        if not args.no_plot:
+            path = args.plot or _with_suffix(args.file, ".png")
+            plot_stats(stats, path)
+            print(f"plot: {path}", file=sys.stderr)
+    elif args.command == "kjv":
+        from .kjv import write_kjv_corpus
+        num_documents, num_verses = write_kjv_corpus(args.output, args.first, args.last)
+        print(f"wrote {args.output}: {num_documents} chapters (documents), {num_verses} verses")
     return 0
 
 

@@ -7,7 +7,9 @@ and exits 2.
 """
 import os
 
-from . import DataError  # noqa: F401  (defined in bert_packed/data/__init__.py)
+
+class DataError(ValueError):
+    """A user mistake about data (missing file, wrong fields or shapes): one line."""
 
 
 def refuse_output_over_input(output_path, input_paths, *, option="--output"):

@@ -29,7 +29,8 @@ from typing import Any, Dict, Iterator
 
 import numpy as np
 
-from bert_packed.data import Batch, DataError, EpochCursor, empty_batch
+from bert_packed.data.errors import DataError
+from bert_packed.data.source import Batch, EpochCursor, empty_batch
 
 PAD_ID, CLS_ID, SEP_ID, MASK_ID = 0, 101, 102, 103
 SPECIAL_IDS = (0, 100, 101, 102, 103)  # [PAD], [UNK], [CLS], [SEP], [MASK] in BERT's vocabulary

@@ -17,7 +17,8 @@ import types
 
 import numpy as np
 
-from . import EpochCursor, h5io
+from . import h5io
+from .source import EpochCursor
 from .errors import DataError
 
 INT_FIELDS = tuple(name for name in h5io.PACKED_FIELDS if name != "nsp_weights")
@@ -30,6 +31,8 @@ class HDF5Source:
     M = max_masked_tokens_per_pack; a file with smaller dimensions is zero-padded, a file
     with larger ones is refused with a DataError naming the option to raise.
     """
+
+    packing = None  # the file was packed beforehand (bert_packed.data pack); no plan of this run
 
     def __init__(self, path, *, micro_batch_size, max_sequence_length, max_sequences_per_pack,
                  max_masked_tokens_per_pack, seed, rank=0, world_size=1, shuffle=True,

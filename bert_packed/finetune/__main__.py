@@ -14,12 +14,12 @@ User mistakes: one ``error:`` line, exit status 2.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from typing import List, Optional
 
+from packing.entry import ArgumentParser, run_cli
 from bert_packed.io import write_text_atomic
 
 
@@ -96,7 +96,7 @@ def predict(model_dir: str, input_path: str, output: str, *, text_column: str = 
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bert_packed.finetune", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m bert_packed.finetune", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("export", help="Hugging Face export of a run's checkpoint")
     p.add_argument("checkpoint", help="a run directory (with checkpoint.pt) or a checkpoint.pt file")
@@ -116,29 +116,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--validation-fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    try:
-        if args.command == "export":
-            print(export(args.checkpoint, args.output, args.tokenizer))
-        elif args.command == "predict":
-            count = predict(args.model, args.input, args.output, text_column=args.text_column,
-                            text_pair_column=args.text_pair_column, max_sequence_length=args.max_sequence_length)
-            print(f"{count} predictions -> {args.output}")
-        else:
-            from bert_packed.finetune import fortunes
+    return run_cli(lambda: _run(args))
 
-            counts = fortunes.write_fortunes_dataset(args.output_dir, args.fortunes_dir or fortunes.FORTUNES_DIR,
-                                                     args.categories or fortunes.DEFAULT_CATEGORIES,
-                                                     validation_fraction=args.validation_fraction, seed=args.seed)
-            print(json.dumps(counts))
-    except ValueError as exc:
-        if type(exc) is ValueError:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+def _run(args) -> None:
+    if args.command == "export":
+        print(export(args.checkpoint, args.output, args.tokenizer))
+    elif args.command == "predict":
+        count = predict(args.model, args.input, args.output, text_column=args.text_column,
+                        text_pair_column=args.text_pair_column, max_sequence_length=args.max_sequence_length)
+        print(f"{count} predictions -> {args.output}")
+    else:
+        from bert_packed.finetune import fortunes
+
+        counts = fortunes.write_fortunes_dataset(args.output_dir, args.fortunes_dir or fortunes.FORTUNES_DIR,
+                                                 args.categories or fortunes.DEFAULT_CATEGORIES,
+                                                 validation_fraction=args.validation_fraction, seed=args.seed)
+        print(json.dumps(counts))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from bert_packed.config import ConfigError
 from bert_packed.data import DataError
+from bert_packed.errors import ConfigError
 from bert_packed.finetune import data as ft_data
 from bert_packed.finetune import metrics as ft_metrics
 from bert_packed.io import write_text_atomic
@@ -148,20 +149,34 @@ def _preview(names, limit: int = 8) -> str:
 # ----------------------------------------------------------------------------- the task
 
 
+@dataclass
+class ClassificationFields:
+    """``finetune.*`` keys of sequence classification (CSV/TSV/JSONL files with named columns)."""
+
+    text_column: str = "text"
+    text_pair_column: Optional[str] = None
+    label_column: str = "label"
+    # Hugging Face's names; null = from the labels (lists: multi-label, fractional numbers or
+    # num_labels 1: regression, else single-label).
+    problem_type: Optional[str] = field(default=None, metadata={"choices": (
+        None, "single_label_classification", "multi_label_classification", "regression")})
+    # null = from the data (string labels: their count; integer labels: the largest + 1).
+    num_labels: Optional[int] = field(default=None, metadata={"ge": 1})
+    # Multi-label labels written as one string: the separator between label names.
+    label_separator: str = ","
+
+
 class ClassificationTask(ft_data.PackedTask):
     """Sequence classification / regression fine-tuning (see the module docstring)."""
 
     name = "classification"
+    config_fields = ClassificationFields
     always_evaluate = True  # summary.json reports the validation metrics
 
     def __init__(self, config):
         super().__init__(config)
         self.labels: Optional[Labels] = None
         self.eval_labels = None
-        self.eval_rows: List[int] = []
-        self.best: Dict[str, Any] = {}
-        self.best_logits: Optional[np.ndarray] = None
-        self.last_eval: Dict[str, Any] = {}
         self._tokenizer = None
 
     # -- setup ------------------------------------------------------------------------------
@@ -190,7 +205,7 @@ class ClassificationTask(ft_data.PackedTask):
                                            checkpoint_labels, f.train_file)
         self.metric_names = ("loss",) if self.labels.problem_type == "regression" else ("loss", "accuracy")
         self.best_metric = "eval_" + (f.metric_for_best_model or ft_metrics.DEFAULT_BEST[self.labels.problem_type])
-        self.greater_is_better = self.best_metric not in ("eval_loss", "eval_mse")
+        self.greater_is_better = self.best_model.greater_is_better = self.best_metric not in ("eval_loss", "eval_mse")
         self.train_data = self._dataset(train, f.train_file)
         self.eval_data = self._dataset(validation, validation_where)
         self.eval_labels = self.eval_data.samples["labels"]
@@ -227,18 +242,11 @@ class ClassificationTask(ft_data.PackedTask):
     def export_labels(self) -> Optional[Dict[int, str]]:
         return self.labels.id2label
 
-    def data_source(self, split: str, *, micro_batch_size: int, rank: int, world_size: int):
-        if split != "train":
-            raise ValueError("classification evaluates the whole validation set (evaluate), not a stream")
-        return self.train_data.source(micro_batch_size, rank, world_size)
-
     # -- evaluation -------------------------------------------------------------------------
     def predict_logits(self, backend) -> np.ndarray:
         """Logits [N, C] of every validation sequence (in file order) through ``backend``."""
-        if not self._eval_batches:
-            self.prepare_evaluation(micro_batch_size=self.config.train.micro_batch_size, rank=0, world_size=1)
         logits = np.zeros((self.eval_data.num_sequences, self.labels.num_labels), dtype=np.float32)
-        for batch, rows in self._eval_batches:
+        for batch, rows in self.evaluation_batches():
             out = backend.predict_step(batch, names=("logits",))["logits"]
             present = rows >= 0
             logits[rows[present]] = out[present]
@@ -256,36 +264,14 @@ class ClassificationTask(ft_data.PackedTask):
                                           self.labels.problem_type)
         metrics = {"eval_loss": float(terms["loss_sum"].sum() / max(1, len(logits)))}
         metrics.update({f"eval_{k}": v for k, v in ft_metrics.compute_metrics(logits, labels, self.labels.problem_type).items()})
-        self._last_logits = logits
+        self.last_outputs = logits
         return metrics
-
-    def _better(self, value: float) -> bool:
-        if value != value:  # NaN (e.g. Pearson of a constant prediction) is never better
-            return False
-        if "value" not in self.best:
-            return True
-        return value > self.best["value"] if self.greater_is_better else value < self.best["value"]
-
-    def on_evaluation(self, step: int, metrics: Dict[str, float], backend, model, output_dir: str) -> None:
-        if self.best_metric not in metrics:
-            raise ConfigError(f"finetune.metric_for_best_model: no {self.best_metric} among the evaluation "
-                              f"metrics ({', '.join(k[5:] for k in metrics)})")
-        if self.record_evaluation(step, metrics, backend, model, output_dir,
-                                  better=self._better(metrics[self.best_metric])):
-            self.best_logits = self._last_logits
 
     # -- end of run -------------------------------------------------------------------------
     def finish(self, backend, model, output_dir: str, summary: Dict[str, Any]) -> None:
-        use_best = self.restore_best(model, output_dir,
-                                     f"{self.best_metric} {self.best.get('value', float('nan')):.4f}")
-        chosen = self.best if use_best else ({"step": self.last_eval.get("step"), "metrics": self.last_eval}
-                                             if self.last_eval else {})
-        if chosen:
-            metrics = {k[len("eval_"):]: v for k, v in chosen["metrics"].items() if k.startswith("eval_")}
-            summary["eval"] = {**metrics, "step": chosen["step"]}
+        logits = self.chosen_evaluation(model, output_dir, summary)
         summary["labels"] = {str(i): name for i, name in self.labels.id2label.items()}
         summary["problem_type"] = self.labels.problem_type
-        logits = self.best_logits if use_best else getattr(self, "_last_logits", None)
         if self.is_main and logits is not None:
             self._write_predictions(os.path.join(output_dir, PREDICTIONS_NAME), logits)
             summary["predictions"] = os.path.join(output_dir, PREDICTIONS_NAME)
@@ -295,21 +281,23 @@ class ClassificationTask(ft_data.PackedTask):
         lines = prediction_lines(logits, self.labels.problem_type, self.labels.id2label, self.eval_labels)
         write_text_atomic(path, "".join(json.dumps(line) + "\n" for line in lines))
 
+    def outputs_state(self, outputs: np.ndarray) -> Any:
+        return outputs.tolist()
+
+    def outputs_from_state(self, state: Any) -> np.ndarray:
+        return np.asarray(state, dtype=np.float32)
+
     def state_dict(self) -> Dict[str, Any]:
         labels = {"problem_type": self.labels.problem_type, "num_labels": self.labels.num_labels,
                   "id2label": {str(i): n for i, n in self.labels.id2label.items()}, "named": self.labels.named}
-        return {"best": dict(self.best), "last_eval": dict(self.last_eval), "labels": labels,
-                "best_logits": None if self.best_logits is None else self.best_logits.tolist()}
+        return {**super().state_dict(), "labels": labels}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("labels") and self.labels is None:  # export from a checkpoint, without the data
             saved = state["labels"]
             self.labels = Labels(saved["problem_type"], saved["num_labels"],
                                  {int(i): n for i, n in saved["id2label"].items()}, saved["named"])
-        self.best = dict(state.get("best") or {})
-        self.last_eval = dict(state.get("last_eval") or {})
-        logits = state.get("best_logits")
-        self.best_logits = None if logits is None else np.asarray(logits, dtype=np.float32)
+        super().load_state_dict(state)
 
 
 def prediction_lines(logits: np.ndarray, problem_type: str, id2label: Dict[int, str],

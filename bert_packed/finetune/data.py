@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from bert_packed.data import DataError
+from bert_packed.errors import ConfigError
 from bert_packed.task import Task
 
 __all__ = ["read_table", "encode_texts", "Encoded", "PackedDataset", "PackedTask", "TRUNCATION"]
@@ -306,8 +307,6 @@ class PackedTask(Task):
     def checked_tokenizer(self, purpose: str):
         """:meth:`Task.tokenizer`, refused in one line when there is none or it has more tokens
         than the model's vocabulary (``purpose`` names the task in the message)."""
-        from bert_packed.config import ConfigError
-
         tokenizer = self.tokenizer()
         if tokenizer is None:
             raise ConfigError(f"{purpose} needs a tokenizer: --init-checkpoint a Hugging Face directory with "
@@ -321,9 +320,20 @@ class PackedTask(Task):
     def num_steps(self, packs_per_step: int) -> int:
         """``train.steps``, or ``finetune.epochs`` over the training packs (unless steps came from the CLI)."""
         f, t = self.config.finetune, self.config.train
-        if f.epochs is None or "steps" in getattr(self.config, "_from_cli", {}).get("train", ()):
+        if f.epochs is None or "steps" in self.config.cli_keys["train"]:
             return t.steps
         return epochs_to_steps(f.epochs, self.train_data.num_packs, packs_per_step)
 
+    def data_source(self, split: str, *, micro_batch_size: int, rank: int, world_size: int):
+        if split != "train":
+            raise ValueError(f"{self.name} evaluates the whole validation set (evaluate), not a stream")
+        return self.train_data.source(micro_batch_size, rank, world_size)
+
     def prepare_evaluation(self, *, micro_batch_size: int, rank: int, world_size: int) -> None:
         self._eval_batches = list(self.eval_data.batches(micro_batch_size))
+
+    def evaluation_batches(self) -> List[Tuple[Dict[str, np.ndarray], np.ndarray]]:
+        """Every validation pack once, as ``(batch, rows)`` (built on first use when the loop did not)."""
+        if not self._eval_batches:
+            self.prepare_evaluation(micro_batch_size=self.config.train.micro_batch_size, rank=0, world_size=1)
+        return self._eval_batches

@@ -36,6 +36,7 @@ import numpy as np
 
 from bert_packed.collate import BatchError, pack_tokens, per_sequence, one_per_pack
 from bert_packed.data import DataError
+from bert_packed.errors import ConfigError
 from bert_packed.finetune.data import PackedTask
 
 __all__ = [
@@ -424,6 +425,24 @@ def feature_slots(assignment: Any, max_sequences_per_pack: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- the task
 
 
+@dataclass
+class SquadFields:
+    """``finetune.*`` keys of question answering (data.max_sequence_length is the window length)."""
+
+    # Context tokens shared by consecutive windows of a long context (Hugging Face's stride).
+    doc_stride: int = field(default=128, metadata={"ge": 0})
+    # Questions longer than this many tokens are cut.
+    max_query_length: int = field(default=64, metadata={"ge": 1})
+    # Start and end candidates per window, and answers kept per question (nbest_predictions.json).
+    n_best_size: int = field(default=20, metadata={"ge": 1})
+    # Longest answer in tokens.
+    max_answer_length: int = field(default=30, metadata={"ge": 1})
+    # SQuAD v2.0 (unanswerable questions): null = when the data has any.
+    version_2_with_negative: Optional[bool] = None
+    # v2.0: answer "" when null score - best span score exceeds this.
+    null_score_diff_threshold: float = 0.0
+
+
 def split_examples(examples: Sequence[SquadExample], fraction: float, seed: int,
                    where: str) -> Tuple[List[SquadExample], List[SquadExample]]:
     """(train, validation) with a seeded ``fraction`` of the *contexts* held out, so no
@@ -455,6 +474,7 @@ class SquadTask(PackedTask):
     """
 
     name = "squad"
+    config_fields = SquadFields
     always_evaluate = True
     metric_names = ("loss", "accuracy")
     headline_metric = "loss"
@@ -466,24 +486,14 @@ class SquadTask(PackedTask):
         self.eval_examples: List[SquadExample] = []
         self.eval_features: Optional[SquadFeatures] = None
         self.version_2 = False
-        self.best: Dict[str, Any] = {}
-        self.last_eval: Dict[str, Any] = {}
-        self.best_predictions = None
-        self._last_predictions = None
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, *, rank: int = 0, world_size: int = 1, show_progress: bool = True) -> None:
-        from bert_packed.config import ConfigError
-
         super().setup(rank=rank, world_size=world_size, show_progress=show_progress)
         c, f, d = self.config, self.config.finetune, self.config.data
+        self.best_metric = "eval_" + (f.metric_for_best_model or "f1")
         if not f.train_file:
             raise ConfigError("question answering needs finetune.train_file (SQuAD v1.1/v2.0 JSON or JSON lines)")
-        for key in ("n_best_size", "max_answer_length", "max_query_length"):
-            if getattr(f, key) < 1:
-                raise ConfigError(f"finetune.{key} must be >= 1, got {getattr(f, key)}")
-        if f.doc_stride < 0:
-            raise ConfigError(f"finetune.doc_stride must be >= 0, got {f.doc_stride}")
         if not f.packing:
             d.max_sequences_per_pack = 1  # one feature per row: the padded baseline
         tokenizer = self.checked_tokenizer("question answering")
@@ -534,21 +544,14 @@ class SquadTask(PackedTask):
 
         return BertForQuestionAnswering
 
-    def data_source(self, split: str, *, micro_batch_size: int, rank: int, world_size: int):
-        if split != "train":
-            raise ValueError("question answering evaluates the whole validation set (evaluate), not a stream")
-        return self.train_data.source(micro_batch_size, rank, world_size)
-
     # -- evaluation -------------------------------------------------------------------------
     def predict_logits(self, backend) -> Tuple[np.ndarray, np.ndarray]:
         """Start / end logits ``[F, S]`` of every validation window (feature-local, token t at t)."""
         from bert_packed.finetune.squad_postprocess import feature_logits
 
-        if not self._eval_batches:
-            self.prepare_evaluation(micro_batch_size=self.config.train.micro_batch_size, rank=0, world_size=1)
         shape = (self.eval_features.num_features, self.config.data.max_sequence_length)
         start, end = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-        for batch, rows in self._eval_batches:
+        for batch, rows in self.evaluation_batches():
             out = backend.predict_step(batch, names=("start_logits", "end_logits"))
             feature_logits(batch, out["start_logits"], out["end_logits"], rows, start, end)
         return start, end
@@ -566,27 +569,17 @@ class SquadTask(PackedTask):
         scores = squad_scores(predictions.answers, self.eval_examples, version_2=self.version_2)
         metrics = {"eval_loss": span_loss(start, end, self.eval_features)}
         metrics.update({f"eval_{k}": float(v) for k, v in scores.items() if not k.endswith("total")})
-        self._last_predictions = predictions
+        self.last_outputs = predictions
         return metrics
 
     def eval_text(self, metrics: Dict[str, float]) -> str:
         return f"EM {metrics['eval_exact_match']:.2f} F1 {metrics['eval_f1']:.2f} loss {metrics['eval_loss']:.4f}"
 
-    def on_evaluation(self, step: int, metrics: Dict[str, float], backend, model, output_dir: str) -> None:
-        better = "value" not in self.best or metrics[self.best_metric] > self.best["value"]
-        if self.record_evaluation(step, metrics, backend, model, output_dir, better=better):
-            self.best_predictions = self._last_predictions
-
     # -- end of run -------------------------------------------------------------------------
     def finish(self, backend, model, output_dir: str, summary: Dict[str, Any]) -> None:
         from bert_packed.io import write_text_atomic
 
-        use_best = self.restore_best(model, output_dir, f"F1 {self.best.get('value', float('nan')):.2f}")
-        chosen = self.best if use_best else {"step": self.last_eval.get("step"), "metrics": self.last_eval}
-        predictions = self.best_predictions if use_best else self._last_predictions
-        if chosen.get("metrics"):
-            metrics = {k[len("eval_"):]: v for k, v in chosen["metrics"].items() if k.startswith("eval_")}
-            summary["eval"] = {**metrics, "step": chosen["step"]}
+        predictions = self.chosen_evaluation(model, output_dir, summary)
         summary["squad_version"] = "v2.0" if self.version_2 else "v1.1"
         if self.is_main and predictions is not None:
             files = {"predictions.json": predictions.answers, "nbest_predictions.json": predictions.nbest}
@@ -597,29 +590,30 @@ class SquadTask(PackedTask):
             summary["predictions"] = os.path.join(output_dir, "predictions.json")
         super().finish(backend, model, output_dir, summary)
 
-    def state_dict(self) -> Dict[str, Any]:
-        best = self.best_predictions
-        return {"best": dict(self.best), "last_eval": dict(self.last_eval),
-                "best_predictions": None if best is None else [best.answers, best.null_odds, best.nbest]}
+    def outputs_state(self, outputs) -> Any:
+        return [outputs.answers, outputs.null_odds, outputs.nbest]
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def outputs_from_state(self, state: Any):
         from bert_packed.finetune.squad_postprocess import Predictions
 
-        self.best = dict(state.get("best") or {})
-        self.last_eval = dict(state.get("last_eval") or {})
-        best = state.get("best_predictions")
-        self.best_predictions = None if best is None else Predictions(*best)
+        return Predictions(*state)
 
 
 def span_loss(start_logits: np.ndarray, end_logits: np.ndarray, features: SquadFeatures) -> float:
-    """Mean over features of ``(CE(start) + CE(end)) / 2``, each over the feature's own tokens
-    (the model's training loss, from per-feature logits ``[F, L]``)."""
-    valid = features.input_mask.astype(bool)
-    total = np.zeros(features.num_features)
-    rows = np.arange(features.num_features)
-    for logits, target in ((start_logits, features.start_positions), (end_logits, features.end_positions)):
-        scores = np.where(valid, logits.astype(np.float64), -np.inf)
-        top = scores.max(axis=1, keepdims=True)
-        log_norm = np.log(np.exp(scores - top).sum(axis=1)) + top[:, 0]
-        total += log_norm - scores[rows, target]
-    return float((total / 2).mean()) if features.num_features else 0.0
+    """Mean over features of ``(CE(start) + CE(end)) / 2``, each over the feature's own tokens:
+    the model's training loss (``losses.span_loss_terms``) on per-feature logits ``[F, L]``,
+    each feature a row holding one sequence."""
+    import torch
+
+    from bert_packed.losses import span_loss_terms
+
+    if not features.num_features:
+        return 0.0
+    with torch.no_grad():
+        terms = span_loss_terms(torch.from_numpy(np.asarray(start_logits, np.float32)),
+                                torch.from_numpy(np.asarray(end_logits, np.float32)),
+                                torch.from_numpy(features.input_mask.astype(np.int64)),
+                                torch.from_numpy(features.start_positions.astype(np.int64))[:, None],
+                                torch.from_numpy(features.end_positions.astype(np.int64))[:, None],
+                                torch.ones((features.num_features, 1)))
+    return float(terms["loss_sum"].double().sum() / features.num_features)

@@ -1,4 +1,4 @@
-"""Small helpers for the IPU-path tests and the mock smoke runs: tiny configs and random packs.
+"""Helpers of the IPU-path tests and the mock benchmarks: tiny configs and random packs.
 
 The packs are built here (not from the data pipeline) so the IPU tests depend only on the model,
 the config and the backends; they follow the batch contract of docs/internals.md.
@@ -90,15 +90,16 @@ def prepared_pair(config, reference_config=None, backend_cls=None):
 
     from backends.cpu import CPUBackend
     from backends.mock import MockBackend
-    from bert_packed.train import build_model, build_optimizer
+    from bert_packed.build import build_model, build_optimizer
+    from bert_packed.loop.plan import make_plan
 
     reference_config = reference_config or config
     torch.manual_seed(0)
     model = build_model(config)
     reference = copy.deepcopy(model)
     backend, cpu = (backend_cls or MockBackend)(), CPUBackend()
-    backend.prepare(model, build_optimizer(config, model)[0], config)
-    cpu.prepare(reference, build_optimizer(reference_config, reference)[0], reference_config)
+    backend.prepare(model, build_optimizer(config, model)[0], make_plan(config, backend))
+    cpu.prepare(reference, build_optimizer(reference_config, reference)[0], make_plan(reference_config, cpu))
     return backend, model, cpu, reference
 
 

@@ -1,0 +1,28 @@
+"""The ``cuda`` config section (backend ``cuda``), registered by ``backends/__init__.py``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bert_packed.config import HARMLESS, bounded
+
+
+@dataclass
+class CUDAConfig:
+    """NVIDIA GPU settings (backend ``cuda``)."""
+
+    precision: str = field(default="bf16", metadata={"choices": ("bf16", "fp16", "fp32")})
+    # torch.compile the model once (fixed shapes: no recompiles after warm-up).
+    compile: bool = field(default=False, metadata=HARMLESS)
+    # torch.compile mode: "default", "reduce-overhead" (CUDA graphs) or "max-autotune".
+    compile_mode: str = field(default="default", metadata={
+        "choices": ("default", "reduce-overhead", "max-autotune"), **HARMLESS})
+    # Optimizer steps that may compile (the first forward/backward compiles; eval compiles
+    # its own graph on first use). After them, graphs compiled are counted as recompiles.
+    num_warmup_steps: int = bounded(2, ge=0, **HARMLESS)
+    # Recompiles tolerated after warm-up; more is an error (a shape or guard changed: with
+    # fixed [B, S] packs that is a bug, and it silently costs seconds per step).
+    max_recompiles_after_warmup: int = bounded(0, ge=0, **HARMLESS)
+    # fp16 only: GradScaler's initial loss scale (dynamic afterwards).
+    loss_scale_init: float = bounded(65536.0, gt=0.0)
+    # Let fp32 matmuls use TF32 tensor cores (Ampere and newer).
+    allow_tf32: bool = True

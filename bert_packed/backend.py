@@ -1,0 +1,167 @@
+"""The backend contract: every member the training loop, the tasks, the profiler and run.py use.
+
+A backend owns the whole optimizer step (forward, backward, gradient reduction, update),
+because on the IPU PopTorch compiles all of it into one call; so the abstraction is
+``train_step``, not ``backward()``. Implementations live above this package (``backends/``,
+``ipu/``) and subclass :class:`Backend`; nothing here names one. Members with a default
+below have that default because it is right for a backend that does not say otherwise
+(one replica per process, weights on the host, nothing to compile ahead of time); the rest
+must be implemented. Nothing is probed with ``getattr``: a member a backend lacks is a
+mistake the base class reports.
+
+Shapes: B = micro_batch_size packs, S = max_sequence_length, K = max_sequences_per_pack,
+M = max masked tokens per pack; batch fields as in docs/internals.md.
+
+- ``train_step(micro_batches)``: ``micro_batches`` is a list of dicts of numpy arrays, the
+  ``micro_batches_per_step x steps_per_call`` micro-batches this process contributes to one
+  call (step-major; within a step replica-major for a backend that feeds several replicas).
+  The backend fills in the global-count normalisers (``bert_packed.losses.step_normalizers``,
+  counts summed over processes), runs forward+backward over all of them, reduces gradients
+  across processes, and applies one optimizer (and schedule) update per step. Returns the
+  step's metrics over ALL processes (a list of them when ``steps_per_call > 1``): the
+  model's ``metric_keys`` (step means, as if the step were one unpacked batch, then the
+  counts), ``learning_rate``, and where the backend has them ``grad_norm`` (global norm before
+  clipping) and ``skipped_step`` (1.0 when the update was skipped on purpose, e.g. fp16 loss
+  scaling after an overflow; then ``grad_norm`` may be inf). A backend never applies an
+  update whose loss or gradient norm is non-finite; the loop stops the run on the first one.
+- ``eval_step(batch)``: the same metrics for one micro-batch, no update.
+- ``predict_step(batch, names)``: the model's ``names`` outputs as float32 numpy arrays.
+- ``profile(model, batch, num_repeats=)`` -> ``{"cost": float, "unit": str, "breakdown":
+  dict or None}``.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
+
+import numpy as np
+
+Batch = Dict[str, np.ndarray]
+Metrics = Dict[str, float]
+
+
+class Backend:
+    """Base class of every backend (see the module docstring for the step contract)."""
+
+    #: The name ``--backend`` selects it by (``backends.BACKENDS``).
+    name: ClassVar[str] = ""
+    #: The config section this backend reads and validates (registered by its package), or None.
+    config_section: ClassVar[Optional[str]] = None
+    #: torch.distributed backend for the process group under torchrun; None: the backend has its
+    #: own launcher and reports its shard through ``process_shard``.
+    dist_backend: ClassVar[Optional[str]] = "gloo"
+    #: What ``profile`` measures, and how to read it (the profiling report's caption).
+    cost_unit: ClassVar[str] = "ms"
+    cost_note: ClassVar[str] = ""
+    #: ``profile`` is exact for a fixed program (hardware cycle counters, cost models): one
+    #: measurement per shape is enough.
+    deterministic_cost: ClassVar[bool] = False
+    #: ``profile`` prices a model on the meta device from its shapes, without running it.
+    prices_from_shapes: ClassVar[bool] = False
+    #: The profiler's training throughput is derived from ``profile`` costs, not measured.
+    throughput_is_estimated: ClassVar[bool] = False
+    #: ``compile_only`` builds the executable ahead of time (``run.py --compile-only``).
+    offline_compile: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.plan = None  # the StepPlan of prepare()
+
+    # -- before anything is built (class-level: usable when the backend cannot run here) -----
+    @staticmethod
+    def is_available() -> bool:
+        """True when this machine can run the backend (hardware and libraries present)."""
+        raise NotImplementedError
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        """Why the backend cannot run here, one line with the fix; None when it can."""
+        return None if cls.is_available() else "not available on this machine"
+
+    @classmethod
+    def validate_config(cls, config, world_size: int) -> List[str]:
+        """Check this backend's config section (and what it needs of the others); raise
+        ``ConfigError`` (one line) on a mistake, return warnings."""
+        return []
+
+    @classmethod
+    def replicas_per_process(cls, config) -> int:
+        """Data-parallel model copies one process feeds (ipu: the replication factor)."""
+        return 1
+
+    @classmethod
+    def steps_per_call_for(cls, config) -> int:
+        """Optimizer steps one ``train_step`` call runs (ipu: device iterations)."""
+        return 1
+
+    @classmethod
+    def process_shard(cls) -> Optional[Tuple[int, int]]:
+        """(index, count) of this process when the backend's own launcher started it, else None."""
+        return None
+
+    # -- the run ----------------------------------------------------------------------------
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches this process contributes to one optimizer step."""
+        return self._planned().micro_batches_per_step
+
+    @property
+    def steps_per_call(self) -> int:
+        """Optimizer steps one ``train_step`` call runs."""
+        return self._planned().steps_per_call
+
+    def _planned(self):
+        if self.plan is None:
+            raise RuntimeError(f"backend {self.name!r}: prepare() first")
+        return self.plan
+
+    def prepare(self, model, optimizer, plan, *, scheduler=None, state: Optional[Dict[str, Any]] = None) -> None:
+        """Take ownership of ``model``/``optimizer``/``scheduler`` for the step ``plan``
+        (``bert_packed.loop.plan.StepPlan``: never the raw config). ``state``: what
+        ``state_dict()`` returned at a checkpoint, applied before anything is compiled, so a
+        resumed run compiles with the resumed optimizer."""
+        raise NotImplementedError
+
+    def train_step(self, micro_batches: List[Batch]):
+        """One call: ``steps_per_call`` optimizer steps (see the module docstring)."""
+        raise NotImplementedError
+
+    def eval_step(self, batch: Batch) -> Metrics:
+        """Metrics of ``batch`` without updating anything."""
+        raise NotImplementedError
+
+    def predict_step(self, batch: Batch, names=("logits",)) -> Dict[str, np.ndarray]:
+        """The model's ``names`` outputs for ``batch`` (float32 numpy), in eval mode."""
+        raise NotImplementedError
+
+    def sync_to_host(self) -> None:
+        """Make the trained weights readable in the host model (before a checkpoint or an
+        export). Nothing to do where the weights live on the host."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What the backend must keep for an exact resume: ``optimizer`` (the optimizer state as
+        the backend holds it) and any device state (e.g. RNG). Given back to ``prepare``."""
+        raise NotImplementedError
+
+    # -- profiling and tools ------------------------------------------------------------------
+    def profile(self, model, batch: Batch, *, num_repeats: int = 5, **options) -> Dict[str, Any]:
+        """Cost of one forward+backward of ``model`` on ``batch``: ``{"cost", "unit", "breakdown"}``."""
+        raise NotImplementedError
+
+    def profile_options(self, config, output_dir: str) -> Dict[str, Any]:
+        """Extra keyword arguments for every ``profile`` call of a profiling run."""
+        return {}
+
+    def scope_breakdown(self, model, batch: Batch) -> Optional[Dict[str, float]]:
+        """Fractions of a step spent in the model's packing scopes, where ``profile`` gave none."""
+        return None
+
+    def cost_scope(self, config) -> Optional[str]:
+        """A sentence on what a profiled cost covers, when it is not simply one forward+backward."""
+        return None
+
+    def memory_report(self, config, output_dir: str) -> Optional[Dict[str, Any]]:
+        """Write and return a memory estimate of ``config``'s layout, where the backend has one."""
+        return None
+
+    def compile_only(self, config, output_dir: str) -> Dict[str, Any]:
+        """Compile the training executable ahead of time (only where ``offline_compile``)."""
+        raise NotImplementedError(f"backend {self.name!r} has no ahead-of-time compile")

@@ -1,0 +1,54 @@
+"""Building what a run trains from its config: the model's ``BertConfig``, the pre-training
+model, the optimizer and learning-rate schedule. (Tasks build their own models with
+``bert_config``; the loop, the profiler and the IPU tools call these.)"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+from bert_packed.errors import ConfigError
+
+
+def bert_config(config, **overrides):
+    """The model's ``BertConfig``: the model section, the data section's packed shapes, ``overrides``."""
+    from bert_packed.modeling import BertConfig, ModelConfigError
+
+    names = {f.name for f in dataclasses.fields(BertConfig)}
+    values = {k: v for k, v in dataclasses.asdict(config.model).items() if k in names}
+    values["max_sequences_per_pack"] = config.data.max_sequences_per_pack
+    values["max_masked_tokens_per_pack"] = config.data.max_masked_tokens_per_pack
+    try:
+        return BertConfig(**{**values, **overrides})
+    except ModelConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def build_model(config):
+    """BertForPreTraining from the model section plus the data section's packed shapes."""
+    from bert_packed.modeling import BertForPreTraining
+
+    return BertForPreTraining(bert_config(config))
+
+
+def build_optimizer(config, model, betas: Optional[Sequence[float]] = None, *, steps: Optional[int] = None):
+    """(optimizer, schedule) of the optimizer section over ``steps`` (default ``train.steps``);
+    ``betas`` default to its beta1, beta2 (the step plan passes the packing-adjusted ones)."""
+    from bert_packed import optim
+
+    o = config.optimizer
+    betas = (o.beta1, o.beta2) if betas is None else tuple(betas)
+    optimizer = optim.build_optimizer(model, o.name, lr=o.learning_rate, betas=betas, eps=o.eps,
+                                      weight_decay=o.weight_decay, max_weight_norm=o.max_weight_norm,
+                                      bias_max_weight_norm=o.bias_max_weight_norm)
+    scheduler = optim.build_schedule(optimizer, o.schedule, warmup_fraction=o.warmup_fraction,
+                                     total_steps=config.train.steps if steps is None else steps)
+    return optimizer, scheduler
+
+
+def adjust_for_packing(config, packing_factor: float, base_accumulation: int) -> Tuple[int, Tuple[float, float]]:
+    """(gradient_accumulation, (beta1, beta2)) after train.packing_adjustment with p."""
+    from bert_packed import optim
+
+    o = config.optimizer
+    return optim.adjust_for_packing(config.train.packing_adjustment, packing_factor=packing_factor,
+                                    gradient_accumulation=base_accumulation, betas=(o.beta1, o.beta2))

@@ -1,0 +1,55 @@
+"""The process group of a data-parallel run (torchrun, or a backend's own launcher) and the
+loop's small host-side collectives."""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def setup_distributed(backend, timeout_minutes: float = 10.0) -> Tuple[int, int]:
+    """(rank, world_size); joins the torchrun process group when launched by torchrun.
+
+    A backend with its own launcher (the IPU's PopRun) reports its shard through
+    ``backend.process_shard()``; otherwise the process group is initialised with the backend's
+    ``dist_backend``. A collective that waits longer than ``timeout_minutes`` (a hung or dead
+    rank) raises instead of blocking for gloo's/NCCL's default 30 minutes."""
+    shard = backend.process_shard()
+    if shard is not None:
+        return int(shard[0]), int(shard[1])
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend.dist_backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    if is_distributed():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_sum(values: List[float]) -> List[float]:
+    """``values`` summed over the processes (as they are in one process)."""
+    if is_distributed() and dist.get_world_size() > 1:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+    return list(values)
+
+
+def gather(obj: Any) -> List[Any]:
+    """Every process's ``obj``, in rank order (a one-element list in one process)."""
+    if is_distributed() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()

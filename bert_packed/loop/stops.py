@@ -1,0 +1,71 @@
+"""How a run ends before its last step: the exceptions (one line for the user, an exit code)
+and the SIGINT/SIGTERM flag the loop reads at step boundaries."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+
+class TrainingStopped(Exception):
+    """The run stopped before its last step on purpose; ``str(exc)`` is one line for the user,
+    ``exit_code`` what the command line exits with, ``label`` how that line starts."""
+
+    exit_code, label = 1, "error"
+
+
+class DivergenceError(TrainingStopped):
+    """A non-finite loss / gradient norm / weight, or too many skipped steps in a row. The last
+    good checkpoint is kept and summary.json says what happened."""
+
+    exit_code = 3
+
+
+class Interrupted(TrainingStopped):
+    """SIGINT / SIGTERM: the run stopped at a step boundary after writing a checkpoint."""
+
+    label = "stopped"
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + int(signum)  # the shell's convention for "ended by signal N"
+
+
+class CollectiveTimeout(TrainingStopped):
+    """Distributed run: a collective outlived ``train.collective_timeout_minutes``."""
+
+
+class StopSignals:
+    """SIGINT/SIGTERM set a flag the loop reads at the next step boundary; another one more than
+    ``GRACE_SECONDS`` later aborts at once (KeyboardInterrupt). Signals within the grace period
+    are the same request: Ctrl-C under torchrun reaches a worker twice, from the terminal and
+    forwarded by the agent. Only in the main thread (handlers cannot be set elsewhere)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    GRACE_SECONDS = 2.0
+
+    def __init__(self, announce):
+        self.signum, self.announce, self.previous, self.when = None, announce, {}, 0.0
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            if time.monotonic() - self.when > self.GRACE_SECONDS:
+                raise KeyboardInterrupt
+            return
+        self.signum, self.when = signum, time.monotonic()
+        try:
+            self.announce(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written); "
+                          f"send it again to abort at once")
+        except RuntimeError:  # the signal interrupted a write to the same stream: skip the notice
+            pass
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        return False

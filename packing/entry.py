@@ -1,0 +1,56 @@
+"""Running a command line: how every entry point of the project turns errors into one line
+and an exit status. It lives here because ``packing`` is the bottom layer (it imports nothing
+of ours), so the packing CLI and every ``bert_packed``/``run.py`` command share it, with
+``ArgumentParser`` (argparse's mistakes as one line, exit 2).
+
+- a user mistake is a ``ValueError`` *subclass* (``PackingError``, ``ConfigError``,
+  ``DataError``, ...): ``error: <message>``, exit 2. A bare ``ValueError`` is a bug of ours and
+  keeps its traceback;
+- an exception that carries its own ``exit_code`` and ``label`` (a run stopped on purpose:
+  divergence exits 3, a signal 128 + N): ``<label>: <message>``, that status;
+- ``OSError`` (a file the user named cannot be read or written): ``error: <file>: <reason>``, 2;
+- Ctrl-C: the entry point's own line and status (default 130, the shell's convention).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, Sequence
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a command-line mistake as one line and exit 2, like every other
+    user mistake (argparse's default prints the usage block first)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def run_cli(main: Callable[[], Optional[int]], *, interrupted: str = "interrupted (nothing half-written was kept)",
+            interrupted_status: int = 130) -> int:
+    """Call ``main()`` (which returns an exit status or None for 0) and map what it raises."""
+    try:
+        status = main()
+    except ValueError as exc:
+        if type(exc) is ValueError:
+            raise
+        return _fail(f"error: {exc}")
+    except OSError as exc:
+        filename = getattr(exc, "filename", None)
+        return _fail(f"error: {filename or ''}{': ' if filename else ''}{exc.strerror or exc}")
+    except KeyboardInterrupt:
+        return _fail(interrupted, interrupted_status)
+    except Exception as exc:
+        code, label = getattr(type(exc), "exit_code", None), getattr(type(exc), "label", None)
+        if not isinstance(code, int) or not isinstance(label, str):
+            raise
+        return _fail(f"{label}: {exc}", getattr(exc, "exit_code", code))
+    return 0 if status is None else int(status)
+
+
+def _fail(line: str, status: int = 2) -> int:
+    print(line, file=sys.stderr)
+    return status
+
+
+__all__: Sequence[str] = ("ArgumentParser", "run_cli")
