@@ -5,7 +5,8 @@
     python run.py --backend cpu --config phase2 --set model.num_hidden_layers=2 --steps 5
     torchrun --nproc_per_node 2 run.py --backend cpu --config demo    # data parallel (gloo)
     python run.py --config phase2 --backend mock --profile           # packing overhead report
-    python run.py --backend ipu --config phase2 --compile-only       # memory estimate + offline compile
+    python run.py --backend ipu --config phase2 --compile-only       # memory estimate + fill the executable cache
+    python run.py --backend ipu --config phase2 --compile-only report   # ... Poplar's memory report instead
     python run.py --config finetune_classification --init-checkpoint DIR --set finetune.train_file=train.csv ...
     python run.py --print-config phase2 --backend mock               # the resolved config
 
@@ -36,8 +37,10 @@ def parse_args(argv=None):
     p.add_argument("--resume-force", action="store_true",
                    help="--resume even if settings that change the computation differ from the checkpoint's")
     p.add_argument("--profile", action="store_true", help="write the packing-overhead report instead of training")
-    p.add_argument("--compile-only", action="store_true",
-                   help="ipu/mock: print the per-IPU memory estimate and compile offline (Poplar memory report)")
+    p.add_argument("--compile-only", nargs="?", const="cache", choices=("cache", "report"), metavar="MODE",
+                   help="ipu/mock: print the per-IPU memory estimate and compile offline: 'cache' (default) with "
+                        "the real run's options, filling the executable cache it loads; 'report' with Poplar's "
+                        "memory report instead (not cached)")
     p.add_argument("--print-config", nargs="?", const=True, metavar="NAME",
                    help="print the resolved config (of NAME, else --config) for --backend and exit")
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
@@ -74,7 +77,8 @@ def _main(args) -> int:
         if not backend.offline_compile:
             raise ConfigError(f"--compile-only compiles ahead of time: use --backend "
                               f"{' or '.join(offline_compilers())}, not {args.backend!r}")
-        backend.compile_only(config, args.output_dir or os.path.join("runs", config.name, "compile"))
+        backend.compile_only(config, args.output_dir or os.path.join("runs", config.name, "compile"),
+                             mode=args.compile_only)
         return 0
     backend = get_backend(args.backend)
     if args.profile:

@@ -162,6 +162,8 @@ class Backend:
         """Write and return a memory estimate of ``config``'s layout, where the backend has one."""
         return None
 
-    def compile_only(self, config, output_dir: str) -> Dict[str, Any]:
-        """Compile the training executable ahead of time (only where ``offline_compile``)."""
+    def compile_only(self, config, output_dir: str, *, mode: str = "cache") -> Dict[str, Any]:
+        """Compile the training executable ahead of time (only where ``offline_compile``):
+        ``mode`` "cache" fills the executable cache the real run loads, "report" writes the
+        compiler's memory report instead."""
         raise NotImplementedError(f"backend {self.name!r} has no ahead-of-time compile")

@@ -269,15 +269,17 @@ class PopTorchBackend(Backend):
 
         return report_memory(config, self, output_dir)
 
-    def compile_only(self, config, output_dir: str) -> Dict[str, Any]:
+    def compile_only(self, config, output_dir: str, *, mode: str = "cache") -> Dict[str, Any]:
         from ipu.offline import compile_only
 
-        return compile_only(config, self, output_dir)
+        return compile_only(config, self, output_dir, mode=mode)
 
-    def compile_offline(self, model, optimizer, plan, config, report_dir: str):
-        """Compile the training executable for a GC200 without an IPU (``useOfflineIpuTarget``),
-        with Poplar writing its memory report to ``report_dir`` even when the layout does not
-        fit (``debug.allowOutOfMemory`` + ``autoReport.all``). Returns the executable."""
+    def compile_offline(self, model, optimizer, plan, config, report_dir: Optional[str] = None):
+        """Compile the training executable for a GC200 without an IPU (``useOfflineIpuTarget``).
+        ``report_dir`` None: exactly the real run's options, so the executable cache it fills
+        serves the real run; a directory: Poplar writes its memory report there even when the
+        layout does not fit (``debug.allowOutOfMemory`` + ``autoReport.all``; not cached).
+        Returns the executable."""
         from bert_packed.data import empty_batch
 
         self.prepare(model, optimizer, plan, offline=True, report_dir=report_dir)

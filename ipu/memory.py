@@ -31,12 +31,25 @@ What is counted, per IPU (embeddings and the tied MLM/NSP heads on IPU 0, encode
   hundreds of MiB per IPU).
 
 Peak = weights + accumulators + optimizer state + code + max(stash + live, update).
+
+Per tile (``largest_tensors``, ``format_tile_table``): Poplar runs out of memory on a TILE
+(624 KiB on a GC200), not on an IPU: an IPU is as full as its fullest tile. So besides the
+per-IPU totals the estimate lists the largest single tensors of each IPU (the word-embedding
+table and its accumulator, the tied decoder's weight gradient, the MLM logits, the attention
+scores, the FFN weights and intermediate) with what one tile holds if each is spread evenly over
+the 1,472 tiles, against the tile and, for matmul temporaries, against the share the
+available-memory proportion gives them; and what Graphcore's BERT does about each. What only a
+real compile can tell: the tile mapping Poplar's planner picks (gathers, exchange buffers, vertex
+state and code are not spread evenly), hence the fullest tile; the out-of-memory error names
+the tiles over, and the report of ``python -m ipu.offline --report`` shows memory per tile.
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 MIB = 2 ** 20
-GC200_MEMORY_BYTES = 1472 * 624 * 1024  # 897 MiB of In-Processor Memory per IPU
+GC200_TILES = 1472
+GC200_TILE_BYTES = 624 * 1024           # In-Processor Memory of one tile
+GC200_MEMORY_BYTES = GC200_TILES * GC200_TILE_BYTES  # 897 MiB per IPU
 DEFAULT_CODE_BYTES = 160 * MIB          # assumption: code + exchange + control per IPU
 
 COLUMNS = ("weights", "accumulators", "optimizer", "stash", "live", "update", "code", "total")
@@ -109,19 +122,9 @@ def estimate_memory(config, layout: Layout) -> Dict[str, object]:
     largest[0] = max(largest[0], counts["largest_embedding"])
     shards = layout.replicas if layout.replicated_tensor_sharding and layout.replicas > 1 else 1
 
-    stages = forward_stages(lpi)
-    num_stages = len(stages)
     hidden = b * s * h * act  # one [B, S, H] activation
     scores = b * a * s * s * act
-    # What one layer keeps for its backward: its output (a recomputation checkpoint), or without
-    # recomputation every activation the backward reads.
-    per_layer = hidden if layout.recompute_checkpoint_every_layer else 8 * hidden + 2 * scores + 2 * b * s * i * act
-    stash = [0] * num_ipus
-    for index, ipu in enumerate(stages):
-        in_flight = 2 * (num_stages - 1 - index) + 1 if num_stages > 1 else 1
-        heads_stage = num_stages > 1 and index == num_stages - 1
-        kept = hidden + (0 if heads_stage else lpi[ipu] * per_layer)  # stage input + its layers' share
-        stash[ipu] += in_flight * kept
+    stash = estimate_stash(config, layout)
 
     proportions = list(layout.available_memory_proportion)
     proportions = proportions * num_ipus if len(proportions) == 1 else proportions
@@ -142,8 +145,124 @@ def estimate_memory(config, layout: Layout) -> Dict[str, object]:
                         + max(row["stash"] + row["live"], row["update"]))
         rows.append(row)
     fits = all(r["total"] <= layout.memory_bytes for r in rows)
+    tensors = largest_tensors(config, layout)
     return {"ipus": rows, "limit_bytes": layout.memory_bytes, "fits": fits,
-            "per_ipu_bytes": [r["total"] for r in rows], "table": format_table(rows, layout.memory_bytes)}
+            "per_ipu_bytes": [r["total"] for r in rows], "table": format_table(rows, layout.memory_bytes),
+            "largest_tensors": tensors, "tile_table": format_tile_table(tensors, rows)}
+
+
+# What Graphcore's PopTorch BERT (graphcore/examples nlp/bert/pytorch modeling.py, ipu_options.py)
+# does about each large tensor, and what this project does.
+MITIGATIONS = {
+    "word_embeddings": "one table for the lookup and the tied MLM decoder (PopART TiedGather); Graphcore's QA model "
+                       "also splits the lookup (SerializedEmbedding, 'to reduce memory in the embedding gradient')",
+    "word_embeddings_accumulator": "one accumulator for both uses (TiedGatherAccumulate); fp16 (accum_type); "
+                                   "the LAMB moments live in Streaming Memory, sharded over the replicas",
+    "decoder_weight_gradient": "serialised decoder matmul (poptorch.serializedMatMul, OutputChannels: "
+                               "ipu.embedding_serialization_factor pieces, Graphcore's SerializedLinear)",
+    "mlm_logits": "decoder only on the masked slots (Graphcore: OnehotGather; here mlm_positions), fp16 cross "
+                  "entropy (no fp32 copy), serialised matmul",
+    "attention_scores": "recomputation checkpoint after every layer (one layer's scores live at a time); matmul "
+                        "temporaries capped by ipu.available_memory_proportion",
+    "ffn_intermediate": "recomputation checkpoints; available_memory_proportion",
+    "ffn_weight": "layers_per_ipu (fewer layers on a fuller IPU)",
+    "pipeline_stash": "recomputation checkpoints (only layer outputs are stashed); Graphcore keeps the embeddings' "
+                      "LayerNorm out of the encoder's outlined code, which 'improves the tile mapping of the "
+                      "pipeline stashes'",
+}
+
+
+def largest_tensors(config, layout: Layout) -> List[Dict[str, object]]:
+    """The largest single tensors of each IPU of one replica, against ONE tile.
+
+    Each row: ``ipu``, ``tensor``, ``shape``, ``bytes``, ``kind`` (``always live`` weights and
+    accumulators, ``temporary`` for activations that live within one layer's pass, ``stash``),
+    ``per_tile_bytes`` (bytes / 1,472: what one tile holds if Poplar spreads it evenly, the
+    least its fullest tile holds), ``tile_fraction`` (of 624 KiB), for temporaries that are
+    matmul outputs or partials ``budget_fraction`` (of the available-memory proportion's share of
+    a tile, which Poplar's matmul planner aims to keep its temporaries within), and
+    ``mitigation`` (what Graphcore's BERT does about it).
+    """
+    lpi = [int(n) for n in layout.layers_per_ipu]
+    h, i, a = _get(config, "hidden_size"), _get(config, "intermediate_size"), _get(config, "num_attention_heads")
+    v = _get(config, "vocab_size")
+    b, s, m = layout.micro_batch_size, layout.sequence_length, layout.max_masked_tokens_per_pack
+    act, serial = layout.weight_bytes, max(1, layout.embedding_serialization_factor)
+    proportions = list(layout.available_memory_proportion)
+    proportions = proportions * len(lpi) if len(proportions) == 1 else proportions
+    tile = layout.memory_bytes // GC200_TILES
+    dtype = {2: "fp16", 4: "fp32"}
+
+    def row(ipu, name, shape, element_bytes, kind, matmul=False):
+        size = element_bytes
+        for dim in shape:
+            size *= int(dim)
+        per_tile = size / GC200_TILES
+        entry = {"ipu": ipu, "tensor": name, "shape": [int(d) for d in shape], "dtype": dtype[element_bytes],
+                 "bytes": size, "kind": kind, "per_tile_bytes": per_tile, "tile_fraction": per_tile / tile,
+                 "budget_fraction": per_tile / (proportions[ipu] * tile) if matmul else None,
+                 "mitigation": MITIGATIONS[name]}
+        return entry
+
+    rows = [row(0, "word_embeddings", (v, h), layout.weight_bytes, "always live"),
+            row(0, "word_embeddings_accumulator", (v, h), layout.accumulator_bytes, "always live"),
+            row(0, "decoder_weight_gradient", (h, v // serial), act, "temporary", matmul=True),
+            row(0, "mlm_logits", (b, m, v), act, "temporary", matmul=True)]
+    stash = estimate_stash(config, layout)
+    for ipu, layers in enumerate(lpi):
+        if layers:
+            rows.append(row(ipu, "attention_scores", (b, a, s, s), act, "temporary", matmul=True))
+            rows.append(row(ipu, "ffn_intermediate", (b, s, i), act, "temporary", matmul=True))
+            rows.append(row(ipu, "ffn_weight", (h, i), layout.weight_bytes, "always live"))
+        if stash[ipu]:
+            entry = row(ipu, "pipeline_stash", (stash[ipu] // act,), act, "stash")
+            entry["shape"] = []  # many buffers, not one tensor: bytes only
+            rows.append(entry)
+    return sorted(rows, key=lambda r: (r["ipu"], -r["bytes"]))
+
+
+def estimate_stash(config, layout: Layout) -> List[int]:
+    """Stash bytes per IPU: pipelined training keeps each in-flight micro-batch's stage input and
+    its layers' share until its backward; forward stage i of F holds 2 (F - 1 - i) + 1 of them."""
+    lpi = [int(n) for n in layout.layers_per_ipu]
+    h, i, a = _get(config, "hidden_size"), _get(config, "intermediate_size"), _get(config, "num_attention_heads")
+    b, s, act = layout.micro_batch_size, layout.sequence_length, layout.weight_bytes
+    hidden, scores = b * s * h * act, b * a * s * s * act
+    # What one layer keeps for its backward: its output (a recomputation checkpoint), or without
+    # recomputation every activation the backward reads.
+    per_layer = hidden if layout.recompute_checkpoint_every_layer else 8 * hidden + 2 * scores + 2 * b * s * i * act
+    stages = forward_stages(lpi)
+    stash = [0] * len(lpi)
+    for index, ipu in enumerate(stages):
+        in_flight = 2 * (len(stages) - 1 - index) + 1 if len(stages) > 1 else 1
+        heads_stage = len(stages) > 1 and index == len(stages) - 1
+        stash[ipu] += in_flight * (hidden + (0 if heads_stage else lpi[ipu] * per_layer))  # input + layers' share
+    return stash
+
+
+def format_tile_table(tensors: List[Dict[str, object]], rows: List[Dict[str, int]]) -> str:
+    """Markdown: the largest tensors per IPU against one tile, then each IPU's average per tile."""
+    tile_kib = GC200_TILE_BYTES / 1024
+    lines = [f"Largest single tensors per IPU against one tile ({tile_kib:,.0f} KiB; spread evenly over "
+             f"{GC200_TILES:,} tiles, the least the fullest tile holds):", "",
+             "| IPU | tensor | shape | dtype | MiB | kind | KiB per tile | % of a tile | % of the matmul share |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for t in tensors:
+        shape = "x".join(str(d) for d in t["shape"]) or "(buffers)"
+        budget = f"{100 * t['budget_fraction']:.0f}" if t["budget_fraction"] is not None else ""
+        lines.append(f"| {t['ipu']} | {t['tensor']} | {shape} | {t['dtype']} | {t['bytes'] / MIB:,.1f} | {t['kind']} | "
+                     f"{t['per_tile_bytes'] / 1024:,.1f} | {100 * t['tile_fraction']:.1f} | {budget} |")
+    lines += ["", "| IPU | estimated total MiB | average KiB per tile | % of a tile |", "|---|---|---|---|"]
+    for k, row in enumerate(rows):
+        average = row["total"] / GC200_TILES
+        lines.append(f"| {k} | {row['total'] / MIB:,.0f} | {average / 1024:,.0f} | "
+                     f"{100 * average / GC200_TILE_BYTES:.0f} |")
+    lines.append("\n% of the matmul share: of available_memory_proportion x 624 KiB, the part of a tile the matmul "
+                 "planner aims to keep its temporaries within. Only a real compile tells the tile mapping (gathers, "
+                 "exchange buffers, vertex state and code are not spread evenly), hence the fullest tile: Poplar's "
+                 "out-of-memory error names the tiles over; `python -m ipu.offline --report` writes the per-tile "
+                 "report. What Graphcore's BERT does about each tensor: docs/ipu.md.")
+    return "\n".join(lines)
 
 
 def format_table(rows: List[Dict[str, int]], limit_bytes: int = GC200_MEMORY_BYTES) -> str:

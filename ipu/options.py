@@ -14,6 +14,7 @@ data pipeline which share of the data this instance reads.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Tuple
 
 import torch
@@ -86,8 +87,12 @@ def build_options(poptorch, ipu, *, seed: int, gradient_accumulation: int = 1, t
     ``seed`` and ``gradient_accumulation`` (per replica, already packing-adjusted: the step
     plan's) come from the run; keyword overrides exist for the backend's own uses (profiling,
     evaluation, compile-only). ``profile_dir`` makes Poplar write its reports there (with
-    ``debug.allowOutOfMemory``, so a layout that does not fit still reports); ``offline``
-    compiles for a GC200 without attaching to one.
+    ``debug.allowOutOfMemory``, so a layout that does not fit still reports) and turns the
+    executable cache off for that executable (its engine options differ from the real run's, so
+    its cache key does too); ``offline`` compiles for a GC200 without attaching to one, with
+    exactly the options of the real run otherwise (``useOfflineIpuTarget`` is no part of
+    PopART's cache key, so the real run loads what it compiled). The host's torch generator is
+    left as it was (see ``host_rng_preserved``).
     """
     rf = ipu.replication_factor if replication_factor is None else replication_factor
     if popdist is not None:
@@ -101,7 +106,12 @@ def build_options(poptorch, ipu, *, seed: int, gradient_accumulation: int = 1, t
         opts.replicationFactor(rf)
     opts.autoRoundNumIPUs(ipu.auto_round_num_ipus)
     opts.deviceIterations(ipu.device_iterations if device_iterations is None else device_iterations)
-    opts.randomSeed(int(seed))
+    # The device's seed. PopTorch's randomSeed also calls torch.manual_seed (options.py,
+    # sdk-release-3.4), which would re-seed the host's generator in the middle of a run: every
+    # evaluation or prediction executable builds its options, and on the mock the host generator
+    # is the one dropout draws from. The loop seeds the host itself; keep its stream untouched.
+    with host_rng_preserved():
+        opts.randomSeed(int(seed))
 
     if training:
         opts.Training.gradientAccumulation(int(gradient_accumulation))
@@ -163,5 +173,23 @@ def build_options(poptorch, ipu, *, seed: int, gradient_accumulation: int = 1, t
     engine = dict(ENGINE_OPTIONS)
     if profile_dir:
         engine.update(REPORT_ENGINE_OPTIONS, **{"autoReport.directory": profile_dir})
+        # PopART hashes every engine option into the executable-cache key (sessionoptions.cpp
+        # std::hash<SessionOptions>), so a report compile can never serve the real run; and a
+        # report compile that loaded from the cache would write no report. Never cache it.
+        opts.enableExecutableCaching(None)
     opts._Popart.setEngineOptions(engine)
     return opts
+
+
+@contextlib.contextmanager
+def host_rng_preserved():
+    """Run the body (PopTorch's ``Options.randomSeed``) without changing torch's host generators:
+    the CPU one, and CUDA's where CUDA is initialised."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)

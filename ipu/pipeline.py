@@ -54,23 +54,29 @@ def forward_stage_ipus(layers_per_ipu: List[int], heads_on_ipu: int = 0) -> List
     return stages if len(stages) > 1 else [0]
 
 
-def check_pipeline_depth(layers_per_ipu: List[int], gradient_accumulation: int, device_iterations: int,
+def check_pipeline_depth(layers_per_ipu: List[int], gradient_accumulation: int, device_iterations: int = 1,
                          heads_on_ipu: int = 0) -> None:
-    """PopART's rule as a config error: pipelined training keeps 2 x stages - 1 micro-batches in
-    flight (forward and backward stages), so accumulation (or, without it, device iterations)
-    must be at least that."""
-    num_stages = len(forward_stage_ipus(layers_per_ipu, heads_on_ipu))
-    if num_stages == 1:
+    """PopTorch's rule for pipelined training, as a config error before anything compiles.
+
+    PopTorch (popart_compiler ``Compiler.cpp``, sdk-release-3.4) counts a training pipeline of F
+    forward stages as ``2 F - 1`` stages (``CompilerImpl::numPipelineStages``: the backward
+    stages, less one because the last IPU runs its forward and backward in one stage) and
+    refuses the compile when ``accumulationFactor < num_pipeline_stages``: "poptorch.Options().
+    Training.gradientAccumulation must be greater than or equal to the number of pipeline
+    stages". Device iterations do not count: pipelined training without accumulation is refused
+    whatever ``deviceIterations`` is. (``device_iterations`` is kept for the callers' signature.)
+    ``heads_on_ipu``: where the model's heads go (``heads_ipu``); heads back on IPU 0 add a stage.
+    """
+    num_forward = len(forward_stage_ipus(layers_per_ipu, heads_on_ipu))
+    if num_forward == 1:
         return
-    depth = 2 * num_stages - 1
-    if gradient_accumulation > 1 and gradient_accumulation < depth:
-        raise ConfigError(f"ipu.layers_per_ipu={list(layers_per_ipu)} pipelines over {num_stages} stages, so training "
-                          f"needs train.gradient_accumulation >= {depth} (got {gradient_accumulation}); raise it "
-                          f"or use one IPU per replica (ipu.layers_per_ipu=[{sum(layers_per_ipu)}])")
-    if gradient_accumulation == 1 and device_iterations < depth:
-        raise ConfigError(f"ipu.layers_per_ipu={list(layers_per_ipu)} pipelines over {num_stages} stages: set "
-                          f"train.gradient_accumulation >= {depth} (or ipu.device_iterations >= {depth}), or use one "
-                          f"IPU per replica (ipu.layers_per_ipu=[{sum(layers_per_ipu)}])")
+    stages = 2 * num_forward - 1
+    if gradient_accumulation < stages:
+        raise ConfigError(f"ipu.layers_per_ipu={list(layers_per_ipu)} makes {num_forward} forward pipeline stages, "
+                          f"{stages} in training, and PopTorch needs a gradient accumulation of at least {stages} "
+                          f"micro-batches per replica (got {gradient_accumulation}); raise train.gradient_accumulation "
+                          f"(or train.global_batch_size), or use one IPU per replica "
+                          f"(ipu.layers_per_ipu=[{sum(layers_per_ipu)}])")
 
 
 def _checkpoint_output(poptorch):

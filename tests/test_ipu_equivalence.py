@@ -131,10 +131,11 @@ def test_ga4_is_too_shallow_for_the_four_ipu_pipeline():
     model = build_model(config)
     optimizer, scheduler = build_optimizer(config, model, (0.9, 0.999))
     # The backend says it as a config error before anything runs ...
-    with pytest.raises(ConfigError, match=r"needs train.gradient_accumulation >= 9 \(got 4\)"):
+    with pytest.raises(ConfigError, match=r"at least 9 micro-batches per replica \(got 4\)"):
         MockBackend().prepare(model, optimizer, make_plan(config, MockBackend), scheduler=scheduler)
-    # ... and the mock itself rejects it as PopART would, for code that bypasses the backend.
-    opts = ipu_options.build_options(poptorch, config.ipu, seed=config.train.seed, gradient_accumulation=config.train.gradient_accumulation)
+    # ... and the mock itself rejects it as PopTorch would, for code that bypasses the backend.
+    opts = ipu_options.build_options(poptorch, config.ipu, seed=config.train.seed,
+                                     gradient_accumulation=config.train.gradient_accumulation)
     wrapped = poptorch.trainingModel(TrainingWrapper(pipeline.parallelize(model, config.ipu, poptorch), poptorch),
                                      opts, optimizer=pipeline.build_optimizer(optimizer, poptorch, config.ipu))
     host = stack_host_batch(random_micro_batches(0, 16, config), num_steps=2, gradient_accumulation=4, num_replicas=2)

@@ -233,8 +233,15 @@ def test_forward_stages_of_the_graphcore_layout(layers_per_ipu, stages):
 
 
 def test_demo_style_pipeline_without_accumulation_is_a_config_error():
+    """PopTorch's rule (Compiler.cpp): accumulation >= 2 x forward stages - 1; device iterations
+    do not stand in for it (PopTorch refuses accumulation 1 whatever deviceIterations is)."""
     from ipu.pipeline import check_pipeline_depth
-    with pytest.raises(ConfigError, match=r"gradient_accumulation >= 5 .*layers_per_ipu=\[2\]"):
+    with pytest.raises(ConfigError, match=r"at least 5 micro-batches .*train.gradient_accumulation.*"
+                                          r"layers_per_ipu=\[2\]"):
         check_pipeline_depth([1, 1], gradient_accumulation=1, device_iterations=1)
+    with pytest.raises(ConfigError, match=r"at least 5 micro-batches per replica \(got 1\)"):
+        check_pipeline_depth([1, 1], gradient_accumulation=1, device_iterations=5)
+    with pytest.raises(ConfigError, match=r"at least 5 micro-batches per replica \(got 4\)"):
+        check_pipeline_depth([1, 1], gradient_accumulation=4, device_iterations=1)
     check_pipeline_depth([1, 1], gradient_accumulation=5, device_iterations=1)
-    check_pipeline_depth([1, 1], gradient_accumulation=1, device_iterations=5)
+    check_pipeline_depth([2], gradient_accumulation=1, device_iterations=1)  # one IPU: no pipeline

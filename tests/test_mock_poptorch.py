@@ -317,10 +317,19 @@ def test_stages_must_ascend():
 
 
 def test_pipeline_depth_needs_enough_accumulation():
-    # 2 forward stages -> 3 in training (forward + backward, merged at the turn).
-    with pytest.raises(poptorch.Error, match=r"must equal at least the number of pipeline stages \(3\)"):
+    # PopTorch (Compiler.cpp): 2 forward stages -> 3 in training (forward + backward, merged at
+    # the turn), and the accumulation must cover them; device iterations do not count.
+    with pytest.raises(poptorch.Error, match=r"gradientAccumulation must be greater than or equal to the number of "
+                                             r"pipeline stages \(3\)"):
         poptorch.trainingModel(Staged([0, 1]), pipelined(ga=2))(*data(2))
+    with pytest.raises(poptorch.Error, match=r"pipeline stages \(3\)"):
+        poptorch.trainingModel(Staged([0, 1]), pipelined(ga=1, di=3))(*data(3))
     poptorch.trainingModel(Staged([0, 1]), pipelined(ga=3))(*data(3))
+    # Inference: as many device iterations as (forward) stages.
+    opts = options(di=1).setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.SameAsIpu))
+    with pytest.raises(poptorch.Error, match=r"deviceIterations must be greater than or equal to the number of "
+                                             r"pipeline stages \(2\)"):
+        poptorch.inferenceModel(Staged([0, 1]), opts)(*data(1))
 
 
 def test_ipu_count_must_be_a_power_of_two_unless_auto_rounded():

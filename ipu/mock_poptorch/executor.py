@@ -21,8 +21,16 @@ micro_batch, ...]`` (PopART's order). The mock then does what the device does:
   (torch 2.0.1 has few) and gives the same numbers on every torch version.
 * outputs come back per ``OutputMode`` (All / EveryN / Final / Sum), with PopTorch's shapes.
 * training needs exactly one final loss (PopTorch's messages when there are none or several);
-  pipeline annotations are recorded at "compile" time (the first call) and checked; unknown
-  PopART option keys fail the compile; ``useOfflineIpuTarget`` executables compile, never run.
+  pipeline annotations are recorded at "compile" time (the first call) and checked; the options
+  go through PopTorch's session-option parser replayed on tables generated from its sources
+  (``ipu/mock_popart/session_options.py``); ``useOfflineIpuTarget`` executables compile, never run.
+* ``setOptimizer`` after compiling refuses a change to a value compiled as a constant, as
+  PopART's ``Optimizer::validReplacement`` does (``poptorch.optim.describe``/``check_replacement``).
+* the executable cache: with ``enableExecutableCaching`` a compile computes the key from what
+  PopART hashes (``cache_key``: the hashed session options, patterns, data flow, device, the
+  traced graph's structure and the optimizer's constants) and "loads" a cached executable when
+  one with that key exists (``loaded_from_cache``). The mock keeps its cache in memory, per
+  process, and writes no files.
 
 Numerics are eager PyTorch on the CPU; nothing here is a statement about IPU speed. The memory
 estimate (``set_memory_estimator``) is a model, reported as such.
@@ -30,16 +38,20 @@ estimate (``set_memory_estimator``) is a model, reported as such.
 import contextlib
 import copy
 import gc
+import hashlib
+import json
 import os
 import warnings
 import weakref
 
 import torch
 
+from ..mock_popart import session_options as _session_options
 from . import ops
+from . import optim as _optim
 from .enums import AutoStage, ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
-from .options import KNOWN_POPART_OPTIONS, Options, PipelinedExecution
+from .options import Options, PipelinedExecution
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 
@@ -49,6 +61,15 @@ DEFAULT_NUM_AVAILABLE_IPUS = 16
 
 _cycle_estimator = None  # fn(info dict) -> int; set by set_cycle_estimator (see ipu/backend.py)
 _memory_estimator = None  # fn(info dict) -> {"per_ipu_bytes": [...], "limit_bytes": int, "table": str} or None
+# The mock's executable cache: (absolute cachePath, key digest) -> the key. PopART writes
+# <cachePath>/<hash>.popef (popx/executablex.cpp); the mock only remembers, in this process.
+_EXECUTABLE_CACHE = {}
+TILES_PER_IPU = 1472  # GC200
+
+
+def clear_executable_cache():
+    """Forget every cached executable (the mock's cache lives in this process only)."""
+    _EXECUTABLE_CACHE.clear()
 
 
 def set_cycle_estimator(fn):
@@ -217,6 +238,12 @@ class PoplarExecutor:
         self._last_run_info = None
         self._accumulators = {}  # replica -> accumulated gradients of all parameters, flat (accum_type)
         self._trainable_cache = None
+        self._session = None              # the parsed session options (PopART's view), at compile
+        self._optimizer_description = None  # what the last setOptimizer would send PopART
+        self._compiled_optimizer = None   # ... and what the executable was compiled with
+        self._pending_optimizer = None    # set while detached: pushed at attach or the next run
+        self.cache_key = None             # what PopART hashes into the executable-cache key
+        self.loaded_from_cache = False
         if training:
             self.setOptimizer(optimizer)
         options._freeze()
@@ -290,6 +317,7 @@ class PoplarExecutor:
         _acquire(self)
         self._attached = True
         self.copyWeightsToDevice()
+        self._push_optimizer()
 
     def copyWeightsToHostIfNeeded(self):
         """True if the host weights were out of date and have been updated."""
@@ -360,7 +388,26 @@ class PoplarExecutor:
                                  "meanAccumulationAndReplicationReductionStrategy to poptorch.MeanReductionStrategy."
                                  "Running but the executable is already compiled.")
         self._optimizer = optimizer
-        self._device_hyperparameters = self._read_hyperparameters(optimizer)
+        auto_loss_scaling = bool(self._options._Popart.options.get("automaticLossScalingSettings.enabled", False))
+        self._optimizer_description = _optim.describe(optimizer, auto_loss_scaling=auto_loss_scaling)
+        self._pending_optimizer = (self._read_hyperparameters(optimizer), self._optimizer_description)
+        if not self._compiled or self._attached:
+            self._push_optimizer()
+
+    def _push_optimizer(self):
+        """The last ``setOptimizer``'s values to the device (PopTorch: at once when attached, else at
+        the next attach or run); PopART refuses a change to a compiled constant."""
+        if self._pending_optimizer is None:
+            return
+        hyperparameters, description = self._pending_optimizer
+        if self._compiled_optimizer is not None:
+            with self._internal():
+                names = {id(p): n for n, p in self._user_model.named_parameters()}
+            first = {i: names.get(id(g["params"][0]), f"group {i}") if g["params"] else f"group {i}"
+                     for i, g in enumerate(self._optimizer.param_groups)}
+            _optim.check_replacement(self._compiled_optimizer, description, error=Error, tensor_names=first)
+        self._device_hyperparameters = hyperparameters
+        self._pending_optimizer = None
 
     def _optimizer_step(self):
         host_values = self._read_hyperparameters(self._optimizer)
@@ -419,18 +466,13 @@ class PoplarExecutor:
             return
         self._compile(args, kwargs)
 
-    def _check_popart_options(self):
-        for key, value in self._options._Popart.options.items():
-            if key not in KNOWN_POPART_OPTIONS:
-                kind = {bool: "bool", int: "uint64", float: "double", str: "string"}.get(type(value), "container")
-                raise Error(f"Unknown {kind} option {key}")
-
     def _compile(self, args, kwargs):
         for path, tensor in _flatten(args, "args") + _flatten(kwargs, "kwargs"):
             if tensor.requires_grad:
                 warnings.warn("Input tensor has requires_grad=True set. This tensor will be detached "
                               "because backward pass via inputs is not supported.")
-        self._check_popart_options()
+        # What PopTorch's SessionOptionsParser does with Options.toDict() (tables from its sources).
+        self._session = _session_options.parse(self._options._backend_dict(), error=Error)
         self._signature = self._check_batch(args, kwargs)
         named = self._state_tensors()
         self._half = any(_is_half(t) for _, t in named)
@@ -462,10 +504,56 @@ class PoplarExecutor:
         if not _flatten(outputs, "output"):
             raise Error("Your compiled model is empty (All the operations have been optimised out)")
         self._estimate_memory()
+        if self._training:
+            self._compiled_optimizer = self._optimizer_description  # PopTorch compiles the last setOptimizer's
+            self._pending_optimizer = None
+        self._use_executable_cache(named, outputs)
         if self._options.connection_type != ConnectionType.Never:
             _acquire(self)
             self._attached = True  # the compiled engine is loaded with the weights uploaded above
         self._compiled = True
+
+    def _use_executable_cache(self, named, outputs):
+        """PopART's executable cache (ir.cpp ``std::hash<IrBundle>``, executablex.cpp): with caching
+        on and a hardware target (a real or offline IPU, not the IPU Model), a compile whose key
+        is cached loads it, else its executable is saved under the key."""
+        o, session = self._options, self._session["session"]
+        info = {"ir": {"training": self._training, "inputs": [(p, list(s), str(d)) for p, s, d in self._signature],
+                       "outputs": len(_flatten(outputs, "output")), "final_loss": self._final_loss_index,
+                       "weights": [(n, list(t.shape), str(t.dtype)) for n, t in named],
+                       "execution_mode": self._options._execution_strategy.execution_mode,
+                       "blocks": [list(b) for b in self.pipeline["blocks"]],
+                       "recomputation_checkpoints": self.pipeline["num_recomputation_checkpoints"],
+                       "serialization_factors": self.pipeline["serialization_factors"],
+                       "available_memory_proportion": sorted(self._session["memory_proportions"].items())},
+                "data_flow": {"batches_per_step": o.device_iterations, "output_mode": o.output_mode,
+                              "output_return_period": o.output_return_period},
+                "device": {"hardware": not o._values.get("use_model", False),
+                           "arch": f"ipu{o._values.get('ipu_version', 2)}",
+                           "num_ipus": self.pipeline["num_ipus"], "tiles_per_ipu": TILES_PER_IPU},
+                "optimizer": self._constant_optimizer_values(),
+                "version": "mock"}
+        info.update(_session_options.cache_view(self._session))
+        self.cache_key = info
+        if not (session.get("enableEngineCaching") and session.get("cachePath") and info["device"]["hardware"]):
+            return
+        digest = hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        entry = (os.path.abspath(session["cachePath"]), digest)
+        self.loaded_from_cache = entry in _EXECUTABLE_CACHE
+        _EXECUTABLE_CACHE[entry] = info
+
+    def _constant_optimizer_values(self):
+        """The optimizer as PopART hashes it: type and attributes, every value's const-ness and
+        the values of the constants only (optimizervalue.cpp ``std::hash<OptimizerValue>``)."""
+        description = self._compiled_optimizer
+        if description is None:
+            return None
+
+        def constants(values):
+            return {k: [bool(c), v if c else None] for k, (v, c) in sorted(values.items())}
+        return {"type": description["type"], "attributes": description["attributes"],
+                "defaults": constants(description["defaults"]),
+                "groups": [constants(g) for g in description["groups"]]}
 
     def _estimate_memory(self):
         """The installed per-IPU memory estimate; warns, with the figures, above an IPU's memory
@@ -587,29 +675,41 @@ class PoplarExecutor:
             raise Error(f"The model is placed on {num_ipus_per_replica} IPUs but each replica has only "
                         f"{limit} IPUs (ipus_per_replica)")
         num_ipus = num_ipus_per_replica * o.replication_factor
-        if num_ipus & (num_ipus - 1):
+        offline = o.connection_type == ConnectionType.Never
+        if offline:
+            # PopTorch (CompilerImpl::createDevice): an offline device of exactly the IPUs the
+            # model uses, whatever the system has: no rounding to a power of two, no cycle counter.
+            if self._options._Popart.options.get("instrumentWithHardwareCycleCounter"):
+                raise Error("Cycle count logging is only supported on actual IPU hardware.",
+                            type="poptorch_cpp_error")
+        elif num_ipus & (num_ipus - 1):
             if not o.auto_round_num_ipus:
                 raise Error(f"The number of IPUs requested ({num_ipus} = {num_ipus_per_replica} per replica x "
                             f"replication factor {o.replication_factor}) must be a power of two; call "
                             f"Options.autoRoundNumIPUs(True) to round it up")
             num_ipus = 1 << (num_ipus - 1).bit_length()
         available = num_available_ipus()
-        if num_ipus > available:
+        if not offline and num_ipus > available:
             raise Error(f"Failed to acquire {num_ipus} IPUs: the (mock) IPU system has {available} "
                         f"(set MOCK_POPTORCH_NUM_IPUS to model a larger one)", type="poplar_error")
         num_stages = len(merged) if isinstance(strategy, PipelinedExecution) else 1
-        if num_stages > 1:
-            ga = o.Training.gradient_accumulation
-            # PopART: training doubles the stages (forward and backward, the last forward one
-            # merged with the first backward one), and every stage needs a micro-batch in flight.
-            depth = 2 * num_stages - 1 if self._training else num_stages
-            if self._training and ga > 1:
-                if ga < depth:
-                    raise Error(f"For pipelining, depth (gradient accumulation factor) must equal at least "
-                                f"the number of pipeline stages ({depth})", type="popart_exception")
-            elif o.device_iterations < depth:
-                raise Error(f"For pipelining, depth (batchesPerStep) must equal at least the number of "
-                            f"pipeline stages ({depth})", type="popart_exception")
+        if isinstance(strategy, PipelinedExecution):
+            # PopTorch (popart_compiler Compiler.cpp, CompilerImpl::numPipelineStages): training
+            # has 2 x forward stages - 1 pipeline stages (the last forward one runs with the first
+            # backward one), and needs at least that many micro-batches per update; inference
+            # needs as many device iterations as stages.
+            if self._training:
+                stages = 2 * num_stages - 1
+                if o.Training.gradient_accumulation < stages:
+                    raise Error(f"poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
+                                f"the number of pipeline stages ({stages}) when using poptorch.PipelinedExecution. "
+                                f"Please note that a model with {(stages + 1) // 2} pipeline stages in PopTorch will "
+                                f"have an additional {(stages - 1) // 2} stages when training.",
+                                type="poptorch_cpp_error")
+            elif o.device_iterations < num_stages:
+                raise Error(f"poptorch.Options().deviceIterations must be greater than or equal to the number of "
+                            f"pipeline stages ({num_stages}) when using PopTorch.PipelinedExecution.",
+                            type="poptorch_cpp_error")
         return {"blocks": blocks, "num_stages": num_stages, "stage_ipus": merged,
                 "num_ipus_per_replica": num_ipus_per_replica, "num_ipus": num_ipus,
                 "num_recomputation_checkpoints": recorder.num_checkpoints,
@@ -639,6 +739,7 @@ class PoplarExecutor:
             raise Error("The model's weights are on the meta device: it can be compiled (shapes), not run")
         if not self._attached:
             self.attachToDevice()
+        self._push_optimizer()  # a setOptimizer made while detached (attaching pushed it already)
         if not self._training:
             # As PopTorch: an inference model of a module that a trainingModel also wraps picks up
             # the trained weights (implicit copyWeightsToHost on the training side, then upload).

@@ -6,8 +6,11 @@ snake_case attributes (``opts.device_iterations``, ``opts.Training.gradient_accu
 the options they are frozen and any change raises ``AttributeError("Can't modify frozen Options")``.
 Keys are PopTorch's own (``meanAccumulationAndReplicationReductionStrategy``, ``onChip``,
 ``patterns_level``, ...) and the PopART session options live in ``opts._Popart.options`` as in
-PopTorch, so code that reads them back works on both. Unknown PopART keys are refused at compile
-time (as PopTorch's ``SessionOptions`` does), see ``KNOWN_POPART_OPTIONS``.
+PopTorch, so code that reads them back works on both. When a model compiles, everything PopTorch
+would hand its C++ side (``_backend_dict``, PopTorch's ``toDict``) goes through PopTorch's
+session-option parser, replayed on tables generated from the real sources
+(``ipu/mock_popart/session_options.py``): an unknown name, a value of the wrong type, an enum
+out of range or an unknown pattern fails the compile as it does in PopTorch.
 What is not: PopART/Poplar never see these values; the mock executor reads the ones that change
 numerics or shapes (iterations, replication, accumulation, reduction and its strategy, output
 mode, execution strategy, cycle counting, connection type) and keeps the rest for inspection.
@@ -177,38 +180,6 @@ class _PopartOptions:
         return dict(self.options)
 
 
-# The PopART session option keys PopTorch SDK 3.4 accepts through ``_Popart.set`` (the names its
-# popart_compiler/source/SessionOptions.cpp registers); any other key fails the compile with
-# "Unknown <type> option <key>".
-KNOWN_POPART_OPTIONS = frozenset("""
-accumulateOuterFragmentSettings.excludedVirtualGraphs accumulateOuterFragmentSettings.schedule
-accumulationAndReplicationReductionType accumulationFactor aliasZeroCopy autoRecomputation
-autodiffSettings.stitchStrategy automaticLossScalingSettings.binEdgeLocation
-automaticLossScalingSettings.enabled automaticLossScalingSettings.gradientTensorTrackingMethod
-automaticLossScalingSettings.thresholdUpperCountProportion automaticLossScalingSettings.updatePeriod
-batchSerializationSettings.batchSchedule batchSerializationSettings.concatOnVirtualGraphChange
-batchSerializationSettings.factor batchSerializationSettings.method batchSerializationSettings.transformContext
-cachePath compilationProgressTotal compileEngine constantWeights convolutionOptions customCodeletCompileFlags
-customCodelets decomposeGradSum defaultBufferingDepth defaultPrefetchBufferingDepth delayVarUpdates
-disableGradAccumulationTensorStreams disableOptimizerStateTensorStreams dotChecks dotOpNames
-enableDistributedReplicatedGraphs enableEngineCaching enableExplicitIR enableExplicitMainLoops
-enableFloatingPointChecks enableFullyConnectedPass enableGradientAccumulation enableInplaceAmbiguityChecking
-enableLoadAndOffloadRNGState enableMergeExchange enableNonStableSoftmax enableOutlining
-enableOutliningCopyCostPruning enablePipelining enablePrefetchDatastreams enableReplicatedGraphs
-enableSerializedMatmuls enableStableNorm enableStochasticRounding enableSupportedDataTypeCasting engineOptions
-ensureFp32LossScaleTensor executionPhaseSettings.phases executionPhaseSettings.stages explicitRecomputation
-exportPoplarComputationGraph exportPoplarVertexGraph finalDotOp firstDotOp gclOptions globalReplicaOffset
-globalReplicationFactor groupHostSync groupNormStridedChannelGrouping hardwareInstrumentations
-instrumentWithHardwareCycleCounter kahnTieBreaker logDir looseThresholdAtPeak lstmOptions matmulOptions
-meanAccumulationAndReplicationReductionStrategy mergeVarUpdate mergeVarUpdateMemThreshold opxAliasChecking
-opxModifyChecking outlineSequenceBreakCost outlineThreshold partialsTypeMatMuls patterns patterns_level
-rearrangeAnchorsOnHost rearrangeStreamsOnHost reportOptions saveInitializersToFile
-scheduleNonWeightUpdateGradientConsumersEarly separateCallOpPdfs serializedPoprithmsShiftGraphsDir
-strictOpVersions subgraphCopyingStrategy swapLimitScheduler syntheticDataMode timeLimitScheduler
-transitiveClosureOptimizationThreshold updatableNamedBuffers useHostCopyOps virtualGraphMode
-""".split())
-
-
 class _PrecisionOptions(_OptionsDict):
     """No keys of its own in PopTorch: every setter writes a PopART option."""
 
@@ -369,6 +340,10 @@ class _ExecutionStrategy:
             return ipu_id
         return position
 
+    def backendOptions(self):
+        """What PopTorch's ``toDict`` takes from the strategy (options.py ``backendOptions``)."""
+        return {"execution_mode": self.execution_mode}
+
 
 class PipelinedExecution(_ExecutionStrategy):
     execution_mode = 0
@@ -518,6 +493,19 @@ class Options(_OptionsDict):
             if was_frozen:
                 self._freeze()
         return cloned
+
+    def _backend_dict(self):
+        """PopTorch's ``Options.toDict()``: one flat dict, in its order, as the C++ side gets it
+        (execution strategy, ``_Popart`` options, then the values of ``Options``, ``Training``,
+        ``Distributed`` and ``TensorLocations``; Jit and Precision hold none)."""
+        out = self._execution_strategy.backendOptions()
+        out.update(self._Popart.options)
+        for values in (self._values, self.Training._values, self.Distributed._values,
+                       self.TensorLocations._values):
+            if set(out).intersection(values):  # PopTorch's OptionsDict.update
+                raise AssertionError("Can't merge dictionaries, they have some keys in common")
+            out.update(values)
+        return out
 
     def toDict(self):
         out = super().toDict()
