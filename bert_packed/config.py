@@ -578,7 +578,7 @@ def validate(config: Config, backend, world_size: int = 1) -> List[str]:
     ``backend`` is a backend object or class (``backends.get_backend_class(name)``): it
     validates its own section (``validate_config``) and says how many replicas a process feeds."""
     check_bounds(config)
-    m, d, t, o = config.model, config.data, config.train, config.optimizer
+    m, d, t = config.model, config.data, config.train
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"
