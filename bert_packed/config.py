@@ -192,6 +192,9 @@ class TrainConfig:
     # p for the adjustment; null = measured on the training data (sequences / packs).
     packing_factor: Optional[float] = bounded(None, ge=1.0, hint="(sequences per pack)")
     seed: int = bounded(0, ge=0)
+    # Write a metrics.jsonl line every N steps. The step's numbers stay on the device between
+    # lines (no host synchronisation inside a step); every step is still checked for
+    # divergence when they are read, and an evaluated, checkpointed or last step is always read.
     log_every: int = bounded(1, ge=1, **HARMLESS)
     # Evaluate on held-out generated/HDF5 data every N steps (0 = never; always at the end
     # when eval_every > 0).
@@ -204,6 +207,9 @@ class TrainConfig:
     tensorboard: bool = field(default=True, metadata=HARMLESS)
     # Write the Hugging Face export (model + tokenizer) to <output_dir>/hf at the end.
     hf_export: bool = True
+    # Micro-batches made ahead in a background thread (packing and collation off the step's
+    # critical path); 0 = made between steps.
+    prefetch_micro_batches: int = bounded(2, ge=0, **HARMLESS)
     # torch intra-op threads (null = torch's default, one per core). Small models gain
     # nothing from more threads, and on a shared machine spinning threads stall badly.
     num_threads: Optional[int] = bounded(None, ge=1, **HARMLESS)

@@ -26,7 +26,7 @@ import random
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -39,8 +39,9 @@ from bert_packed.io import DirectoryLock, remove_orphans, write_text_atomic
 from bert_packed.loop.checkpointer import Checkpointer
 from bert_packed.loop.distributed import all_reduce_sum, setup_distributed
 from bert_packed.loop.guard import DivergenceGuard
-from bert_packed.loop.logger import MetricsLogger, Throughput, real_counts
+from bert_packed.loop.logger import MetricsLogger, Throughput, real_counts, to_host
 from bert_packed.loop.plan import StepPlan, make_plan
+from bert_packed.loop.prefetch import Prefetcher
 from bert_packed.loop.stops import (CollectiveTimeout, DivergenceError, Interrupted, StopSignals,  # noqa: F401
                                     TrainingStopped)
 from bert_packed.task import get_task
@@ -124,6 +125,17 @@ def resolved_config(config: Config, plan: StepPlan) -> Dict[str, Any]:
     return values
 
 
+class _Pending(NamedTuple):
+    """A launched step whose numbers have not been read: its metrics (possibly device tensors),
+    real [sequences, packs, tokens] and host seconds."""
+
+    step: int
+    metrics: Dict[str, Any]
+    counts: List[float]
+    seconds: float
+    data_seconds: float
+
+
 class _Run:
     """One invocation of the loop: the state its parts share, built in ``__init__`` (output
     directory, lock, checkpoint to resume) and ``_setup`` (task, plan, model, backend)."""
@@ -143,6 +155,7 @@ class _Run:
         _refuse_output_over_input(self.output_dir, config.model.init_checkpoint)
         self.summary_path = os.path.join(self.output_dir, SUMMARY_NAME)
         self.logger: Optional[MetricsLogger] = None
+        self.pending: List[_Pending] = []  # steps launched whose numbers are not read yet
         self.task_summary: Dict[str, Any] = {}  # the task's end-of-run results (eval, labels, hf_export)
         self.lock = _prepare_output_dir(self.output_dir, self.is_main)
         self.checkpointer = Checkpointer(self.output_dir, backend, world_size=self.world_size, is_main=self.is_main,
@@ -252,41 +265,68 @@ class _Run:
 
     # -- the loop -----------------------------------------------------------------------------
     def _loop(self) -> int:
-        """Steps until the plan's last one (or a stop); returns the last step done."""
-        plan, step, checkpoint_due = self.plan, self.start_step, False
-        iterator = iter(self.source)
-        with StopSignals(self.logger.write) as stop:
-            while step < plan.steps:
-                calls = min(plan.steps_per_call, plan.steps - step)
-                data_start = time.perf_counter()
-                micro_batches = [next(iterator) for _ in range(plan.micro_batches_per_step * calls)]
-                data_seconds = time.perf_counter() - data_start
-                start = time.perf_counter()
-                results = self.backend.train_step(micro_batches)
-                seconds = time.perf_counter() - start
-                results = results if isinstance(results, list) else [results]
-                for i, metrics in enumerate(results):  # every step of the call, before any line or checkpoint
-                    self._stop_if(step + i + 1, self.guard.check_step(metrics))
-                per_step = len(micro_batches) // len(results)
-                for i, metrics in enumerate(results):
-                    step += 1
-                    self._record(step, metrics, micro_batches[i * per_step:(i + 1) * per_step],
-                                 seconds / len(results), data_seconds / len(results))
-                    checkpoint_due = checkpoint_due or self._checkpoint_every(step)
-                # At the end of the call: the weights and the data position are those after its
-                # last step (a call of several steps, IPU device_iterations, cannot be split).
-                if checkpoint_due:
-                    checkpoint_due = False
-                    self._checkpoint(step)
-                # Every rank stops at the same step: the flag is summed over ranks.
-                if all_reduce_sum([float(stop.signum is not None)])[0] and step < plan.steps:
-                    self._interrupt(step, stop.signum or signal.SIGTERM)
-        return step
+        """Steps until the plan's last one (or a stop); returns the last step done.
 
-    def _record(self, step: int, metrics: Dict[str, Any], micro_batches: List[Dict[str, np.ndarray]],
-                seconds: float, data_seconds: float) -> None:
+        A step's numbers may stay on the device (``backend.train_step`` returns tensors): they are
+        read, all pending steps at once, only where a step must be looked at (``_read_due``), and
+        every step is checked for divergence then, in order."""
+        plan, launched = self.plan, self.start_step
+        self.feed = feed = Prefetcher(self.source, self.config.train.prefetch_micro_batches)
+        try:
+            with StopSignals(self.logger.write) as stop:
+                while launched < plan.steps:
+                    calls = min(plan.steps_per_call, plan.steps - launched)
+                    data_start = time.perf_counter()
+                    micro_batches = [next(feed) for _ in range(plan.micro_batches_per_step * calls)]
+                    data_seconds = time.perf_counter() - data_start
+                    start = time.perf_counter()
+                    results = self.backend.train_step(micro_batches)
+                    seconds = time.perf_counter() - start
+                    results = results if isinstance(results, list) else [results]
+                    per_step = len(micro_batches) // len(results)
+                    for i, metrics in enumerate(results):
+                        launched += 1
+                        self.pending.append(_Pending(launched, metrics,
+                                                     real_counts(micro_batches[i * per_step:(i + 1) * per_step]),
+                                                     seconds / len(results), data_seconds / len(results)))
+                    # Every rank stops at the same step: the flag is summed over ranks.
+                    stopping = all_reduce_sum([float(stop.signum is not None)])[0] and launched < plan.steps
+                    if stopping or any(self._read_due(p.step) for p in self.pending):
+                        self._flush()
+                    if stopping:
+                        self._interrupt(launched, stop.signum or signal.SIGTERM)
+        finally:
+            feed.close()
+        return launched
+
+    def _read_due(self, step: int) -> bool:
+        t = self.config.train
+        return (step % t.log_every == 0 or step == self.plan.steps or self._checkpoint_every(step)
+                or (self.evaluating and t.eval_every > 0 and step % t.eval_every == 0))
+
+    def _flush(self) -> None:
+        """Read the pending steps' numbers (one device synchronisation), check each, log each,
+        then write the checkpoint when one of them was due: the weights and the data position are
+        those after the last step launched (a call of several steps, IPU device_iterations,
+        cannot be split)."""
+        start = time.perf_counter()
+        values = to_host([p.metrics for p in self.pending])
+        share = (time.perf_counter() - start) / len(self.pending)  # waiting for the device: its steps' time
+        for p, metrics in zip(self.pending, values):  # every step, before any line or checkpoint
+            self._stop_if(p.step, self.guard.check_step(metrics))
+        checkpoint_due = False
+        for p, metrics in zip(self.pending, values):
+            self._record(p.step, metrics, p.counts, p.seconds + share, p.data_seconds)
+            checkpoint_due = checkpoint_due or self._checkpoint_every(p.step)
+        last = self.pending[-1].step
+        self.pending.clear()
+        if checkpoint_due:
+            self._checkpoint(last)
+
+    def _record(self, step: int, metrics: Dict[str, Any], counts: List[float], seconds: float,
+                data_seconds: float) -> None:
         """Count, evaluate when due, and log one step."""
-        counts = all_reduce_sum(real_counts(micro_batches))
+        counts = all_reduce_sum(counts)
         line = {"step": step, **{key: metrics[key] for key in self.task.metric_names}}
         line.update({
             "sequences": int(counts[0]), "packs": int(counts[1]), "tokens": int(counts[2]),
@@ -317,7 +357,7 @@ class _Run:
 
     def _checkpoint(self, step: int) -> None:
         """The checkpoint of ``step``; a model with non-finite weights stops the run instead."""
-        bad = self.checkpointer.write(step, model=self.model, scheduler=self.scheduler, source=self.source,
+        bad = self.checkpointer.write(step, model=self.model, scheduler=self.scheduler, source=self.feed,
                                       task=self.task, totals=self.throughput.totals,
                                       config=resolved_config(self.config, self.plan), plan=self._plan_record())
         if bad:

@@ -17,6 +17,25 @@ from bert_packed.io import write_text_atomic
 METRICS_NAME = "metrics.jsonl"
 
 
+def to_host(steps: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The steps' metrics with every tensor value read as a python float, all in one transfer
+    per device (a backend may leave a step's numbers on the device: no synchronisation inside
+    the step; they are read here, where the loop must look at them)."""
+    import torch
+
+    tensors: Dict[Any, List[Any]] = {}
+    for i, metrics in enumerate(steps):
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault(value.device, []).append((i, key, value))
+    out = [dict(metrics) for metrics in steps]
+    for entries in tensors.values():
+        read = torch.stack([value.detach().reshape(()).double() for _, _, value in entries]).cpu().tolist()
+        for (i, key, _), number in zip(entries, read):
+            out[i][key] = number
+    return out
+
+
 def real_counts(micro_batches) -> List[float]:
     """[sequences, packs, tokens] actually present (padding excluded), for any task's batches:
     the sequences of a pack are numbered 1..k in ``sequence_ids``, so its largest id counts them."""

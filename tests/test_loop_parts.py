@@ -1,0 +1,107 @@
+"""The loop's parts on their own (bert_packed/loop): the prefetcher, and numbers read only where
+the loop must look at them, with every step still checked for divergence."""
+import json
+import threading
+
+import pytest
+import torch
+
+from backends.cpu import CPUBackend
+from bert_packed import train as train_module
+from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.config import load_config
+from bert_packed.data import build_data_source
+from bert_packed.loop.logger import to_host
+from bert_packed.loop.prefetch import Prefetcher
+from bert_packed.train import DivergenceError, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+TINY = ["data.num_sequences=300", "data.packing_algorithm=lpfhp", "train.micro_batch_size=4"]
+
+
+def _source():
+    return build_data_source(load_config("tiny", TINY), micro_batch_size=4)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_the_prefetcher_serves_the_sources_stream_and_its_consumed_position(depth):
+    plain = iter(_source())
+    expected = [next(plain) for _ in range(6)]
+    source = _source()
+    feed = Prefetcher(source, depth)
+    try:
+        got = [next(feed) for _ in range(4)]
+        # The worker is ahead; the position is the one after the 4th micro-batch handed out.
+        resumed = _source()
+        resumed.load_state_dict(feed.state_dict())
+        continuation = iter(resumed)
+        got += [next(continuation) for _ in range(2)]
+    finally:
+        feed.close()
+    for a, b in zip(expected, got):
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert not any(t.name == "packed-bert-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_data_error_in_the_worker_reaches_the_loop():
+    class Broken:
+        packing_factor = 1.0
+
+        def __iter__(self):
+            yield {"x": 1}
+            raise ValueError("bad row 7")
+
+        def state_dict(self):
+            return {}
+
+    feed = Prefetcher(Broken(), 2)
+    assert next(feed) == {"x": 1}
+    with pytest.raises(ValueError, match="bad row 7"):
+        next(feed)
+    feed.close()
+
+
+def test_to_host_reads_every_tensor_in_one_go():
+    steps = [{"loss": torch.tensor(1.5), "lr": 0.1}, {"loss": torch.tensor(float("nan")), "n": torch.tensor(3.0)}]
+    read = to_host(steps)
+    assert read[0] == {"loss": 1.5, "lr": 0.1} and read[1]["n"] == 3.0 and read[1]["loss"] != read[1]["loss"]
+    assert all(not isinstance(v, torch.Tensor) for step in read for v in step.values())
+
+
+class DeviceNumbers(CPUBackend):
+    """The cpu backend returning its numbers as tensors (as a device backend does), with a NaN
+    loss reported at ``bad_step`` (the weights stay finite: only the guard is under test)."""
+
+    bad_step = None
+
+    def train_step(self, micro_batches):
+        metrics = super().train_step(micro_batches)
+        self.calls = getattr(self, "calls", 0) + 1
+        out = {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}
+        if self.calls == self.bad_step:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+
+def test_numbers_are_read_only_at_log_evaluation_and_checkpoint_steps(tmp_path, monkeypatch):
+    reads = []
+    monkeypatch.setattr(train_module, "to_host", lambda steps: reads.append(len(steps)) or to_host(steps))
+    config = load_config("tiny", TINY + ["train.steps=10", "train.log_every=5", "train.checkpoint_every=0"])
+    train(config, DeviceNumbers(), output_dir=str(tmp_path), show_progress=False)
+    assert reads == [5, 5]  # two reads of five steps each, not ten
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [5, 10]
+
+
+def test_divergence_between_reads_stops_at_the_step_where_it_happened(tmp_path):
+    backend = DeviceNumbers()
+    backend.bad_step = 5
+    config = load_config("tiny", TINY + ["train.steps=12", "train.log_every=10", "train.checkpoint_every=2"])
+    with pytest.raises(DivergenceError) as error:
+        train(config, backend, output_dir=str(tmp_path), show_progress=False)
+    assert str(error.value) == (f"step 5: non-finite loss nan: training diverged and was stopped; last good "
+                                f"checkpoint {tmp_path / CHECKPOINT_NAME} (step 4)")
+    assert load_checkpoint(str(tmp_path / CHECKPOINT_NAME))["step"] == 4
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert (summary["status"], summary["last_step"], summary["checkpoint_step"]) == ("diverged", 4, 4)
