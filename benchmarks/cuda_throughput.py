@@ -460,6 +460,7 @@ def run_setup(spec: Dict[str, Any]) -> Dict[str, Any]:
         "compile_backend": spec["compile_backend"] if compiled else None, "gpus": world_size,
         "micro_batch_size": spec["micro_batch_size"], "gradient_accumulation": accumulation,
         "steps_per_window": spec["steps"], "repeats": spec["repeats"], "warmup_steps": spec["warmup_steps"],
+        "sequences_timed": sum(w["sequences"] for w in windows),  # all ranks
         "sequences_per_second": statistics.median(rates), "sequences_per_second_min": rates[0],
         "sequences_per_second_max": rates[-1], "tokens_per_second": statistics.median(token_rates),
         "tokens_per_second_min": token_rates[0], "tokens_per_second_max": token_rates[-1],
@@ -543,7 +544,7 @@ def _fmt(value, pattern="{:.1f}", missing="n/a"):
 def markdown(results: List[Dict[str, Any]]) -> str:
     lines = ["| model | setup | compiled | sequences/s median (min-max) | real tokens/s | MFU | peak GiB | vs padded-sdpa |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
-    single = [r for r in results if r.get("gpus", 1) == 1]
+    single = [r for r in results if not r.get("scaling")]
     baseline = {r["model"]: r for r in single if r["setup"] == BASELINE and r["status"] == "ok"}
     for r in single:
         if r["status"] != "ok":

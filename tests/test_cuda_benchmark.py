@@ -106,6 +106,20 @@ def test_without_compile_no_row_claims_compilation(tmp_path):
     assert row["compiled"] is False and row["graphs_compiled"] is None
 
 
+@pytest.mark.slow
+def test_scaling_rows_run_under_torchrun_and_count_every_rank(tmp_path):
+    # On a CPU "GPUs" are gloo processes: this checks the torchrun plumbing, not speed.
+    code, rows = _rows(tmp_path, ["--setups", "packed-dense", "--scaling", "1", "2"])
+    assert code == 0
+    main_row, one, two = rows
+    assert not main_row.get("scaling") and one["scaling"] and two["scaling"]
+    assert (one["gpus"], two["gpus"]) == (1, 2)
+    for row in rows:
+        _check_measured(row)
+    # Each rank trains its own shard of the same micro-batch size: twice the sequences.
+    assert two["sequences_timed"] > 1.5 * one["sequences_timed"]
+
+
 def test_bad_scaling_argument_is_one_line_error(capsys):
     assert cuda_throughput.main(SMALL + ["--scaling", "two"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
