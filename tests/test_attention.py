@@ -268,3 +268,29 @@ def test_registered_implementation_is_used_and_checked():
 def test_register_rejects_non_implementations():
     with pytest.raises(TypeError):
         register_attention("bad", lambda q, k, v: q)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_padding_rows_finite_on_gpu_kernels_under_autocast(dtype):
+    """The GPU kernels (sdpa's cuDNN / memory-efficient, flex, varlen) under autocast, as the
+    model calls them: a fully padded row and padded tails give finite outputs and gradients,
+    and real tokens match the fp32 reference (sdpa's memory-efficient kernel has returned NaN
+    for fully masked rows: pytorch issue 110213)."""
+    torch.manual_seed(7)
+    sequence_ids = packed_sequence_ids(7, 4, 512, 6)
+    sequence_ids[1] = 0
+    sequence_ids = sequence_ids.cuda()
+    q32, k32, v32 = (torch.randn(4, 16, 512, 64, device="cuda") for _ in range(3))
+    expected = reference_attention(q32.cpu(), k32.cpu(), v32.cpu(), sequence_ids.cpu()).cuda()
+    real = sequence_ids > 0
+    for name in available_attention_implementations(torch.device("cuda"), dtype=dtype, needs_grad=True):
+        impl = get_attention(name)
+        q, k, v = (t.to(dtype).requires_grad_() for t in (q32, k32, v32))
+        with torch.autocast("cuda", dtype=dtype):
+            prepared = impl.prepare(sequence_ids, dtype=torch.float32)  # the embeddings' dtype, as in the model
+            out = impl.attend(q, k, v, prepared, dropout_p=0.0, training=True)
+        assert torch.isfinite(out).all(), f"{name} {dtype}"
+        assert (out.float() - expected).transpose(1, 2)[real].abs().max() < 5e-2, f"{name} {dtype}"
+        out.float().square().sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v)), f"{name} {dtype}: gradients"
