@@ -1,8 +1,8 @@
 """Training throughput of packed BERT on GPUs, against the baselines GPU users run.
 
-Every setup trains the same model shape (phase2 = BERT-Large, phase2_base = BERT-base;
-S = 512) on the same generated Wikipedia-length sequences, one optimizer step = the same
-number of micro-batches, and reports:
+Every setup trains the same model shape (by default phase2 = BERT-Large at S = 512 and
+phase1_base = BERT-base at S = 128) on the same generated Wikipedia-length sequences, one
+optimizer step = the same number of micro-batches, and reports:
 
 - sequences/s and real tokens/s (padding never counts), as the median over ``--repeats``
   timed windows of ``--steps`` steps, with the min and max of the windows;
@@ -25,7 +25,7 @@ Setups (``--setups``; the table's wording says what each computes):
 ``padded-dense``            the same with the explicit mask
 ``padded-flex``             padded rows with FlexAttention, which SKIPS padding tiles: not the
                             usual padded baseline (what packing adds on top of block sparsity)
-``hf-padded-sdpa``          Hugging Face ``BertForMaskedLM``, padded rows + attention_mask, sdpa
+``hf-padded-sdpa``          Hugging Face ``BertForPreTraining`` (MLM + NSP), padded rows + attention_mask, sdpa
 ``hf-padding-free-fa2``     HF padding-free training: ``DataCollatorWithFlattening`` (one
                             [1, T] row per micro-batch, position_ids restart per sequence),
                             ``attn_implementation="flash_attention_2"`` (needs the flash-attn
@@ -35,9 +35,10 @@ Setups (``--setups``; the table's wording says what each computes):
                             registered through ``transformers.AttentionInterface``
 ==========================  =============================================================
 
-The HF rows train MLM only (HF's padding-free path has no per-sequence NSP) with our LAMB
-and the same precision; they run eagerly, as HF training does by default, except that
-``hf-padded-sdpa`` is compiled with ``--compile`` (fixed shapes). A padding-free
+The HF padding-free rows train ``BertForMaskedLM`` (MLM only: a flattened row has no
+per-sequence NSP); all HF rows use our LAMB and the same precision. They run eagerly, as
+HF training does by default, except that ``hf-padded-sdpa`` is compiled with
+``--compile`` (fixed shapes); variable-length flattened batches are not. A padding-free
 micro-batch holds ``--hf-sequences-per-micro-batch`` sequences (default 2x the micro-batch
 rows: about the real tokens of one micro-batch of depth-3 packs).
 
@@ -48,8 +49,8 @@ machine cannot run (flex or varlen training on a CPU, FlashAttention without its
 is a row that says why, never a number. ``--scaling`` adds rows for 1..N GPUs under
 torchrun (same micro-batch per GPU).
 
-    python benchmarks/cuda_throughput.py --output runs/cuda_throughput.json           # every setup, both models
-    python benchmarks/cuda_throughput.py --models phase2 --compile --scaling auto      # + 1..N GPU scaling
+    python benchmarks/cuda_throughput.py --compile both --output runs/cuda_throughput.json   # every setup, eager and compiled
+    python benchmarks/cuda_throughput.py --models phase2 --compile --scaling auto             # + 1..N GPU scaling
     python benchmarks/cuda_throughput.py --tiles-only                                  # no GPU: flex's share of tiles
     python benchmarks/cuda_throughput.py --device cpu --models tiny --compile --compile-backend aot_eager \\
         --steps 1 --repeats 2 --warmup-steps 1 --micro-batch-size 4 --gradient-accumulation 1 --num-sequences 300
@@ -101,11 +102,11 @@ SETUPS = {s.name: s for s in (
     Setup("padded-sdpa", "ours", 1, "sdpa", "padded, sdpa + padding mask (every padding token computed)"),
     Setup("padded-dense", "ours", 1, "dense", "padded, dense mask (every padding token computed)"),
     Setup("padded-flex", "ours", 1, "flex", "padded, flex (skips padding tiles: not the usual baseline)"),
-    Setup("hf-padded-sdpa", "hf", 1, "sdpa", "HF BertForMaskedLM, padded, sdpa"),
+    Setup("hf-padded-sdpa", "hf", 1, "sdpa", "HF BertForPreTraining, padded, sdpa"),
     Setup("hf-padding-free-fa2", "hf", 1, "flash_attention_2", "HF padding-free (DataCollatorWithFlattening), flash_attention_2"),
     Setup("hf-padding-free-varlen", "hf", 1, "torch_varlen", "HF padding-free (DataCollatorWithFlattening), torch varlen"),
 )}
-BASELINE = "padded-sdpa"  # the ratio column: sequences/s over the usual padded baseline's
+BASELINE = "padded-sdpa"  # the first ratio column: sequences/s over the usual padded baseline's
 
 # Published dense (no 2:4 sparsity) tensor-core peaks, TFLOP/s, from NVIDIA's data sheets
 # (the sheets print the sparse figures, twice these, for TF32/BF16/FP16):
@@ -227,6 +228,8 @@ def _distributed(device: torch.device):
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # before NCCL picks a GPU for this rank
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -308,15 +311,19 @@ def register_hf_torch_varlen() -> None:
     AttentionMaskInterface.register(_HF_VARLEN, flash_attention_mask)
 
 
-def hf_padded_inputs(batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
-    """transformers inputs of a one-sequence-per-row batch: padding mask, labels -100 off the masked positions."""
+def hf_padded_inputs(batch: Dict[str, np.ndarray], nsp: bool = False) -> Dict[str, torch.Tensor]:
+    """transformers inputs of a one-sequence-per-row batch: padding mask, labels -100 off the masked
+    positions, and with ``nsp`` the next-sentence labels (``BertForPreTraining``)."""
     t = {k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in batch.items()}
     labels = torch.full_like(t["input_ids"], -100)
     valid = t["mlm_sequence_ids"] > 0
     rows = torch.arange(labels.shape[0])[:, None].expand_as(valid)
     labels[rows[valid], t["mlm_positions"][valid]] = t["mlm_labels"][valid]
-    return {"input_ids": t["input_ids"], "token_type_ids": t["segment_ids"],
-            "attention_mask": (t["sequence_ids"] > 0).long(), "labels": labels}
+    inputs = {"input_ids": t["input_ids"], "token_type_ids": t["segment_ids"],
+              "attention_mask": (t["sequence_ids"] > 0).long(), "labels": labels}
+    if nsp:
+        inputs["next_sentence_label"] = t["nsp_labels"][:, 0]
+    return inputs
 
 
 def hf_flattened_inputs(batches: List[Dict[str, np.ndarray]], *, flash_kwargs: bool) -> Dict[str, Any]:
@@ -351,7 +358,7 @@ def _hf(spec: Dict[str, Any], setup: Setup, device: torch.device):
     source = build_data_source(config, split="train", micro_batch_size=spec["micro_batch_size"])
     if setup.attention == "sdpa":
         pool = list(itertools.islice(iter(source), spec["pool_size"]))
-        inputs = [hf_padded_inputs(b) for b in pool]
+        inputs = [hf_padded_inputs(b, nsp=True) for b in pool]
     else:
         per_micro = max(1, -(-spec["hf_sequences_per_micro_batch"] // spec["micro_batch_size"]))
         raw = list(itertools.islice(iter(source), spec["pool_size"] * per_micro))
@@ -366,7 +373,8 @@ def _hf(spec: Dict[str, Any], setup: Setup, device: torch.device):
         max_position_embeddings=m.max_position_embeddings, type_vocab_size=m.type_vocab_size,
         layer_norm_eps=m.layer_norm_eps, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    model = transformers.BertForMaskedLM._from_config(hf_config, attn_implementation=setup.attention).to(device).train()
+    model_class = transformers.BertForPreTraining if setup.attention == "sdpa" else transformers.BertForMaskedLM
+    model = model_class._from_config(hf_config, attn_implementation=setup.attention).to(device).train()
     optimizer, _ = build_optimizer(config, model)
     forward = model
     if spec["compile"] and setup.attention == "sdpa":
@@ -438,7 +446,8 @@ def run_setup(spec: Dict[str, Any]) -> Dict[str, Any]:
                 sequences += c["sequences"]
                 tokens += c["tokens"]
                 slots += c["slots"]
-                flops += training_flops(model_config, c["lengths"], c["masked"], with_nsp=setup.family == "ours")
+                flops += training_flops(model_config, c["lengths"], c["masked"],
+                                        with_nsp=setup.family == "ours" or setup.attention == "sdpa")
         _sync(device)
         seconds = time.perf_counter() - start
         sequences, tokens, slots, flops = _global_sum([sequences, tokens, slots, flops])
@@ -542,21 +551,32 @@ def _fmt(value, pattern="{:.1f}", missing="n/a"):
 
 
 def markdown(results: List[Dict[str, Any]]) -> str:
-    lines = ["| model | setup | compiled | sequences/s median (min-max) | real tokens/s | MFU | peak GiB | vs padded-sdpa |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| model | setup | compiled | sequences/s median (min-max) | real tokens/s | MFU | peak GiB "
+             "| x padded-sdpa | x HF padded | x HF padding-free |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     single = [r for r in results if not r.get("scaling")]
-    baseline = {r["model"]: r for r in single if r["setup"] == BASELINE and r["status"] == "ok"}
+    ok = [r for r in single if r["status"] == "ok"]
+
+    def ratio(row, setups):
+        """row's sequences/s over the best baseline row of ``setups`` (same model; same compile flag
+        where that baseline has one, else its eager row)."""
+        candidates = [b for b in ok if b["model"] == row["model"] and b["setup"] in setups]
+        same = [b for b in candidates if b["compiled"] == row["compiled"]]
+        pool = same or [b for b in candidates if not b["compiled"]]
+        if not pool:
+            return "-"
+        return f"{row['sequences_per_second'] / max(b['sequences_per_second'] for b in pool):.3f}x"
+
     for r in single:
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {r['label']} | - | {r['status']} | | | | |")
+            lines.append(f"| {r['model']} | {r['label']} | - | {r['status']} | | | | | | |")
             continue
-        base = baseline.get(r["model"])
-        ratio = f"{r['sequences_per_second'] / base['sequences_per_second']:.3f}x" if base else "-"
         compiled = f"yes ({r['graphs_compiled']} graph(s), {r['recompiles_while_timed']} recompiles)" if r["compiled"] else "no"
         lines.append(
             f"| {r['model']} | {r['label']} | {compiled} | {r['sequences_per_second']:.1f} "
             f"({r['sequences_per_second_min']:.1f}-{r['sequences_per_second_max']:.1f}) | {r['tokens_per_second']:.0f} | "
-            f"{_fmt(r['mfu'], '{:.1%}')} | {_fmt(r['max_memory_gib'])} | {ratio} |")
+            f"{_fmt(r['mfu'], '{:.1%}')} | {_fmt(r['max_memory_gib'])} | {ratio(r, {BASELINE})} | "
+            f"{ratio(r, {'hf-padded-sdpa'})} | {ratio(r, {'hf-padding-free-fa2', 'hf-padding-free-varlen'})} |")
     scaling = [r for r in results if r.get("scaling")]
     if scaling:
         lines += ["", "| model | setup | GPUs | sequences/s median (min-max) | per GPU | scaling efficiency | MFU |",
@@ -588,7 +608,8 @@ def tiles_markdown(results):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["phase2", "phase2_base"], help="config names (default: both)")
+    p.add_argument("--models", nargs="+", default=["phase2", "phase1_base"],
+                   help="config names (default: BERT-Large at S=512 and BERT-base at S=128)")
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS), metavar="SETUP",
                    help=f"setups to run (default: all): {', '.join(SETUPS)}")
     p.add_argument("--micro-batch-size", type=int, default=16, help="rows (packs or padded sequences) per micro-batch")
@@ -599,7 +620,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed windows (the table shows their median, min, max)")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (compile, allocator)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    p.add_argument("--compile", action="store_true", help="torch.compile (ours: cuda.compile; HF: the padded row)")
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                   help="torch.compile (ours: cuda.compile; HF: the padded row); 'both': each setup eager and "
+                        "compiled (default: off; --compile alone: on)")
     p.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune"))
     p.add_argument("--compile-backend", default="inductor",
                    help="dynamo backend; not inductor (e.g. aot_eager) only to check compilation quickly on a CPU")
@@ -658,26 +681,30 @@ def main(argv=None):
                 "micro_batch_size": args.micro_batch_size, "gradient_accumulation": args.gradient_accumulation,
                 "hf_sequences_per_micro_batch": args.hf_sequences_per_micro_batch or 2 * args.micro_batch_size,
                 "steps": args.steps, "repeats": args.repeats, "warmup_steps": args.warmup_steps,
-                "precision": args.precision, "compile": args.compile, "compile_mode": args.compile_mode,
+                "precision": args.precision, "compile_mode": args.compile_mode,
                 "compile_backend": args.compile_backend, "pool_size": args.pool_size,
                 "num_sequences": args.num_sequences, "packing_algorithm": args.packing_algorithm,
                 "device": args.device, "set": list(args.set),
             }
+            modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
             results = []
             for model_name in args.models:
                 for name in args.setups:
-                    spec = {**base, "model": model_name, "setup": name}
-                    reason = unavailable_reason(SETUPS[name], device, args.precision)
-                    result = status_row(spec, reason) if reason else run_in_subprocess(spec)
-                    print(json.dumps(result), file=sys.stderr)
-                    results.append(result)
-                    if SETUPS[name].family != "ours" or SETUPS[name].depth == 1 or reason:
-                        continue
-                    for gpus in counts:
-                        row = run_in_subprocess(spec, gpus=gpus)
-                        row["scaling"] = True
-                        print(json.dumps(row), file=sys.stderr)
-                        results.append(row)
+                    setup = SETUPS[name]
+                    reason = unavailable_reason(setup, device, args.precision)
+                    compilable = setup.family == "ours" or setup.attention == "sdpa"
+                    for compile_ in (modes if compilable else [False]):
+                        spec = {**base, "model": model_name, "setup": name, "compile": compile_}
+                        result = status_row(spec, reason) if reason else run_in_subprocess(spec)
+                        print(json.dumps(result), file=sys.stderr)
+                        results.append(result)
+                        if setup.family != "ours" or setup.depth == 1 or reason:
+                            continue
+                        for gpus in counts:
+                            row = run_in_subprocess(spec, gpus=gpus)
+                            row["scaling"] = True
+                            print(json.dumps(row), file=sys.stderr)
+                            results.append(row)
             table = markdown(results)
     except ValueError as exc:
         if type(exc) is ValueError:

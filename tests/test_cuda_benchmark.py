@@ -217,3 +217,16 @@ def test_hf_padding_free_varlen_peer_attends_within_each_sequence(monkeypatch):
         expected = torch.cat([per_sequence(input_ids=torch.tensor([s])).logits[0] for s in sequences])
     assert len(calls) == config.num_hidden_layers and calls[0].tolist() == [0, 5, 8, 15]
     torch.testing.assert_close(flat, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_compile_both_gives_an_eager_and_a_compiled_row_per_compilable_setup(tmp_path, capsys):
+    code, rows = _rows(tmp_path, ["--compile", "both", "--compile-backend", "aot_eager",
+                                  "--setups", "packed-dense", "hf-padding-free-varlen"])
+    assert code == 0
+    assert [(r["setup"], r["compiled"]) for r in rows] == [
+        ("packed-dense", False), ("packed-dense", True), ("hf-padding-free-varlen", False)]
+    eager, compiled = rows[0], rows[1]
+    assert eager["graphs_compiled"] is None and compiled["graphs_compiled"] >= 1
+    table = capsys.readouterr().out
+    assert table.count("| tiny | packed, dense mask |") == 2 and "x HF padding-free" in table
