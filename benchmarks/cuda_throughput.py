@@ -39,8 +39,9 @@ The HF padding-free rows train ``BertForMaskedLM`` (MLM only: a flattened row ha
 per-sequence NSP); all HF rows use our LAMB and the same precision. They run eagerly, as
 HF training does by default, except that ``hf-padded-sdpa`` is compiled with
 ``--compile`` (fixed shapes); variable-length flattened batches are not. A padding-free
-micro-batch holds ``--hf-sequences-per-micro-batch`` sequences (default 2x the micro-batch
-rows: about the real tokens of one micro-batch of depth-3 packs).
+micro-batch holds ``--hf-sequences-per-micro-batch`` sequences (default: as many as one
+micro-batch of our depth-3 packs holds on the same data, so both carry about the same
+real tokens).
 
 Honesty rules: each setup runs in its own process (a fresh dynamo cache; with ``--compile``
 dynamo's ``fail_on_recompile_limit_hit`` is on, so a silent fall-back to eager is an error,
@@ -341,6 +342,29 @@ def hf_flattened_inputs(batches: List[Dict[str, np.ndarray]], *, flash_kwargs: b
     return DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(features)
 
 
+def packed_sequences_per_micro_batch(spec: Dict[str, Any]) -> int:
+    """Sequences in one micro-batch of our depth-3 packs on this data (rounded): the default size of a
+    flattened HF padding-free micro-batch, so both carry about the same real tokens."""
+    from bert_packed.data import build_data_source
+
+    config = load_config(spec["model"], _overrides(spec, 3, "sdpa"))
+    batches = list(itertools.islice(iter(build_data_source(config, split="train",
+                                                           micro_batch_size=spec["micro_batch_size"])),
+                                    spec["pool_size"]))
+    sequences = sum(float(b["nsp_weights"].sum()) for b in batches)
+    return max(1, round(sequences / len(batches)))
+
+
+def padding_free_pool(spec: Dict[str, Any], source) -> List[Dict[str, np.ndarray]]:
+    """``pool_size`` micro-batches of ``hf_sequences_per_micro_batch`` sequences (default: our packs'
+    count) taken in order from a one-sequence-per-row ``source``, still one sequence per row."""
+    per_micro = spec["hf_sequences_per_micro_batch"] or packed_sequences_per_micro_batch(spec)
+    rows = spec["micro_batch_size"]
+    raw = list(itertools.islice(iter(source), -(-spec["pool_size"] * per_micro // rows)))
+    every = {k: np.concatenate([b[k] for b in raw]) for k in raw[0]}
+    return [{k: v[i * per_micro:(i + 1) * per_micro] for k, v in every.items()} for i in range(spec["pool_size"])]
+
+
 def _hf(spec: Dict[str, Any], setup: Setup, device: torch.device):
     """(step function, micro-batch pool, config, model config) of a transformers peer."""
     import transformers
@@ -360,10 +384,7 @@ def _hf(spec: Dict[str, Any], setup: Setup, device: torch.device):
         pool = list(itertools.islice(iter(source), spec["pool_size"]))
         inputs = [hf_padded_inputs(b, nsp=True) for b in pool]
     else:
-        per_micro = max(1, -(-spec["hf_sequences_per_micro_batch"] // spec["micro_batch_size"]))
-        raw = list(itertools.islice(iter(source), spec["pool_size"] * per_micro))
-        pool = [dict(zip(raw[0], (np.concatenate([b[k] for b in group]) for k in raw[0])))
-                for group in (raw[i:i + per_micro] for i in range(0, len(raw), per_micro))]
+        pool = padding_free_pool(spec, source)
         if setup.attention == _HF_VARLEN:
             register_hf_torch_varlen()
         inputs = [hf_flattened_inputs([b], flash_kwargs=setup.attention == _HF_VARLEN) for b in pool]
@@ -469,6 +490,7 @@ def run_setup(spec: Dict[str, Any]) -> Dict[str, Any]:
         "compile_backend": spec["compile_backend"] if compiled else None, "gpus": world_size,
         "micro_batch_size": spec["micro_batch_size"], "gradient_accumulation": accumulation,
         "steps_per_window": spec["steps"], "repeats": spec["repeats"], "warmup_steps": spec["warmup_steps"],
+        "sequences_per_micro_batch": statistics.mean(c["sequences"] for c in counts),
         "sequences_timed": sum(w["sequences"] for w in windows),  # all ranks
         "sequences_per_second": statistics.median(rates), "sequences_per_second_min": rates[0],
         "sequences_per_second_max": rates[-1], "tokens_per_second": statistics.median(token_rates),
@@ -615,7 +637,8 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=16, help="rows (packs or padded sequences) per micro-batch")
     p.add_argument("--gradient-accumulation", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--hf-sequences-per-micro-batch", type=int, default=None,
-                   help="sequences per flattened HF padding-free micro-batch (default: 2 x --micro-batch-size)")
+                   help="sequences per flattened HF padding-free micro-batch (default: as many as one micro-batch "
+                        "of our depth-3 packs holds on the same data)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per timed window")
     p.add_argument("--repeats", type=int, default=3, help="timed windows (the table shows their median, min, max)")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (compile, allocator)")
@@ -679,7 +702,7 @@ def main(argv=None):
             counts = scaling_counts(args.scaling, device) if args.scaling else []
             base = {
                 "micro_batch_size": args.micro_batch_size, "gradient_accumulation": args.gradient_accumulation,
-                "hf_sequences_per_micro_batch": args.hf_sequences_per_micro_batch or 2 * args.micro_batch_size,
+                "hf_sequences_per_micro_batch": args.hf_sequences_per_micro_batch,
                 "steps": args.steps, "repeats": args.repeats, "warmup_steps": args.warmup_steps,
                 "precision": args.precision, "compile_mode": args.compile_mode,
                 "compile_backend": args.compile_backend, "pool_size": args.pool_size,

@@ -230,3 +230,23 @@ def test_compile_both_gives_an_eager_and_a_compiled_row_per_compilable_setup(tmp
     assert eager["graphs_compiled"] is None and compiled["graphs_compiled"] >= 1
     table = capsys.readouterr().out
     assert table.count("| tiny | packed, dense mask |") == 2 and "x HF padding-free" in table
+
+
+def test_padding_free_micro_batches_carry_the_packed_micro_batch_sequences():
+    from bert_packed.data import build_data_source
+
+    args = cuda_throughput.parse_args(SMALL)
+    spec = {"model": "tiny", "micro_batch_size": 4, "gradient_accumulation": 1, "warmup_steps": 1, "steps": 1,
+            "repeats": 1, "num_sequences": 300, "packing_algorithm": args.packing_algorithm, "precision": "fp32",
+            "compile": False, "compile_backend": "inductor", "compile_mode": "default", "set": [], "pool_size": 3,
+            "hf_sequences_per_micro_batch": None}
+    per_micro = cuda_throughput.packed_sequences_per_micro_batch(spec)
+    assert per_micro > 4, "depth-3 packs of 4 rows hold more than 4 sequences"
+    config = cuda_throughput.load_config("tiny", cuda_throughput._overrides(spec, 1, "sdpa"))
+    pool = cuda_throughput.padding_free_pool(spec, build_data_source(config, split="train", micro_batch_size=4))
+    assert len(pool) == 3 and all(b["input_ids"].shape[0] == per_micro for b in pool)
+    flat = cuda_throughput.hf_flattened_inputs([pool[0]], flash_kwargs=True)
+    counts = cuda_throughput.batch_counts(pool[0])
+    assert flat["input_ids"].shape == (1, counts["tokens"])
+    assert flat["cu_seq_lens_q"].tolist() == [0, *np.cumsum(counts["lengths"]).tolist()]
+    assert int((flat["labels"] != -100).sum()) == counts["masked"]
