@@ -9,7 +9,9 @@ key-padding mask.
 An implementation is two plain functions:
 
 * ``prepare(sequence_ids, *, dtype) -> prepared`` runs once per forward (the mask or
-  block mask is built once per batch, not once per layer);
+  block mask is built once per batch, not once per layer); ``dtype`` is the activations'
+  dtype, and an implementation that builds a float mask builds it in the dtype the scores
+  will have (autocast's when autocast is on: :func:`attention_compute_dtype`);
 * ``attend(query, key, value, prepared, *, dropout_p, training) -> context`` runs in
   every layer, on ``[B, num_heads, S, head_dim]`` tensors, and returns the same shape.
 
@@ -21,10 +23,14 @@ across sequences.
 
 Registered here: ``dense`` (explicit additive mask, softmax, matmul; runs everywhere,
 including the IPU through PopTorch with torch 2.0) and ``sdpa``
-(``torch.nn.functional.scaled_dot_product_attention`` with the same mask). The CUDA
-block-sparse implementation lives in ``bert_packed/flex_attention.py`` and registers
-itself with ``register_attention``; it is imported lazily on lookup so that this module
-imports on a CPU-only torch 2.0.
+(``torch.nn.functional.scaled_dot_product_attention`` with the same mask). Every query
+row of their mask allows at least one key (padding attends to padding), so no kernel
+ever sees a fully masked row, and masked pairs get a finite value in the scores' dtype:
+padding rows stay finite in fp32, bf16 and fp16. The GPU implementations live in
+``bert_packed/flex_attention.py`` (block-sparse FlexAttention) and
+``bert_packed/varlen_attention.py`` (torch's variable-length Flash attention) and
+register themselves with ``register_attention``; they are imported lazily on lookup so
+that this module imports on a CPU-only torch 2.0.
 """
 from __future__ import annotations
 
@@ -46,6 +52,9 @@ __all__ = [
     "get_attention",
     "list_attention_implementations",
     "available_attention_implementations",
+    "attention_compute_dtype",
+    "mask_value",
+    "block_diagonal_allowed",
     "block_diagonal_additive_mask",
     "profiler_scope",
     "set_profiler_scopes",
@@ -56,7 +65,7 @@ __all__ = [
 # Modules that register further implementations when imported. They may need CUDA-only
 # or newer-torch features, so they are imported on demand and an ImportError just means
 # "not available here".
-_LAZY_MODULES = ("bert_packed.flex_attention",)
+_LAZY_MODULES = ("bert_packed.flex_attention", "bert_packed.varlen_attention")
 
 
 _PROFILER_SCOPES = True
@@ -153,27 +162,77 @@ def available_attention_implementations(
 # ----------------------------------------------------------------------------- the mask
 
 
-def block_diagonal_additive_mask(sequence_ids: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
-    """Additive attention mask ``[B, 1, S, S]`` from ``sequence_ids`` ``[B, S]`` (0 = padding).
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The autocast dtype active for ``device_type`` ("cpu"/"cuda"), or None when autocast is off.
 
-    Entry (i, j) is 0 where token j is in the same non-padding sequence as token i and a
-    large negative number elsewhere. Why a finite value instead of -inf: a padding query
-    row masks every key, and a row of -inf would turn the softmax into NaN, which then
-    reaches real tokens through ``0 * NaN`` in the next layer. Half of the dtype's minimum
-    stays finite after adding any realistic score, and ``exp`` of it is exactly 0, so the
-    masked keys contribute exact zeros (this is what makes other sequences bit-identical
-    when one sequence changes).
+    torch >= 2.4 has one device-generic pair of functions; torch 2.0 (the Poplar SDK's) has
+    one per device. Other device types (e.g. a graph compiler's) are treated as "no autocast".
+    """
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    if device_type == "cuda":
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    if device_type == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    return None
+
+
+def attention_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the attention scores are computed in for activations of ``dtype`` on ``device``.
+
+    Under autocast the Q/K/V projections come out in the autocast dtype (bf16/fp16), so the
+    scores and ``scaled_dot_product_attention``'s inputs have that dtype, not the fp32 of the
+    embeddings; without autocast it is ``dtype`` itself (fp32 on CPU, fp16 on the IPU).
+    """
+    return _autocast_dtype(torch.device(device).type) or dtype
+
+
+def mask_value(dtype: torch.dtype) -> float:
+    """The additive value of a masked (query, key) pair in ``dtype``: half of its most negative finite number.
+
+    Finite in every precision (fp16: -32752, bf16: about -1.7e38), so it stays finite after
+    any realistic score is added to it, and ``exp`` of it after the softmax's max-subtraction
+    is exactly 0: masked keys contribute exact zeros.
+    """
+    return torch.finfo(dtype).min / 2
+
+
+def block_diagonal_allowed(sequence_ids: torch.Tensor) -> torch.Tensor:
+    """Which key each query may attend to: bool ``[B, S, S]`` from ``sequence_ids`` ``[B, S]`` (0 = padding).
+
+    A real token attends exactly to the tokens of its own sequence. Padding tokens attend to
+    the padding of their row, never to a real token, and no real token attends to them. Why
+    padding gets keys at all: a query row with every key masked has no defined softmax, and
+    kernels disagree on it (the math path returns 0, sdpa's CUDA memory-efficient kernel has
+    returned NaN, pytorch issue 110213), and a NaN in a padding row reaches the real tokens
+    of the next layer through ``0 * NaN`` in the attention-weighted sum of values. With at
+    least one allowed key per row (the token itself) every kernel computes an ordinary
+    softmax, and the real tokens' outputs are the same as if padding attended to nothing.
+    """
+    return sequence_ids[:, :, None] == sequence_ids[:, None, :]
+
+
+def block_diagonal_additive_mask(sequence_ids: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask ``[B, 1, S, S]`` in ``dtype`` from ``sequence_ids`` ``[B, S]`` (0 = padding).
+
+    Entry (i, j) is 0 where :func:`block_diagonal_allowed` allows query i to attend to key j
+    and :func:`mask_value` (finite) elsewhere. ``dtype`` must be the dtype of the attention
+    scores (see :func:`attention_compute_dtype`): an fp32 mask added to bf16 scores would
+    promote the whole ``[B, N, S, S]`` score tensor to fp32, and autocast casting an fp32
+    mask value to fp16 would turn it into -inf.
     """
     with profiler_scope("packing/mask"):
-        keys = sequence_ids[:, None, :]  # [B, 1, S]
-        allowed = (sequence_ids[:, :, None] == keys) & (keys != 0)  # [B, S, S]
+        allowed = block_diagonal_allowed(sequence_ids)  # [B, S, S]
         mask = torch.zeros(allowed.shape, dtype=dtype, device=sequence_ids.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min / 2)
+        mask = mask.masked_fill(~allowed, mask_value(dtype))
         return mask[:, None]  # broadcast over heads
 
 
 def _prepare_additive_mask(sequence_ids: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
-    return block_diagonal_additive_mask(sequence_ids, dtype=dtype)
+    # Built once per forward in the dtype the scores will have (autocast's, if it is on).
+    return block_diagonal_additive_mask(sequence_ids, dtype=attention_compute_dtype(dtype, sequence_ids.device))
 
 
 # ----------------------------------------------------------------------------- dense
@@ -228,6 +287,17 @@ def sdpa_attend(
     training: bool,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with the same additive block-diagonal mask.
+
+    Why an additive mask in the scores' dtype rather than a boolean one: no sdpa kernel takes
+    a boolean mask as such. torch (2.5 to 2.13, ``aten/.../transformers/attention.cpp``)
+    converts a boolean mask to an additive one of the query's dtype inside every call (so
+    once per layer here; -inf, or -65504 for cuDNN), and CUDA's Flash kernel accepts no
+    mask at all (``sdp_utils.cpp``, ``check_for_attn_mask``): with any mask, sdpa runs the
+    cuDNN, memory-efficient or math kernel on a GPU. Building the additive mask once per
+    forward in the right dtype is the cheapest form; the mask must match the query's dtype
+    exactly (or sdpa refuses it), which :func:`attention_compute_dtype` ensures under autocast.
+    Packed attention reaches Flash-class kernels only without a dense mask: ``flex``
+    (block-sparse) or ``varlen`` (cumulative sequence lengths).
 
     The mask is applied inside the fused kernel and cannot be timed on its own, so there is
     no "packing/attention" scope here (an unpacked batch pays for the same padding mask).

@@ -333,7 +333,8 @@ def _section(name: str, source: str) -> Section:
     if name == "finetune":
         return _finetune_section()
     if name not in _SECTIONS:
-        raise ConfigError(f"{source}: unknown section {name!r}; sections are: {', '.join(section_names())}")
+        raise ConfigError(f"{source}: unknown section {name!r}; sections are: {', '.join(section_names())} (a "
+                          f"backend's section is known once its package is imported: import backends)")
     return _SECTIONS[name]
 
 

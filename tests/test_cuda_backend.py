@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from backends import get_backend_class
 from backends.cpu import CPUBackend
 from backends.cuda import CUDABackend, RecompileError, num_compiled_graphs
 from bert_packed.config import ConfigError, load_config
@@ -308,12 +309,29 @@ def test_profile_uses_cuda_events():
     assert result["unit"] == "ms" and 0 < result["cost"] < 10_000
 
 
+# The 2-GPU test's settings: 2 ranks x micro-batch 8 (tiny's) = 16 sequences-rows per pass, so
+# the global batch must be a multiple of 16; one process then accumulates 2 micro-batches.
+TWO_GPU_OVERRIDES = ["train.global_batch_size=16", "cuda.precision=fp32", "cuda.allow_tf32=false"]
+
+
+def test_two_gpu_test_config_is_valid_for_one_and_two_processes():
+    """The 2-GPU test's config passes validation for 2 processes (it did not: global batch 8
+    for 2 ranks x micro-batch 8) and for the 1-process reference, with the same global batch."""
+    from bert_packed.config import gradient_accumulation, validate
+
+    config = load_config("tiny", TWO_GPU_OVERRIDES)
+    validate(config, get_backend_class("cuda"), world_size=2)
+    validate(config, get_backend_class("cuda"), world_size=1)
+    micro = config.train.micro_batch_size
+    cuda = get_backend_class("cuda")
+    assert gradient_accumulation(config, cuda, 2) * micro * 2 == gradient_accumulation(config, cuda, 1) * micro == 16
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="data parallel needs 2 GPUs")
 def test_two_gpu_data_parallel_equals_one_process(tmp_path):
     """torchrun 2 ranks (NCCL) with the same global batch as one process: same losses."""
-    common = ["--backend", "cuda", "--config", "tiny", "--steps", "3", "--set", "train.global_batch_size=8",
-              "--set", "cuda.precision=fp32", "--set", "cuda.allow_tf32=false"]
+    common = ["--backend", "cuda", "--config", "tiny", "--steps", "3", *(a for o in TWO_GPU_OVERRIDES for a in ("--set", o))]
     single, double = str(tmp_path / "one"), str(tmp_path / "two")
     _run_py(common + ["--output-dir", single])
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "run.py",
