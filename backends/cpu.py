@@ -14,7 +14,6 @@ The class is written to be subclassed (the cuda backend does): override the hook
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -23,8 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert_packed.backend import Backend
+from bert_packed.backend import Backend, StepMetrics
 from bert_packed.losses import metric_keys, step_normalizers
+from bert_packed.optim import grad_norm_, step_unless_non_finite
 
 
 class CPUBackend(Backend):
@@ -42,7 +42,8 @@ class CPUBackend(Backend):
         super().__init__()
         self.model = self.optimizer = self.scheduler = None
         self.forward_module = None
-        self.grad_norm = 0.0  # of the last step, set by clip_gradients
+        # Of the last step, set by clip_gradients: 0-dim device tensors (read by the loop when it logs).
+        self.grad_norm = self.found_inf = None
 
     # -- hooks (override in subclasses) ----------------------------------------------------
 
@@ -66,28 +67,21 @@ class CPUBackend(Backend):
         return lambda: time.perf_counter() - start
 
     def optimizer_step(self) -> None:
-        """Clip (if configured), update, advance the schedule, clear gradients.
-
-        A non-finite gradient norm is not applied (the weights stay as they were): the loop
-        reads ``grad_norm`` from the metrics and stops the run."""
+        """Clip (if configured), update, advance the schedule, clear gradients, with no host
+        synchronisation: a non-finite gradient norm is not applied (the weights and moments stay
+        as they were), decided on the device (``optim.step_unless_non_finite``); the loop reads
+        ``grad_norm`` with the step's other numbers and stops the run at that step."""
         self.clip_gradients()
-        if math.isfinite(self.grad_norm):
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
+        step_unless_non_finite(self.optimizer, self.found_inf)
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def clip_gradients(self) -> None:
-        """Measure the global gradient norm (``self.grad_norm``, before clipping) and clip it to
-        ``optimizer.max_grad_norm`` when configured."""
-        max_norm = self.plan.max_grad_norm
-        if max_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
-                    if grads else torch.zeros(()))
-        self.grad_norm = float(norm)
+        """Measure the global gradient norm (``self.grad_norm``, before clipping, a 0-dim device
+        tensor) and whether it is finite (``self.found_inf``), and clip to
+        ``optimizer.max_grad_norm`` when configured: foreach norms, nothing read on the host."""
+        self.grad_norm, self.found_inf = grad_norm_(self.model.parameters(), self.plan.max_grad_norm)
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -134,9 +128,10 @@ class CPUBackend(Backend):
         """Copy the batches and give every pack the step's global counts (all ranks)."""
         return step_normalizers(self.model, micro_batches, all_reduce=self.all_reduce_)
 
-    def _run(self, micro_batches: List[Dict[str, np.ndarray]], train: bool) -> Dict[str, float]:
+    def _run(self, micro_batches: List[Dict[str, np.ndarray]], train: bool) -> torch.Tensor:
+        """The step's summed metrics (``metric_keys`` order) over all processes, on the device."""
         keys = metric_keys(self.model)
-        # Accumulate on the device and copy once: a .cpu() per micro-batch would stall a GPU.
+        # Accumulated and reduced on the device: nothing is copied to the host here.
         sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         for batch in self._normalise(micro_batches):
             with self.autocast():
@@ -144,24 +139,25 @@ class CPUBackend(Backend):
             if train:
                 self.backward(out["loss"])
             sums += torch.stack([out[k].detach().double() for k in keys])
-        sums = sums.cpu()
-        self.all_reduce_(sums)
-        return dict(zip(keys, sums.tolist()))
+        return self.all_reduce_(sums)
 
-    def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> Dict[str, float]:
+    def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> StepMetrics:
+        """One step; its numbers stay on the device as 0-dim tensors until read (the loop reads
+        them when it logs: no host synchronisation inside the step)."""
         self.model.train()
-        metrics = self._run(micro_batches, train=True)
+        sums = self._run(micro_batches, train=True)
         self.reduce_gradients()
         self.optimizer_step()
+        metrics: Dict[str, Any] = dict(zip(metric_keys(self.model), sums.unbind()))
         metrics["grad_norm"] = self.grad_norm
         if self.scheduler is not None:
             metrics["learning_rate"] = float(self.scheduler.get_last_lr()[0])
-        return metrics
+        return StepMetrics(metrics)
 
     @torch.no_grad()
     def eval_step(self, batch: Dict[str, np.ndarray]) -> Dict[str, float]:
         self.model.eval()
-        return self._run([batch], train=False)
+        return dict(zip(metric_keys(self.model), self._run([batch], train=False).tolist()))
 
     @torch.no_grad()
     def predict_step(self, batch: Dict[str, np.ndarray], names=("logits",)) -> Dict[str, np.ndarray]:

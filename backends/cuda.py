@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from backends.cpu import CPUBackend
+from bert_packed.backend import StepMetrics
 from bert_packed.config import ConfigError, check_section
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -170,10 +171,10 @@ class CUDABackend(CPUBackend):
 
     # -- the protocol -----------------------------------------------------------------------
 
-    def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> Dict[str, float]:
+    def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> StepMetrics:
         graphs_before = num_compiled_graphs()
         timer = _EventTimer(self.device)
-        metrics = super().train_step(micro_batches)
+        metrics = super().train_step(micro_batches).raw
         device_seconds = timer.stop()
         self.num_steps += 1
         cuda = self.plan.settings
@@ -195,7 +196,7 @@ class CUDABackend(CPUBackend):
             # By design, not divergence: the loop logs it and stops after
             # train.max_consecutive_skipped_steps in a row.
             metrics["skipped_step"] = float(self.skipped_step)
-        return metrics
+        return StepMetrics(metrics)
 
     def start_timer(self) -> Callable[[], float]:
         """CUDA events bracket the GPU work itself (no host overhead, no sync inside the window),

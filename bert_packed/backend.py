@@ -18,7 +18,8 @@ M = max masked tokens per pack; batch fields as in docs/internals.md.
   The backend fills in the global-count normalisers (``bert_packed.losses.step_normalizers``,
   counts summed over processes), runs forward+backward over all of them, reduces gradients
   across processes, and applies one optimizer (and schedule) update per step. Returns the
-  step's metrics over ALL processes (a list of them when ``steps_per_call > 1``): the
+  step's metrics over ALL processes (a list of them when ``steps_per_call > 1``; a
+  ``StepMetrics`` where they stay on the device until read): the
   model's ``metric_keys`` (step means, as if the step were one unpacked batch, then the
   counts), ``learning_rate``, and where the backend has them ``grad_norm`` (global norm before
   clipping) and ``skipped_step`` (1.0 when the update was skipped on purpose, e.g. fp16 loss
@@ -31,12 +32,37 @@ M = max masked tokens per pack; batch fields as in docs/internals.md.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 Batch = Dict[str, np.ndarray]
 Metrics = Dict[str, float]
+
+
+class StepMetrics(Mapping):
+    """A step's metrics as a backend returns them without waiting for the device: the values
+    may be 0-dim device tensors. Reading one (``metrics["loss"]``, ``dict(metrics)``) gives a
+    python float, which waits for the device then; the training loop instead collects ``raw``
+    (the values as they are) of all steps since it last looked and reads them in one transfer
+    (``bert_packed.loop.logger.to_host``): no host synchronisation inside a step."""
+
+    def __init__(self, values: Dict[str, Any]):
+        self.raw = dict(values)
+
+    def __getitem__(self, key: str) -> float:
+        value = self.raw[key]
+        return float(value) if hasattr(value, "item") else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __repr__(self) -> str:
+        return f"StepMetrics({self.raw!r})"
 
 
 class Backend:

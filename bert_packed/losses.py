@@ -293,9 +293,9 @@ def _summed(counts: Tuple[float, ...], all_reduce: Optional[Callable[[torch.Tens
     """``counts`` summed over processes by ``all_reduce`` (in place on a float64 tensor), if given."""
     if all_reduce is None:
         return counts
-    total = torch.tensor(counts, dtype=torch.float64)
+    total = torch.tensor(counts, dtype=torch.float64)  # host numbers: the counts come from the numpy batches
     all_reduce(total)
-    return tuple(float(c) for c in total)
+    return tuple(total.numpy().tolist())
 
 
 def _set_per_pack(micro_batches: Sequence[MutableMapping[str, object]],

@@ -105,3 +105,50 @@ def test_divergence_between_reads_stops_at_the_step_where_it_happened(tmp_path):
     with open(tmp_path / "summary.json") as f:
         summary = json.load(f)
     assert (summary["status"], summary["last_step"], summary["checkpoint_step"]) == ("diverged", 4, 4)
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "adamw"])
+def test_the_cpu_step_never_reads_a_number_on_the_host(optimizer, monkeypatch):
+    """No host synchronisation inside a step: nothing in train_step turns a tensor into a python
+    number (item, float, bool, tolist); the loss and gradient norm come back as device tensors."""
+    from bert_packed.build import build_model, build_optimizer
+    from bert_packed.loop.plan import make_plan
+
+    config = load_config("tiny", TINY + [f"optimizer.name={optimizer}", "optimizer.max_grad_norm=1.0"])
+    torch.manual_seed(0)
+    model = build_model(config)
+    opt, schedule = build_optimizer(config, model)
+    backend = CPUBackend()
+    backend.prepare(model, opt, make_plan(config, backend), scheduler=schedule)
+    batches = iter(_source())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host inside train_step")
+
+    results = []
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+            patch.setattr(torch.Tensor, name, refuse)
+        for _ in range(3):
+            results.append(backend.train_step([next(batches)]))
+    assert all(isinstance(m.raw["loss"], torch.Tensor) and isinstance(m.raw["grad_norm"], torch.Tensor)
+               for m in results)
+    read = to_host(results)
+    assert all(value == value for step in read for value in step.values())  # finite numbers, read once
+
+
+def test_real_divergence_between_reads_is_stopped_where_one_read_per_step_stops_it(tmp_path):
+    """lr 1000 on the cpu backend: the same step is named whether numbers are read every step or
+    every 7th, and the checkpoint kept is the last one before it, with finite weights."""
+    base = TINY + ["train.steps=30", "optimizer.learning_rate=1000", "optimizer.warmup_fraction=0"]
+    stops = {}
+    for log_every in (1, 7):
+        out = tmp_path / f"every{log_every}"
+        config = load_config("tiny", base + [f"train.log_every={log_every}", "train.checkpoint_every=3"])
+        with pytest.raises(DivergenceError) as error:
+            train(config, CPUBackend(), output_dir=str(out), show_progress=False)
+        stops[log_every] = int(str(error.value).split(":")[0].split()[1])
+        saved = load_checkpoint(str(out / CHECKPOINT_NAME))
+        assert saved["step"] == (stops[log_every] - 1) // 3 * 3
+        assert all(torch.isfinite(t).all() for t in saved["model"].values() if t.is_floating_point())
+    assert stops[1] == stops[7] and stops[1] > 1

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
+from bert_packed.backend import StepMetrics
 from bert_packed.io import write_text_atomic
 
 METRICS_NAME = "metrics.jsonl"
@@ -23,6 +24,7 @@ def to_host(steps: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     the step; they are read here, where the loop must look at them)."""
     import torch
 
+    steps = [metrics.raw if isinstance(metrics, StepMetrics) else metrics for metrics in steps]  # unread values
     tensors: Dict[Any, List[Any]] = {}
     for i, metrics in enumerate(steps):
         for key, value in metrics.items():
