@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name -> keyword arguments verified in torch 2.0 (positional use is always fine).
 TORCH_2_0 = {
     "torch.gather": set(), "torch.matmul": set(), "torch.ones_like": {"dtype"}, "torch.softmax": {"dim", "dtype"},
-    "torch.stack": {"dim"}, "torch.tanh": set(), "torch.tensor": {"dtype", "device"},
+    "torch.stack": {"dim"}, "torch.device": set(), "torch.tanh": set(), "torch.tensor": {"dtype", "device"},
     "torch.zeros": {"device", "dtype"}, "torch.zeros_like": {"dtype", "device"}, "torch.full": {"dtype", "device"},
     "torch.arange": {"device", "dtype"}, "torch.where": set(), "torch.cat": {"dim"}, "torch.ones": {"dtype", "device"},
     "torch.nn.functional.gelu": {"approximate"}, "torch.nn.functional.linear": set(),
