@@ -1,0 +1,316 @@
+"""Hostile inputs to fine-tuning (issue 27): CSV/TSV/JSONL files, labels, SQuAD files,
+checkpoint import, and the outputs of `python -m bert_packed.finetune predict/export`.
+
+Every case asserts the exact one-line message, exit status 2, that the inputs (data files,
+checkpoint) are byte-identical afterwards, and that nothing was written (the run's output
+directory holds at most its lock file; predict/export wrote nothing). The cases go through
+the surfaces users touch: ``run.main`` for training runs, the fine-tuning CLI's ``main``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from finetune_fixtures import save_hf_checkpoint, write_vocab
+from hostile import assert_unchanged, main_error, snapshot
+
+transformers = pytest.importorskip("transformers")
+
+S = 64  # the tiny checkpoint's max_position_embeddings
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Hugging Face BertForPreTraining directory with its fast tokenizer (read-only use)."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    vocab = write_vocab(str(directory / "vocab"))
+    save_hf_checkpoint(transformers, str(directory / "bert"), vocab, "BertForPreTraining")
+    return directory / "bert"
+
+
+def no_output(out):
+    """Nothing of a run was written: the output directory is absent or holds only its lock."""
+    assert not out.exists() or sorted(os.listdir(out)) == [".lock"], sorted(os.listdir(out))
+
+
+GOOD = "text,label\ngood dog,pos\nbad cat,neg\nfine tree,pos\nsad river,neg\n"
+
+
+def write(path, content):
+    if isinstance(content, str):
+        content = content.encode("utf-8")
+    path.write_bytes(content)
+    return path
+
+
+def classify(capsys, checkpoint, out, train, validation=None, *extra):
+    """(exit status, the one error line) of a classification run on ``train`` (and ``validation``)."""
+    argv = ["--config", "finetune_classification", "--init-checkpoint", str(checkpoint), "--output-dir", str(out),
+            "--no-progress", "--set", f"data.max_sequence_length={S}", "--set", f"finetune.train_file={train}",
+            "--set", "train.num_threads=1", *extra]
+    if validation is not None:
+        argv += ["--set", f"finetune.validation_file={validation}"]
+    return main_error(capsys, argv)
+
+
+def refused(capsys, checkpoint, tmp_path, train, message, validation=None, *extra):
+    """The classification run on ``train`` is refused with exactly ``message``; nothing changed."""
+    data = tmp_path / "data"
+    before = snapshot(data, checkpoint)
+    out = tmp_path / "out"
+    code, line = classify(capsys, checkpoint, out, train, validation, *extra)
+    assert (code, line) == (2, f"error: {message}")
+    assert_unchanged(before, data, checkpoint)
+    no_output(out)
+
+
+@pytest.fixture
+def data(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write(folder / "dev.csv", GOOD)
+    return folder
+
+
+# ----------------------------------------------------------------------------- CSV / TSV / JSONL
+
+
+def test_an_unquoted_delimiter_making_an_extra_field_is_refused(capsys, checkpoint, tmp_path, data):
+    # csv.DictReader would file 'neg' under the key None and train on 'bad' labelled ' cat'.
+    train = write(data / "train.csv", "text,label\ngood dog,pos\nbad, cat,neg\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: 3 fields but the header has 2: extra value 'neg' in ['bad', ' cat', 'neg'] (a ',' "
+            f"inside an unquoted value?); quote values that hold the delimiter", data / "dev.csv")
+
+
+def test_a_tab_inside_a_tsv_value_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.tsv", "text\tlabel\ngood dog\tpos\nbad\tcat\tneg\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: 3 fields but the header has 2: extra value 'neg' in ['bad', 'cat', 'neg'] (a tab "
+            f"inside an unquoted value?); quote values that hold the delimiter", data / "dev.csv")
+
+
+def test_duplicate_column_names_are_refused_naming_both(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "label,text,label\npos,good dog,neg\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 1: the header names column 'label' twice (columns 1 and 3); which one is meant is "
+            f"ambiguous: rename one", data / "dev.csv")
+
+
+def test_a_short_row_is_refused_naming_the_missing_column(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "text,label\ngood dog,pos\nbad cat\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: 1 field(s) but the header has 2: no value for column 'label' in ['bad cat']; every "
+            f"row needs every column (an empty value is nothing between two delimiters)", data / "dev.csv")
+
+
+def test_an_empty_text_is_refused_naming_line_and_column(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "text,label\ngood dog,pos\n  ,neg\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: column 'text': the text is empty; remove the row or fill it in (an empty text would "
+            f"train on [CLS] [SEP] alone)", data / "dev.csv")
+
+
+def test_an_empty_label_is_refused_naming_line_and_column(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "text,label\ngood dog,pos\nbad cat,\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: column 'label': label '' is empty; every row needs a label (remove the row or fill it "
+            f"in)", data / "dev.csv")
+
+
+def test_a_quote_that_is_never_closed_is_refused_not_swallowing_the_file(capsys, checkpoint, tmp_path, data):
+    # Without strict quoting the rest of the file became one text value.
+    train = write(data / "train.csv", 'text,label\n"good dog,pos\nbad cat,neg\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: lines 2-3: not valid CSV (unexpected end of data); a value holding a quote, a ',' or a line "
+            f"break must be quoted whole, with inner quotes doubled (\"\")", data / "dev.csv")
+
+
+def test_text_after_a_closing_quote_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", 'text,label\n"good" dog,pos\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 2: not valid CSV (',' expected after '\"'); a value holding a quote, a ',' or a line "
+            f"break must be quoted whole, with inner quotes doubled (\"\")", data / "dev.csv")
+
+
+def test_another_encoding_is_refused_naming_line_and_byte_offset(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "text,label\ngood dog,pos\ncafé noir,neg\n".encode("latin-1"))
+    assert len(b"text,label\ngood dog,pos\ncaf") == 27
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: not UTF-8 (byte 0xe9 at byte offset 27, column 4); save the file as UTF-8, e.g. "
+            f"iconv -f <encoding> -t utf-8", data / "dev.csv")
+
+
+def test_a_utf16_file_is_refused_and_said_to_be_utf16(capsys, checkpoint, tmp_path, data):
+    validation = write(data / "dev.csv", GOOD.encode("utf-16"))
+    train = write(data / "train.csv", GOOD)
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{validation}: line 1: not UTF-8 (byte 0xff at byte offset 0, column 1: a UTF-16 byte-order mark); save "
+            f"the file as UTF-8, e.g. iconv -f <encoding> -t utf-8", validation)
+
+
+def test_a_utf8_byte_order_mark_is_accepted_and_not_part_of_the_first_column(tmp_path):
+    from bert_packed.finetune.data import read_table
+
+    path = write(tmp_path / "bom.csv", b"\xef\xbb\xbf" + GOOD.encode())
+    table = read_table(str(path), ["text", "label"])
+    assert table["text"][:2] == ["good dog", "bad cat"] and table["text"].lines == [2, 3, 4, 5]
+    jsonl = write(tmp_path / "bom.jsonl", b"\xef\xbb\xbf" + b'{"text": "a", "label": "pos"}\n')
+    assert read_table(str(jsonl), ["text", "label"]) == {"text": ["a"], "label": ["pos"]}
+
+
+def test_a_long_document_is_a_text_not_a_csv_error(tmp_path):
+    from bert_packed.finetune.data import read_table
+
+    text = "word " * 60_000  # 300,000 characters: over csv's default field limit of 131,072
+    path = write(tmp_path / "long.csv", f"text,label\n{text},pos\nshort,neg\n")
+    assert read_table(str(path), ["text"])["text"] == [text, "short"]
+    import csv
+
+    assert csv.field_size_limit() == 131072  # the process-wide limit is restored
+
+
+def test_a_json_line_with_a_key_twice_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.jsonl", '{"text": "good dog", "label": "pos"}\n{"text": "bad", "label": "neg", '
+                                        '"label": "pos"}\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 2: key 'label' occurs twice in one object; which value is meant is ambiguous: keep one",
+            data / "dev.csv")
+
+
+def test_a_json_null_label_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.jsonl", '{"text": "good dog", "label": "pos"}\n\n{"text": "bad", "label": null}\n')
+    refused(capsys, checkpoint, tmp_path, train, f"{train}: line 3: no value in column 'label' (null)",
+            data / "dev.csv")
+
+
+def test_a_json_text_that_is_not_a_string_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.jsonl", '{"text": "good dog", "label": "pos"}\n{"text": 42, "label": "neg"}\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 2: column 'text': the text is a int (42), not a string", data / "dev.csv")
+
+
+def test_a_tsv_named_csv_gets_a_hint(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "text\tlabel\ngood dog\tpos\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: no column 'text'; columns: text\tlabel (the header is one column holding a tab: name the "
+            f"file .tsv?)", data / "dev.csv")
+
+
+def test_spaces_around_a_header_name_get_a_hint(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "text, label\ngood dog,pos\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: no column 'label'; columns: text,  label (the header has ' label': spaces around the name)",
+            data / "dev.csv")
+
+
+def test_lines_stay_right_through_the_held_out_split(capsys, checkpoint, tmp_path, data):
+    # No validation file: 10 % of the rows are held out; a bad label in either part is still
+    # reported at its line of the training file.
+    rows = [f"text {i},{'pos' if i % 2 else 'neg'}" for i in range(30)]
+    rows[17] = "text 17,7"
+    train = write(data / "train.csv", "text,label\n" + "\n".join(rows) + "\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 19: column 'label': label '7' is not written like label 'neg' (line 2): labels mix "
+            f"names, numbers or booleans; write every label the same way (all names, or all class ids)")
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def test_class_ids_written_as_floats_are_not_silently_regression(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "text,label\ngood dog,1.0\nbad cat,0.0\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 2: column 'label': label '1.0' is a whole number written as a decimal: a class id or a "
+            f"regression target? set finetune.problem_type (single_label_classification or regression), or write "
+            f"class ids as integers", data / "dev.csv")
+
+
+def test_a_nan_label_among_class_ids_is_refused_not_regression(capsys, checkpoint, tmp_path, data):
+    # Was: one 'nan' (pandas' missing value) made every other class id a regression target.
+    train = write(data / "train.csv", "text,label\ngood dog,1\nbad cat,0\nsad river,nan\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 4: column 'label': label 'nan' is not a finite number (a missing value written as a "
+            f"number?); fix or remove the row", data / "dev.csv")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-Infinity"])
+def test_a_non_finite_regression_target_is_a_data_error_not_divergence(capsys, checkpoint, tmp_path, data, value):
+    # Was: trained, and the run ended "diverged" (exit 3).
+    train = write(data / "train.csv", "text,label\ngood dog,0.5\nbad cat,0.25\n")
+    validation = write(data / "dev.csv", f"text,label\ngood dog,0.5\nbad cat,{value}\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{validation}: line 3: column 'label': label {value!r} is not a finite number; a regression target must "
+            f"be one (fix or remove the row)", validation, "--set", "finetune.problem_type=regression")
+
+
+def test_a_json_nan_regression_target_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.jsonl", '{"text": "good dog", "label": 0.5}\n{"text": "bad cat", "label": NaN}\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 2: column 'label': label nan is not a finite number (a missing value written as a "
+            f"number?); fix or remove the row", data / "dev.csv")
+
+
+def test_names_mixed_with_class_ids_are_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "text,label\ngood dog,pos\nbad cat,0\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: column 'label': label '0' is not written like label 'pos' (line 2): labels mix "
+            f"names, numbers or booleans; write every label the same way (all names, or all class ids)",
+            data / "dev.csv")
+
+
+def test_booleans_mixed_with_names_are_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.jsonl", '{"text": "good dog", "label": true}\n{"text": "bad cat", "label": "no"}\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 2: column 'label': label 'no' is not written like label True (line 1): labels mix "
+            f"names, numbers or booleans; write every label the same way (all names, or all class ids)",
+            data / "dev.csv")
+
+
+def test_a_negative_class_id_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "text,label\ngood dog,1\nbad cat,-1\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: column 'label': label '-1' is a negative class id; class ids count from 0",
+            data / "dev.csv")
+
+
+def test_a_fractional_class_id_is_refused_when_the_task_is_classification(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", "text,label\ngood dog,1\nbad cat,0.5\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: column 'label': label '0.5' is not a class id (it has a fraction); for numeric "
+            f"targets set finetune.problem_type=regression", data / "dev.csv",
+            "--set", "finetune.problem_type=single_label_classification")
+
+
+def test_a_validation_label_the_training_data_lacks_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.csv", GOOD)
+    validation = write(data / "dev.csv", "text,label\ngood dog,pos\nbad cat,neutral\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{validation}: line 3: column 'label': label 'neutral' is not one of the training labels (neg, pos)",
+            validation)
+
+
+def test_a_multi_label_list_mixed_with_a_single_label_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.jsonl", '{"text": "good dog", "label": ["pos"]}\n{"text": "bad cat", "label": "neg"}\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 2: column 'label': label 'neg' is not a list, but other rows' labels are (multi-label); "
+            f"write every label as a list ([] for none)", data / "dev.csv")
+
+
+def test_whole_numbers_as_decimals_are_class_ids_when_the_problem_type_says_so():
+    from bert_packed.finetune.classification import Labels
+
+    labels = Labels.from_training(["1.0", "0", "2.0"], "single_label_classification", None, ",", None, "t")
+    assert labels.num_labels == 3 and labels.encode(["2.0", "1"], ",", "v").tolist() == [2, 1]
+    regression = Labels.from_training(["1.0", "0.0"], "regression", None, ",", None, "t")
+    assert regression.encode(["3.0"], ",", "v").tolist() == [3.0]
+    multi = Labels.from_training(["a,b", "", "b"], "multi_label_classification", None, ",", None, "t")
+    assert multi.encode([""], ",", "v").tolist() == [[0, 0]]  # an empty multi-label row: no labels
+    booleans = Labels.from_training([True, False], None, None, ",", None, "t")
+    assert booleans.id2label == {0: "False", 1: "True"}
