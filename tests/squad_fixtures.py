@@ -88,7 +88,8 @@ def _questions(rng: random.Random, context: str, fact: Dict[str, str]) -> List[D
     else:
         question, text = f"What did {p} {base} in {y}?", f"the {th} of {tw}"
     # The answer occurrence inside this fact's own sentence (names may repeat across facts).
-    start = context.find(text, sentence_start - 12 if pick == 1 else sentence_start)
+    start = context.find(text, max(0, sentence_start - 12) if pick == 1 else sentence_start)
+    assert start >= 0, (context, text)
     answers = [{"text": text, "answer_start": start}]
     if pick == 3:  # a second gold answer without the article, as SQuAD's crowd answers vary
         answers.append({"text": f"{th} of {tw}", "answer_start": start + 4})
