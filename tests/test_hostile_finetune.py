@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -462,3 +463,109 @@ def test_version_2_false_with_unanswerable_training_questions_is_refused_by_the_
                   "{train}: question 'q' is unanswerable (no answers), and 1 in all, but "
                   "finetune.version_2_with_negative is false (SQuAD v1.1); set it to true (or null), or remove them",
                   "--set", "finetune.version_2_with_negative=false")
+
+
+# ----------------------------------------------------------------------------- checkpoint import
+
+
+def edited_checkpoint(source, target, edit_config=None, drop=()):
+    """A copy of the checkpoint ``source`` with config.json edited and tensors ``drop``-ped."""
+    shutil.copytree(source, target)
+    if edit_config is not None:
+        path = target / "config.json"
+        config = json.loads(path.read_text())
+        edit_config(config)
+        path.write_text(json.dumps(config))
+    if drop:
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(target / "model.safetensors"))
+        for name in [k for k in state if k.startswith(drop)]:
+            del state[name]
+        save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def import_refused(capsys, checkpoint, tmp_path, message, edit_config=None, drop=()):
+    broken = edited_checkpoint(checkpoint, tmp_path / "broken", edit_config, drop)
+    data = tmp_path / "data"
+    data.mkdir()
+    train = write(data / "train.csv", GOOD)
+    before = snapshot(data, broken)
+    out = tmp_path / "out"
+    code, line = classify(capsys, broken, out, train, train)
+    message = message.replace("{config}", str(broken / "config.json")).replace("{ckpt}", str(broken))
+    assert (code, line) == (2, "error: " + message)
+    assert_unchanged(before, data, broken)
+    no_output(out)
+
+
+def test_a_layer_config_json_names_but_the_weights_lack_is_an_error(capsys, checkpoint, tmp_path):
+    # Was: layer 2 trained from random weights, with one info line.
+    import_refused(capsys, checkpoint, tmp_path,
+                   "{config}: num_hidden_layers is 3 but the weights hold layers 0-1: layer(s) 2 would start from "
+                   "random weights; fix num_hidden_layers, or use the weights this config.json belongs to",
+                   edit_config=lambda c: c.update(num_hidden_layers=3))
+
+
+def test_weights_with_more_layers_than_config_json_are_an_error(capsys, checkpoint, tmp_path):
+    import_refused(capsys, checkpoint, tmp_path,
+                   "{config}: num_hidden_layers is 1 but the weights hold layers 0-1: layer(s) 1 would be dropped; "
+                   "fix num_hidden_layers, or use the weights this config.json belongs to",
+                   edit_config=lambda c: c.update(num_hidden_layers=1))
+
+
+def test_weights_lacking_part_of_a_layer_are_an_error(capsys, checkpoint, tmp_path):
+    import_refused(capsys, checkpoint, tmp_path,
+                   "{config}: the weights lack 10 tensor(s) of the BERT it describes (first: "
+                   "encoder.layer.1.attention.self.query.weight); they would start from random weights: use the "
+                   "weights this config.json belongs to", drop=("bert.encoder.layer.1.attention.",))
+
+
+def test_weights_lacking_the_embeddings_are_an_error(capsys, checkpoint, tmp_path):
+    import_refused(capsys, checkpoint, tmp_path,
+                   "{config}: the weights lack 3 tensor(s) of the BERT it describes (first: "
+                   "embeddings.word_embeddings.weight); they would start from random weights: use the weights this "
+                   "config.json belongs to", drop=("bert.embeddings.word_", "bert.embeddings.LayerNorm"))
+
+
+def test_load_weights_refuses_a_missing_body_tensor_and_allows_a_new_head(checkpoint):
+    # The backstop for what read_pretrained does not see (our own checkpoints, state dicts from code).
+    from bert_packed import hf_io
+    from bert_packed.modeling import BertConfig, BertForSequenceClassification
+
+    pretrained = hf_io.read_pretrained(str(checkpoint))
+    model = BertForSequenceClassification(BertConfig.from_hf(pretrained.hf_config, num_labels=3))
+    summary = hf_io.load_weights(model, pretrained.state_dict, source="ckpt")
+    assert summary.startswith("init checkpoint ckpt: loaded ") and "newly initialised: classifier.bias, " \
+        "classifier.weight; not used: cls.predictions.* (5), cls.seq_relationship.* (2)" in summary, summary
+    state = {k: v for k, v in pretrained.state_dict.items() if "layer.1.output.dense" not in k}
+    with pytest.raises(hf_io.CheckpointError) as info:
+        hf_io.load_weights(model, state, source="ckpt")
+    assert str(info.value) == ("ckpt: the weights lack bert.encoder.* (2), which the model needs (only a task head "
+                               "may start fresh); the checkpoint's config.json does not match its weights")
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("hidden_size", "32", 'hidden_size must be a positive integer, got "32" (a string)'),
+    ("num_hidden_layers", 2.5, "num_hidden_layers must be a positive integer, got 2.5 (a number)"),
+    ("vocab_size", None, "vocab_size must be a positive integer, got null (null)"),
+    ("num_attention_heads", True, "num_attention_heads must be a positive integer, got true (a boolean)"),
+    ("intermediate_size", 0, "intermediate_size must be a positive integer, got 0 (an integer)"),
+    ("hidden_dropout_prob", "0.1", 'hidden_dropout_prob must be a number in [0, 1), got "0.1" (a string)'),
+    ("layer_norm_eps", -1e-12, "layer_norm_eps must be a positive number, got -1e-12 (a number)"),
+    ("tie_word_embeddings", "true", 'tie_word_embeddings must be true or false, got "true" (a string)'),
+    ("hidden_act", 7, 'hidden_act must be the name of an activation (e.g. "gelu"), got 7 (an integer)'),
+    ("problem_type", "classification", "problem_type must be null or one of single_label_classification, "
+                                       'multi_label_classification, regression, got "classification" (a string)'),
+    ("id2label", {"neg": 0, "pos": 1}, "id2label must map class ids to names, but it has the key 'neg' (keyed by "
+                                       'names, like label2id?): write {"0": "neg", ...}'),
+    ("id2label", ["neg", "pos"], 'id2label must map class ids to names (e.g. {"0": "neg", "1": "pos"}), got a list'),
+    ("id2label", {"0": "neg", "2": "pos"}, "id2label's class ids must be 0..1, got 0, 2"),
+    ("id2label", {"0": "pos", "1": "pos"}, "id2label names 'pos' twice (ids 0 and 1); which class a prediction of "
+                                           "'pos' means is ambiguous"),
+    ("id2label", {"0": 1, "1": 0}, 'id2label["0"] must be a label name (a string), got 1'),
+], ids=lambda v: str(v)[:20])
+def test_wrongly_typed_config_fields_are_one_line_errors(capsys, checkpoint, tmp_path, field, value, expected):
+    # Were tracebacks (or a string hidden_size reaching the model).
+    import_refused(capsys, checkpoint, tmp_path, "{config}: " + expected, edit_config=lambda c: c.update({field: value}))
