@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 
+from bert_packed.finetune.__main__ import main as finetune_main
 from finetune_fixtures import save_hf_checkpoint, write_vocab
 from hostile import assert_unchanged, main_error, snapshot
 
@@ -569,3 +570,115 @@ def test_load_weights_refuses_a_missing_body_tensor_and_allows_a_new_head(checkp
 def test_wrongly_typed_config_fields_are_one_line_errors(capsys, checkpoint, tmp_path, field, value, expected):
     # Were tracebacks (or a string hidden_size reaching the model).
     import_refused(capsys, checkpoint, tmp_path, "{config}: " + expected, edit_config=lambda c: c.update({field: value}))
+
+
+# ----------------------------------------------------------------------------- predict / export outputs
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, checkpoint):
+    """A finished one-step classification run (checkpoint.pt, metrics.jsonl, hf/), and a CSV to predict."""
+    import run
+
+    root = tmp_path_factory.mktemp("finished")
+    train = write(root / "train.csv", GOOD)
+    out = root / "run"
+    assert run.main(["--config", "finetune_classification", "--init-checkpoint", str(checkpoint), "--output-dir",
+                     str(out), "--no-progress", "--set", f"data.max_sequence_length={S}", "--set",
+                     f"finetune.train_file={train}", "--set", f"finetune.validation_file={train}", "--steps", "1",
+                     "--set", "train.checkpoint_every=1", "--set", "train.num_threads=1"]) == 0
+    return root, out
+
+
+def cli_refused(capsys, argv, message, *roots):
+    before = snapshot(*roots)
+    code, line = main_error(capsys, [str(a) for a in argv], entry=finetune_main)
+    assert (code, line) == (2, f"error: {message}")
+    assert_unchanged(before, *roots)
+
+
+def test_predict_refuses_to_overwrite_its_input(capsys, finished, checkpoint):
+    root, out = finished
+    data = root / "train.csv"
+    cli_refused(capsys, ["predict", "--model", out / "hf", "--input", data, "--output", data],
+                f"--output {data} is the --input file {data}; writing it would destroy the input: choose another "
+                f"output path", root, checkpoint)
+
+
+def test_predict_refuses_its_input_under_another_name(capsys, finished, tmp_path, checkpoint):
+    root, out = finished
+    alias = tmp_path / "alias.csv"
+    os.symlink(root / "train.csv", alias)
+    cli_refused(capsys, ["predict", "--model", out / "hf", "--input", root / "train.csv", "--output", alias],
+                f"--output {alias} is the --input file {root / 'train.csv'}; writing it would destroy the input: "
+                f"choose another output path", root, checkpoint, tmp_path)
+
+
+def test_predict_refuses_to_write_into_the_model_directory(capsys, finished, tmp_path, checkpoint):
+    root, out = finished
+    target = out / "hf" / "config.json"
+    cli_refused(capsys, ["predict", "--model", out / "hf", "--input", root / "train.csv", "--output", target],
+                f"--output {target} is inside the --model directory {out / 'hf'}; writing there would change that "
+                f"input: choose a path outside it", root, checkpoint)
+
+
+def test_predict_refuses_to_write_into_a_run_directory(capsys, finished, tmp_path, checkpoint):
+    root, out = finished
+    model = tmp_path / "model"
+    shutil.copytree(out / "hf", model)
+    target = out / "predictions.jsonl"  # the run's own predictions
+    cli_refused(capsys, ["predict", "--model", model, "--input", root / "train.csv", "--output", target],
+                f"--output {target} is inside the run directory {out} (it holds checkpoint.pt, metrics.jsonl); a "
+                f"run's directory is for that run's own outputs: choose a path outside it", root, checkpoint, tmp_path)
+
+
+def test_predict_refuses_an_output_that_is_a_directory(capsys, finished, tmp_path, checkpoint):
+    root, out = finished
+    (tmp_path / "folder").mkdir()
+    cli_refused(capsys, ["predict", "--model", out / "hf", "--input", root / "train.csv", "--output",
+                         tmp_path / "folder"],
+                f"--output {tmp_path / 'folder'} is a directory; give the path of a file to write", root, checkpoint,
+                tmp_path)
+
+
+def test_predict_refuses_a_model_with_ambiguous_labels(capsys, finished, tmp_path, checkpoint):
+    root, out = finished
+    model = edited_checkpoint(out / "hf", tmp_path / "model",
+                              lambda c: c.update(id2label={"0": "neg", "1": "neg"}, label2id={"neg": 1}))
+    cli_refused(capsys, ["predict", "--model", model, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{model / 'config.json'}: id2label names 'neg' twice (ids 0 and 1); which class a prediction of "
+                f"'neg' means is ambiguous", root, checkpoint, tmp_path)
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+@pytest.mark.parametrize("where", ["run", "run/hf", "checkpoint"])
+def test_export_refuses_the_run_directory_and_the_checkpoint(capsys, finished, checkpoint, where):
+    root, out = finished
+    target = {"run": out, "run/hf": out / "hf", "checkpoint": out / "checkpoint.pt"}[where]
+    message = (f"--output {target} is the checkpoint {out / 'checkpoint.pt'}; writing it would destroy the input: "
+               f"choose another output path" if where == "checkpoint" else
+               f"--output {target} is inside the run directory {out} (it holds checkpoint.pt, metrics.jsonl); a "
+               f"run's directory is for that run's own outputs: choose a path outside it")
+    cli_refused(capsys, ["export", out, "--output", target], message, root, checkpoint)
+
+
+def test_export_refuses_the_checkpoint_it_started_from_and_its_tokenizer(capsys, finished, checkpoint, tmp_path):
+    root, out = finished
+    cli_refused(capsys, ["export", out, "--output", checkpoint],
+                f"--output {checkpoint} is inside the init checkpoint (model.init_checkpoint) {checkpoint}; writing "
+                f"there would change that input: choose a path outside it", root, checkpoint)
+    tokenizer = tmp_path / "tok"
+    shutil.copytree(checkpoint, tokenizer)
+    cli_refused(capsys, ["export", out, "--output", tokenizer, "--tokenizer", tokenizer],
+                f"--output {tokenizer} is inside the --tokenizer {tokenizer}; writing there would change that input: "
+                f"choose a path outside it", root, checkpoint, tmp_path)
+
+
+def test_export_and_predict_still_write_outside_inputs(capsys, finished, checkpoint, tmp_path):
+    root, out = finished
+    before = snapshot(root, checkpoint)
+    assert finetune_main(["export", str(out), "--output", str(tmp_path / "export")]) == 0
+    assert finetune_main(["predict", "--model", str(tmp_path / "export"), "--input", str(root / "train.csv"),
+                          "--output", str(tmp_path / "p.jsonl"), "--max-sequence-length", str(S)]) == 0
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 4
+    assert_unchanged(before, root, checkpoint)
