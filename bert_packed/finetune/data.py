@@ -145,13 +145,18 @@ def read_utf8(path: str) -> str:
     return text[1:] if text.startswith("\ufeff") else text
 
 
-def _no_duplicate_keys(path: str, number: int):
+def no_duplicate_keys(where: str) -> Callable[[List[Tuple[str, Any]]], Dict[str, Any]]:
+    """A ``json`` ``object_pairs_hook`` refusing an object that has a key twice (``json`` would
+    keep the last value in silence): ``DataError`` naming ``where``, the key and, when the
+    object has one, its ``id``."""
     def hook(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
         for key, value in pairs:
             if key in out:
-                raise DataError(f"{path}: line {number}: key {key!r} occurs twice in one object; which value is "
-                                f"meant is ambiguous: keep one")
+                owner = dict(pairs).get("id")
+                at = f"the object with id {owner!r}: " if isinstance(owner, (str, int)) and key != "id" else ""
+                raise DataError(f"{where}: {at}key {key!r} occurs twice in one object; which value is meant is "
+                                f"ambiguous: keep one")
             out[key] = value
         return out
     return hook
@@ -163,7 +168,7 @@ def _read_jsonl(path: str, lines: Iterator[str]) -> Tuple[List[str], List[Dict[s
         if not line.strip():
             continue
         try:
-            row = json.loads(line, object_pairs_hook=_no_duplicate_keys(path, number))
+            row = json.loads(line, object_pairs_hook=no_duplicate_keys(f"{path}: line {number}"))
         except json.JSONDecodeError as exc:
             raise DataError(f"{path}: line {number}: not a JSON object ({exc.msg} at column {exc.colno}); "
                             f"JSON lines hold one object per line") from None

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from bert_packed.data import DataError
 
@@ -215,21 +215,6 @@ def examples_from_rows(rows: Iterable[Mapping[str, Any]], where: str = "rows", *
     return examples
 
 
-def _no_duplicate_keys(where: str):
-    """A json ``object_pairs_hook`` that refuses an object with a key twice (json keeps the last)."""
-    def hook(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                owner = dict(pairs).get("id")
-                at = f"question {owner!r}: " if isinstance(owner, (str, int)) and key != "id" else ""
-                raise DataError(f"{where}: {at}key {key!r} occurs twice in one object; which value is meant is "
-                                f"ambiguous: keep one")
-            out[key] = value
-        return out
-    return hook
-
-
 def read_squad(path: str, *, notes: bool = True) -> List[SquadExample]:
     """Examples of a SQuAD JSON file, of flat rows as JSON lines / a JSON list, or of a Hugging
     Face ``squad`` / ``squad_v2`` split saved with ``save_to_disk`` (a directory; needs ``datasets``).
@@ -257,7 +242,7 @@ def read_squad(path: str, *, notes: bool = True) -> List[SquadExample]:
 
 
 def _read_squad_file(path: str, moved: Moved) -> List[SquadExample]:
-    from bert_packed.finetune.data import read_utf8
+    from bert_packed.finetune.data import no_duplicate_keys, read_utf8
 
     if not os.path.isfile(path):
         raise DataError(f"SQuAD file {path} does not exist")
@@ -265,14 +250,14 @@ def _read_squad_file(path: str, moved: Moved) -> List[SquadExample]:
     if not text.strip():
         raise DataError(f"SQuAD file {path} is empty")
     try:
-        document = json.loads(text, object_pairs_hook=_no_duplicate_keys(path))
+        document = json.loads(text, object_pairs_hook=no_duplicate_keys(path))
     except json.JSONDecodeError:
         rows, numbers = [], []
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line, object_pairs_hook=_no_duplicate_keys(f"{path}: line {number}")))
+                rows.append(json.loads(line, object_pairs_hook=no_duplicate_keys(f"{path}: line {number}")))
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}: line {number} is not JSON ({exc.msg} at column {exc.colno}); expected SQuAD "
                                 f"JSON or JSON lines") from None
