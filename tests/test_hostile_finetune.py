@@ -196,7 +196,7 @@ def test_a_json_null_label_is_refused(capsys, checkpoint, tmp_path, data):
 def test_a_json_text_that_is_not_a_string_is_refused(capsys, checkpoint, tmp_path, data):
     train = write(data / "train.jsonl", '{"text": "good dog", "label": "pos"}\n{"text": 42, "label": "neg"}\n')
     refused(capsys, checkpoint, tmp_path, train,
-            f"{train}: line 2: column 'text': the text is a int (42), not a string", data / "dev.csv")
+            f"{train}: line 2: column 'text': the text is a number (42), not a string", data / "dev.csv")
 
 
 def test_a_tsv_named_csv_gets_a_hint(capsys, checkpoint, tmp_path, data):

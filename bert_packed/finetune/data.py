@@ -180,8 +180,9 @@ def _read_jsonl(path: str, lines: Iterator[str]) -> Tuple[List[str], List[Dict[s
     return sorted({key for row in rows for key in row}), rows, numbers
 
 
-def _json_kind(value: Any) -> str:
-    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+def _json_kind(value: Any, article: str = "") -> str:
+    kind = {list: "array", dict: "object", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+    return ("an " if article and kind[0] in "ao" else article) + kind
 
 
 def _read_delimited(path: str, lines: Iterator[str], delimiter: str) -> Tuple[List[str], List[List[str]], List[int]]:
@@ -331,8 +332,8 @@ def encode_texts(tokenizer, texts: Sequence[str], pairs: Optional[Sequence[str]]
     for values in (texts, pairs) if pairs is not None else (texts,):
         for i, text in enumerate(values):
             if not isinstance(text, str):
-                raise DataError(f"{value_where(values, i, where)}: the text is a {type(text).__name__} ({text!r}), "
-                                f"not a string")
+                raise DataError(f"{value_where(values, i, where)}: the text is {_json_kind(text, 'a ')} "
+                                f"({text!r}), not a string")
             if not text.strip():
                 raise DataError(f"{value_where(values, i, where)}: the text is empty; remove the row or fill it in "
                                 f"(an empty text would train on [CLS] [SEP] alone)")
@@ -347,8 +348,8 @@ def encode_texts(tokenizer, texts: Sequence[str], pairs: Optional[Sequence[str]]
         first = too_long[0]
         if truncation == "error":
             raise DataError(f"{value_where(texts, first, where, column=False)}: {len(encodings[first].ids)} tokens, "
-                            f"more than the maximum {max_length} (data.max_sequence_length); shorten it, raise the maximum, or "
-                            f"set finetune.truncation=truncate")
+                            f"more than the maximum {max_length} (data.max_sequence_length); shorten it, raise the "
+                            f"maximum, or set finetune.truncation=truncate")
         tokenizer.enable_truncation(max_length, strategy="longest_first")
         try:
             for i, encoding in zip(too_long, tokenizer.encode_batch([inputs[i] for i in too_long])):
@@ -356,7 +357,7 @@ def encode_texts(tokenizer, texts: Sequence[str], pairs: Optional[Sequence[str]]
         finally:
             tokenizer.no_truncation()
         print(f"warning: {where}: {len(too_long)} of {len(inputs)} texts are longer than {max_length} tokens and "
-              f"were truncated (first: {value_where(texts, first, where, column=False)}); "
+              f"were truncated (first: {value_at(texts, first)}); "
               f"finetune.truncation=error refuses them", file=sys.stderr)
     lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
     width = int(max(1, lengths.max(initial=1)))
