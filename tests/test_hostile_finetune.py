@@ -306,6 +306,14 @@ def test_a_multi_label_list_mixed_with_a_single_label_is_refused(capsys, checkpo
             f"write every label as a list ([] for none)", data / "dev.csv")
 
 
+def test_lists_of_labels_for_a_single_label_task_are_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.jsonl", '{"text": "good dog", "label": ["pos"]}\n{"text": "bad", "label": ["neg"]}\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 1: column 'label': label ['pos'] is a list, not a single label (multi-label data: lists "
+            f"of labels, or names joined by finetune.label_separator)", data / "dev.csv",
+            "--set", "finetune.problem_type=single_label_classification")
+
+
 def test_whole_numbers_as_decimals_are_class_ids_when_the_problem_type_says_so():
     from bert_packed.finetune.classification import Labels
 

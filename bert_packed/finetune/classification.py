@@ -105,8 +105,9 @@ def _check_items(values: Sequence[Any], items: Sequence[Any], rows: Sequence[int
             raise _bad(values, rows[k], where, "is empty; every row needs a label (remove the row or fill it in)",
                        items[k])
         if kind in ("other", "list"):
-            raise _bad(values, rows[k], where, f"is a {'JSON object' if kind == 'other' else 'nested list'}, not a "
-                                               f"label", items[k])
+            raise _bad(values, rows[k], where, f"is a {'JSON object' if kind == 'other' else 'list'}, not a single "
+                                               f"label (multi-label data: lists of labels, or names joined by "
+                                               f"finetune.label_separator)", items[k])
     for kind, others in (("name", _NUMBERS), ("bool", _NUMBERS + ("name",))):
         clash = [first[o] for o in others if o in first]
         if kind in first and clash:
