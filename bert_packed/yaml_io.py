@@ -15,7 +15,8 @@ subclass (no Python objects, as ``safe_load``) that also refuses, with one-line
   whatever it expands to), and a recursive alias is refused. Anchors and aliases themselves
   are fine: a config sharing a section between two places is a few hundred values;
 - **bytes that are not UTF-8**: the message names the file, line, byte offset and column
-  (a UTF-8 byte-order mark is fine). YAML syntax errors name the file, line and column.
+  (a UTF-8 byte-order mark is fine). YAML syntax errors name the file, line and column
+  (``YamlSyntaxError``, a ``YamlError``).
 
 This module imports nothing of the project's but ``bert_packed.io`` (no torch, no config), so the
 config loader can use it.
@@ -28,7 +29,7 @@ import yaml
 
 from bert_packed.io import not_utf8_message
 
-__all__ = ["YamlError", "load_yaml", "loads_yaml", "MAX_NODES"]
+__all__ = ["YamlError", "YamlSyntaxError", "load_yaml", "loads_yaml", "MAX_NODES"]
 
 # Values (scalars, lists, mappings) one document may expand to. The largest shipped config is
 # a few hundred; a limit far above any real config and far below what hurts.
@@ -37,6 +38,11 @@ MAX_NODES = 100_000
 
 class YamlError(ValueError):
     """A YAML file that cannot be read as meant; the message is one line naming the file."""
+
+
+class YamlSyntaxError(YamlError):
+    """Text that is not YAML at all (a caller may fall back to the raw string, as ``--set``
+    values do; a duplicate key or an alias bomb is a ``YamlError`` that is not this)."""
 
 
 class _Loader(yaml.SafeLoader):
@@ -114,9 +120,9 @@ def loads_yaml(text: str, where: str = "YAML", *, max_nodes: int = MAX_NODES) ->
         mark = exc.problem_mark or exc.context_mark
         at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = " ".join(filter(None, (exc.context, exc.problem))) or str(exc).splitlines()[0]
-        raise YamlError(f"{where}: {at}not valid YAML ({problem})") from None
+        raise YamlSyntaxError(f"{where}: {at}not valid YAML ({problem})") from None
     except yaml.YAMLError as exc:
-        raise YamlError(f"{where}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise YamlSyntaxError(f"{where}: not valid YAML ({str(exc).splitlines()[0]})") from None
     except RecursionError:  # PyYAML composes and constructs recursively
         raise YamlError(f"{where}: nested too deeply to read (thousands of levels); a config is a few levels "
                         f"deep") from None

@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from bert_packed.yaml_io import MAX_NODES, YamlError, load_yaml, loads_yaml
+from bert_packed.yaml_io import MAX_NODES, YamlError, YamlSyntaxError, load_yaml, loads_yaml
 
 
 def write(tmp_path, content, name="c.yaml"):
@@ -116,6 +116,17 @@ def test_syntax_errors_name_the_file_line_and_column(tmp_path):
     path = write(tmp_path, "train:\n  steps: [1, 2\nmodel: x\n")
     message = error(path)
     assert message.startswith(f"{path}: line 3, column 6: not valid YAML (while parsing a flow sequence"), message
+
+
+def test_only_text_that_is_not_yaml_is_a_syntax_error():
+    # A --set value that is not YAML stays the string typed; a duplicate key or an alias bomb
+    # in one must not fall back to that string.
+    with pytest.raises(YamlSyntaxError):
+        loads_yaml("[1, 2", "--set a.b")
+    for text in ("{x: 1, x: 2}", billion_laughs().replace("\n", ", ").join("{}")):
+        with pytest.raises(YamlError) as info:
+            loads_yaml(text, "--set a.b")
+        assert not isinstance(info.value, YamlSyntaxError), str(info.value)
 
 
 def test_python_objects_are_refused_as_safe_load_does():
