@@ -379,7 +379,7 @@ def test_an_answer_start_off_its_text_is_refused(capsys, checkpoint, tmp_path, s
 
 
 def test_an_answer_start_a_few_characters_off_is_moved_and_counted(tmp_path, capsys):
-    from bert_packed.finetune.squad_data import read_squad
+    from bert_packed.finetune.squad_data import Moved, read_squad
 
     document = squad_document([qa("a", [{"text": "the mat", "answer_start": 13}]),
                                qa("b", [{"text": "the log", "answer_start": 39}]),
@@ -391,6 +391,9 @@ def test_an_answer_start_a_few_characters_off_is_moved_and_counted(tmp_path, cap
     assert capsys.readouterr().err.strip() == (
         f"note: {path}: moved 2 answer_start(s) to their answer text, at most 8 characters away (first: question "
         f"'a', 13 -> 15)")
+    moved = Moved()
+    assert read_squad(str(path), notes=False, moved=moved) == examples
+    assert capsys.readouterr().err == "" and (moved.count, moved.first) == (2, ("a", 13, 15))
 
 
 @pytest.mark.parametrize("question, message", [

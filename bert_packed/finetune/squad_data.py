@@ -215,7 +215,7 @@ def examples_from_rows(rows: Iterable[Mapping[str, Any]], where: str = "rows", *
     return examples
 
 
-def read_squad(path: str, *, notes: bool = True) -> List[SquadExample]:
+def read_squad(path: str, *, notes: bool = True, moved: Optional[Moved] = None) -> List[SquadExample]:
     """Examples of a SQuAD JSON file, of flat rows as JSON lines / a JSON list, or of a Hugging
     Face ``squad`` / ``squad_v2`` split saved with ``save_to_disk`` (a directory; needs ``datasets``).
 
@@ -224,9 +224,10 @@ def read_squad(path: str, *, notes: bool = True) -> List[SquadExample]:
     that is not in its context, an ``answer_start`` that is negative, past the context or more
     than ``ANSWER_START_TOLERANCE`` characters off its text, answers texts and starts that do
     not pair up, and ``is_impossible`` / ``version`` contradicting the answers. Starts moved
-    to their text are counted in one ``note:`` line on stderr (``notes``).
+    to their text are counted in one ``note:`` line on stderr (``notes``; a caller that reports
+    it itself, e.g. from one process of many, passes ``notes=False`` and its own ``moved``).
     """
-    moved = Moved()
+    moved = Moved() if moved is None else moved
     if os.path.isdir(path):  # a Hugging Face dataset saved with save_to_disk (squad / squad_v2 columns)
         from bert_packed.finetune.data import read_table
 
