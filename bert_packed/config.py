@@ -47,6 +47,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import yaml
 
 from bert_packed.errors import ConfigError
+from bert_packed.yaml_io import YamlError, YamlSyntaxError, load_yaml, loads_yaml
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
@@ -457,9 +458,11 @@ def _parse_override(text: str) -> tuple:
     dotted, raw = text.split("=", 1)
     section, key = dotted.split(".", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = loads_yaml(raw, f"--set {dotted}") if raw.strip() else ""
+    except YamlSyntaxError:  # not YAML: the text as it is (e.g. a path with a colon)
         value = raw
+    except YamlError as exc:  # YAML, but refused (a repeated key, an alias bomb)
+        raise ConfigError(str(exc)) from None
     return section.strip(), key.strip(), value
 
 
@@ -479,12 +482,13 @@ def config_from_dict(values: Dict[str, Any], name: str = "checkpoint") -> Config
 
 
 def _read_yaml(path: str) -> Any:
+    """The YAML document of ``path``: a repeated key, alias expansion past its bound and bytes
+    that are not UTF-8 are refused in one line naming the file (``bert_packed.yaml_io``)."""
     try:
-        with open(path) as f:
-            return yaml.safe_load(f) or {}
-    except yaml.YAMLError as exc:
-        first = str(exc).splitlines()[0]
-        raise ConfigError(f"{path}: not valid YAML ({first})") from None
+        data = load_yaml(path)
+    except YamlError as exc:
+        raise ConfigError(str(exc)) from None
+    return {} if data is None else data
 
 
 def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -37,7 +39,8 @@ from bert_packed.io import atomic_path, write_text_atomic
 
 __all__ = [
     "CheckpointError", "Pretrained", "read_pretrained", "resolve_model_config", "load_weights",
-    "save_pretrained", "load_tokenizer", "save_tokenizer", "SHAPE_FIELDS",
+    "save_pretrained", "load_tokenizer", "save_tokenizer", "SHAPE_FIELDS", "check_hf_config", "check_layers",
+    "HEAD_PREFIXES",
 ]
 
 CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME = "config.json", "model.safetensors", "pytorch_model.bin"
@@ -63,6 +66,151 @@ class Pretrained:
     hf_config: Dict[str, Any]
     state_dict: Dict[str, torch.Tensor]
     tokenizer_path: Optional[str]
+
+
+# ----------------------------------------------------------------------------- checking config.json
+
+_PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+# Heads a checkpoint may lack on purpose (a new task's head starts fresh, as in transformers):
+# the MLM/NSP heads, a classifier, a QA head, the pooler (QA and token-classification models
+# have none). Everything else (embeddings, encoder layers) must come from the checkpoint.
+HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.", "bert.pooler.")
+
+
+def _kind_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", str: "a string", int: "an integer", float: "a number", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# field -> (test, what it must be)
+_FIELD_RULES = {
+    **{name: (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer")
+       for name in SHAPE_FIELDS},
+    "hidden_act": (lambda v: isinstance(v, str) and bool(v), "the name of an activation (e.g. \"gelu\")"),
+    "hidden_dropout_prob": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "attention_probs_dropout_prob": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "classifier_dropout": (lambda v: v is None or (_is_number(v) and 0 <= v < 1), "null or a number in [0, 1)"),
+    "layer_norm_eps": (lambda v: _is_number(v) and v > 0, "a positive number"),
+    "initializer_range": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "pad_token_id": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                     "null or an integer >= 0"),
+    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+    "problem_type": (lambda v: v is None or v in _PROBLEM_TYPES, f"null or one of {', '.join(_PROBLEM_TYPES)}"),
+}
+
+
+def check_hf_config(hf_config: Mapping[str, Any], where: str) -> None:
+    """Refuse a ``config.json`` field of the wrong type or range (``"hidden_size": "768"``,
+    ``"num_hidden_layers": 2.5``, ``null``) and an ``id2label`` that is not a mapping of class
+    ids 0..n-1 to distinct names: ``CheckpointError`` naming ``where`` and the field."""
+    for name, (test, expected) in _FIELD_RULES.items():
+        if name in hf_config and not test(hf_config[name]):
+            value = hf_config[name]
+            raise CheckpointError(f"{where}: {name} must be {expected}, got {json.dumps(value)} "
+                                  f"({_kind_name(value)})")
+    _id2label(hf_config, where)
+
+
+def _id2label(hf_config: Mapping[str, Any], where: str) -> Optional[Dict[int, str]]:
+    id2label = hf_config.get("id2label")
+    if id2label is None:
+        return None
+    if not isinstance(id2label, dict):
+        raise CheckpointError(f"{where}: id2label must map class ids to names (e.g. {{\"0\": \"neg\", \"1\": "
+                              f"\"pos\"}}), got {_kind_name(id2label)}")
+    out: Dict[int, str] = {}
+    for key, name in id2label.items():
+        text = str(key).strip()
+        if not (text.isdigit() or (isinstance(key, int) and not isinstance(key, bool))):
+            raise CheckpointError(f"{where}: id2label must map class ids to names, but it has the key {key!r} "
+                                  f"(keyed by names, like label2id?): write {{\"0\": {json.dumps(str(key))}, ...}}")
+        if not isinstance(name, str):
+            raise CheckpointError(f"{where}: id2label[{json.dumps(str(key))}] must be a label name (a string), got "
+                                  f"{json.dumps(name)}")
+        out[int(text)] = name
+    if sorted(out) != list(range(len(out))):
+        raise CheckpointError(f"{where}: id2label's class ids must be 0..{len(out) - 1}, got "
+                              f"{', '.join(str(i) for i in sorted(out))}")
+    names: Dict[str, int] = {}
+    for i in sorted(out):
+        if out[i] in names:
+            raise CheckpointError(f"{where}: id2label names {out[i]!r} twice (ids {names[out[i]]} and {i}); which "
+                                  f"class a prediction of {out[i]!r} means is ambiguous")
+        names[out[i]] = i
+    return out
+
+
+def _layer_indices(state: Mapping[str, Any]) -> List[int]:
+    found = set()
+    for key in state:
+        match = _LAYER.search(key)
+        if match:
+            found.add(int(match.group(1)))
+    return sorted(found)
+
+
+_LAYER = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
+
+
+def _spans(numbers: List[int]) -> str:
+    """``0-3, 5`` for [0, 1, 2, 3, 5]."""
+    parts, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(parts)
+
+
+# Every BERT encoder layer's and the embeddings' tensors (Hugging Face names; gamma/beta are
+# the LayerNorm names of old TF-converted checkpoints).
+_LAYER_TENSORS = tuple(f"{part}.{kind}" for part in (
+    "attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+    "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm") for kind in ("weight", "bias"))
+_EMBEDDING_TENSORS = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
+                      "LayerNorm.weight", "LayerNorm.bias")
+_BODY = re.compile(r"(?:^|\.)((?:embeddings|encoder)\..*)$")
+
+
+def check_layers(num_hidden_layers: int, state: Mapping[str, Any], where: str) -> None:
+    """``CheckpointError`` unless the weights hold exactly encoder layers 0..num_hidden_layers-1,
+    each whole, and the embeddings: what config.json names but the weights lack would train
+    from random weights (a new task head may start fresh; the body may not)."""
+    layers = _layer_indices(state)
+    expected = list(range(num_hidden_layers))
+    if layers == expected:
+        held = set()
+        for key in state:
+            match = _BODY.search(key)
+            if match:
+                held.add(match.group(1).replace("LayerNorm.gamma", "LayerNorm.weight")
+                         .replace("LayerNorm.beta", "LayerNorm.bias"))
+        needed = [f"embeddings.{t}" for t in _EMBEDDING_TENSORS] + [
+            f"encoder.layer.{i}.{t}" for i in expected for t in _LAYER_TENSORS]
+        missing = [name for name in needed if name not in held]
+        if missing:
+            raise CheckpointError(f"{where}: the weights lack {len(missing)} tensor(s) of the BERT it describes "
+                                  f"(first: {missing[0]}); they would start from random weights: use the weights "
+                                  f"this config.json belongs to")
+        return
+    missing = sorted(set(expected) - set(layers))
+    held = f"layers {_spans(layers)}" if layers else "no encoder layers"
+    if missing:
+        raise CheckpointError(f"{where}: num_hidden_layers is {num_hidden_layers} but the weights hold {held}: "
+                              f"layer(s) {_spans(missing)} would start from random weights; fix num_hidden_layers, "
+                              f"or use the weights this config.json belongs to")
+    extra = sorted(set(layers) - set(expected))
+    raise CheckpointError(f"{where}: num_hidden_layers is {num_hidden_layers} but the weights hold {held}: "
+                          f"layer(s) {_spans(extra)} would be dropped; fix num_hidden_layers, or use the weights this "
+                          f"config.json belongs to")
 
 
 # ----------------------------------------------------------------------------- reading
@@ -131,8 +279,12 @@ def read_pretrained(path: str, *, weights: bool = True) -> Pretrained:
         model_type = hf_config.get("model_type", "bert")
         if model_type != "bert":
             raise CheckpointError(f"{path}: model_type {model_type!r}; only BERT checkpoints (model_type bert) load")
-        return Pretrained(path, "hf", hf_model_values(hf_config), hf_config, _hf_weights(path) if weights else {},
-                          tokenizer_in(path))
+        where = os.path.join(path, CONFIG_NAME)
+        check_hf_config(hf_config, where)
+        state = _hf_weights(path) if weights else {}
+        if weights and isinstance(hf_config.get("num_hidden_layers"), int):
+            check_layers(hf_config["num_hidden_layers"], state, where)
+        return Pretrained(path, "hf", hf_model_values(hf_config), hf_config, state, tokenizer_in(path))
     ours = os.path.join(path, OUR_CHECKPOINT) if os.path.isdir(path) else path
     if os.path.isdir(path) and not os.path.isfile(ours):
         raise CheckpointError(f"{path}: no {CONFIG_NAME}, so not a Hugging Face checkpoint directory (nor a run "
@@ -150,6 +302,10 @@ def read_pretrained(path: str, *, weights: bool = True) -> Pretrained:
     run_dir = os.path.dirname(os.path.abspath(ours))
     export = os.path.join(run_dir, "hf")
     hf_config = _read_json(os.path.join(export, CONFIG_NAME)) if os.path.isfile(os.path.join(export, CONFIG_NAME)) else {}
+    if hf_config:
+        check_hf_config(hf_config, os.path.join(export, CONFIG_NAME))
+    if weights and isinstance(values.get("num_hidden_layers"), int):
+        check_layers(values["num_hidden_layers"], state["model"], ours)
     tokenizer = export if tokenizer_in(export) else model_section.get("tokenizer")
     return Pretrained(path, "ours", values, hf_config, dict(state["model"]) if weights else {}, tokenizer)
 
@@ -227,6 +383,10 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     # A tied decoder is provided by the word embeddings; not a missing weight.
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and k == "cls.predictions.decoder.weight")]
+    needed = [k for k in missing if not k.startswith(HEAD_PREFIXES)]
+    if needed:
+        raise CheckpointError(f"{source}: the weights lack {_group(needed)}, which the model needs (only a task head "
+                              f"may start fresh); the checkpoint's config.json does not match its weights")
     unexpected = [k for k in result.unexpected_keys
                   if not k.endswith(("position_ids", "token_type_ids"))]
     loaded = len(own) - len(missing) - len(reinitialised)
@@ -332,7 +492,5 @@ def save_pretrained(model: torch.nn.Module, directory: str, *, tokenizer=None, i
 
 def label_maps(hf_config: Mapping[str, Any]) -> Tuple[Optional[Dict[int, str]], Optional[str]]:
     """(id2label, problem_type) of a Hugging Face config, or (None, None)."""
-    id2label = hf_config.get("id2label")
-    if id2label:
-        id2label = {int(k): str(v) for k, v in id2label.items()}
+    id2label = _id2label(hf_config, CONFIG_NAME)
     return id2label or None, hf_config.get("problem_type")

@@ -20,9 +20,23 @@ import socket
 import tempfile
 
 __all__ = ["write_text_atomic", "atomic_path", "publish", "make_temp", "make_folder", "remove_orphans",
-           "DirectoryLock", "OutputInUseError"]
+           "DirectoryLock", "OutputInUseError", "not_utf8_message"]
 
 TEMP_PREFIX = ".tmp-"
+
+
+def not_utf8_message(path, data: bytes, start: int, *, first_line: int = 1, base_offset: int = 0) -> str:
+    """The one-line message for a byte that is not UTF-8: ``data[start]`` (``data`` begins at
+    line ``first_line``, byte ``base_offset`` of the file ``path``), named by line, byte offset
+    and column, with the fix. Readers refuse such bytes: decoding with a guessed encoding, or
+    replacing them, would use text the file does not hold."""
+    line_start = data.rfind(b"\n", 0, start) + 1
+    line = first_line + data.count(b"\n", 0, line_start)
+    column = len(data[line_start:start].decode("utf-8", errors="replace")) + 1
+    offset = base_offset + start
+    bom = ": a UTF-16 byte-order mark" if offset == 0 and data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+    return (f"{path}: line {line}: not UTF-8 (byte 0x{data[start]:02x} at byte offset {offset}, column {column}{bom}); "
+            f"save the file as UTF-8, e.g. iconv -f <encoding> -t utf-8")
 
 
 def _host() -> str:

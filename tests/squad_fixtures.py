@@ -88,7 +88,8 @@ def _questions(rng: random.Random, context: str, fact: Dict[str, str]) -> List[D
     else:
         question, text = f"What did {p} {base} in {y}?", f"the {th} of {tw}"
     # The answer occurrence inside this fact's own sentence (names may repeat across facts).
-    start = context.find(text, sentence_start - 12 if pick == 1 else sentence_start)
+    start = context.find(text, max(0, sentence_start - 12) if pick == 1 else sentence_start)
+    assert start >= 0, (context, text)
     answers = [{"text": text, "answer_start": start}]
     if pick == 3:  # a second gold answer without the article, as SQuAD's crowd answers vary
         answers.append({"text": f"{th} of {tw}", "answer_start": start + 4})
@@ -177,7 +178,8 @@ def make_tokenizer(texts: List[str], vocab_size: int = 300):
 
 def make_features(max_seq_length: int, doc_stride: int, max_query_length: int, seed: int = 0):
     """``(document, examples, tokenizer, features)`` of ``make_squad_v2(seed)`` with its own tokenizer."""
-    from bert_packed.finetune.squad import build_features, examples_from_squad_json
+    from bert_packed.finetune.squad_data import examples_from_squad_json
+    from bert_packed.finetune.squad_features import build_features
 
     document = make_squad_v2(seed=seed)
     examples = examples_from_squad_json(document)

@@ -40,10 +40,10 @@ def test_read_table_reads_a_saved_hugging_face_dataset(tmp_path):
 
 def test_read_table_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a", "label": 1}\n[1, 2]\n')
-    with pytest.raises(DataError, match="bad.jsonl:2: expected a JSON object"):
+    with pytest.raises(DataError, match="bad.jsonl: line 2: expected a JSON object per line, got a JSON array"):
         ft_data.read_table(str(tmp_path / "bad.jsonl"), ["text"])
     (tmp_path / "short.jsonl").write_text('{"text": "a", "label": 1}\n{"text": "b"}\n')
-    with pytest.raises(DataError, match="row 2 has no value in column 'label'"):
+    with pytest.raises(DataError, match=r"short.jsonl: line 2: no value in column 'label' \(no such key\)"):
         ft_data.read_table(str(tmp_path / "short.jsonl"), ["text", "label"])
     (tmp_path / "x.txt").write_text("a")
     with pytest.raises(DataError, match="unknown file type .txt"):

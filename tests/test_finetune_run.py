@@ -166,12 +166,12 @@ def test_user_mistakes_are_one_line_errors(checkpoint, files, tmp_path, capsys):
                               ["text", "label"])
     status, _ = finetune(checkpoint, tmp_path / "b", "--set", f"finetune.train_file={out_of_range}",
                          "--set", f"finetune.validation_file={out_of_range}", "--set", "finetune.num_labels=3")
-    _error(capsys, status, "row 2: label 7 is outside num_labels=3")
+    _error(capsys, status, f"{out_of_range}: line 3: column 'label': label '7' is outside num_labels=3")
     long_text = write_rows(str(tmp_path / "long.csv"), [{"text": "good " * 100, "label": "pos"},
                                                          {"text": "bad", "label": "neg"}], ["text", "label"])
     status, _ = finetune(checkpoint, tmp_path / "c", "--set", f"finetune.train_file={long_text}",
                          "--set", f"finetune.validation_file={long_text}", "--set", "finetune.truncation=error")
-    _error(capsys, status, "long.csv: row 1 has", "tokens, more than the maximum 64")
+    _error(capsys, status, f"{long_text}: line 2: ", "tokens, more than the maximum 64")
     status, _ = finetune(checkpoint, tmp_path / "d", "--set", f"finetune.train_file={long_text}",
                          "--set", f"finetune.validation_file={long_text}", "--steps", "1")
     assert status == 0 and "1 of 2 texts are longer than 64 tokens and were truncated" in capsys.readouterr().err

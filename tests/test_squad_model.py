@@ -4,11 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from bert_packed.finetune.squad import (
-    collate_question_answering,
-    feature_slots,
-    pack_features,
-)
+from bert_packed.finetune.squad_collate import collate_question_answering, feature_slots, pack_features
 from bert_packed.finetune.squad_postprocess import feature_logits, postprocess_predictions
 from bert_packed.losses import span_loss_terms
 from bert_packed.modeling import BertConfig, BertForQuestionAnswering

@@ -141,13 +141,22 @@ def _parents(tree):
     return parents
 
 
-def _is_torch_device(node, parent):
-    """A "cpu"/"cuda" string used as a torch device: map_location=/device= keywords, a device
-    type comparison (``x.type == "cpu"``), ``torch.device(...)`` / ``.to(...)`` / ``startswith``."""
+def _names_a_device(node):
+    """``x.type``, ``device``, ``device_type``, ``query.device.type``: an expression of a torch device (type)."""
+    text = ast.unparse(node)
+    return text.endswith(".type") or "device" in text
+
+
+def _is_torch_device(node, parent, parents):
+    """A "cpu"/"cuda" string used as a torch device: map_location=/device= keywords, a comparison
+    with a device (type) (``x.type == "cpu"``, ``device_type in ("cpu", "cuda")``),
+    ``torch.device(...)`` / ``.to(...)`` / ``startswith``, a ``device=`` parameter default."""
+    if isinstance(parent, (ast.Tuple, ast.List, ast.Set)):  # ("cpu", "cuda"): what the collection is used for
+        parent = parents.get(parent)
     if isinstance(parent, ast.keyword):
         return parent.arg in ("map_location", "device", "device_type")
     if isinstance(parent, ast.Compare):
-        return any(isinstance(side, ast.Attribute) and side.attr == "type" for side in [parent.left, *parent.comparators])
+        return any(_names_a_device(side) for side in [parent.left, *parent.comparators])
     if isinstance(parent, ast.Call):
         func = parent.func
         return isinstance(func, ast.Attribute) and func.attr in ("device", "to", "startswith")
@@ -167,7 +176,7 @@ def test_bert_packed_names_no_backend():
             if not (isinstance(node, ast.Constant) and node.value in BACKEND_NAMES):
                 continue
             parent = parents.get(node)
-            if node.value in ("cpu", "cuda") and _is_torch_device(node, parent):
+            if node.value in ("cpu", "cuda") and _is_torch_device(node, parent, parents):
                 continue
             found.append(f"{name}:{node.lineno} {node.value!r}")
     assert not found, found

@@ -10,7 +10,10 @@ of ``--tokenizer``, ``model.tokenizer`` or the checkpoint the run started from).
 ``predict`` classifies a CSV/TSV/JSONL file with an exported (or any Hugging Face)
 sequence-classification model on the CPU, packed, and writes one JSON line per row.
 ``fortunes`` writes the fortune-cookie classification data (docs/finetuning.md).
-User mistakes: one ``error:`` line, exit status 2.
+``--output`` never writes over an input (the ``--input`` file, anything in the ``--model``
+directory, the checkpoint, its tokenizer or init checkpoint) nor into a run's directory (one
+holding checkpoint.pt or metrics.jsonl: that run's own outputs live there).
+User mistakes: one ``error:`` line, exit status 2, nothing written.
 """
 from __future__ import annotations
 
@@ -21,6 +24,61 @@ from typing import List, Optional
 
 from packing.entry import ArgumentParser, run_cli
 from bert_packed.io import write_text_atomic
+
+RUN_FILES = ("checkpoint.pt", "metrics.jsonl")  # what makes a directory a run's own
+
+
+class OutputError(ValueError):
+    """An output path that would overwrite an input or land in a run's own directory."""
+
+
+def _inside(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or inside it (symbolic links resolved)."""
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
+def _run_directory(path: str) -> Optional[str]:
+    """The run directory (one holding checkpoint.pt or metrics.jsonl) that ``path`` is or is
+    inside, as the user named it; None when there is none."""
+    named = os.path.abspath(path)
+    while True:
+        if os.path.isdir(named) and any(os.path.isfile(os.path.join(named, n)) for n in RUN_FILES):
+            return named
+        parent = os.path.dirname(named)
+        if parent == named:
+            return None
+        named = parent
+
+
+def refuse_output(output: str, option: str, *, inputs=(), input_dirs=(), kind: str = "file") -> None:
+    """``OutputError`` (one line) when writing ``output`` would change an input or a run's own
+    directory: it is one of ``inputs`` ((option, path) pairs, files), inside one of
+    ``input_dirs`` ((option, directory) pairs), inside a run directory, or of the wrong kind
+    (``kind``: "file" or "directory")."""
+    for name, path in inputs:
+        if path and _same_file(output, path):
+            raise OutputError(f"{option} {output} is the {name} {path}; writing it would destroy the input: choose "
+                              f"another output path")
+    for name, directory in input_dirs:
+        if directory and os.path.isdir(directory) and _inside(output, directory):
+            raise OutputError(f"{option} {output} is inside the {name} {directory}; writing there would change that "
+                              f"input: choose a path outside it")
+    run_dir = _run_directory(output)
+    if run_dir is not None:
+        held = ", ".join(n for n in RUN_FILES if os.path.isfile(os.path.join(run_dir, n)))
+        raise OutputError(f"{option} {output} is inside the run directory {run_dir} (it holds {held}); a run's "
+                          f"directory is for that run's own outputs: choose a path outside it")
+    if kind == "file" and os.path.isdir(output):
+        raise OutputError(f"{option} {output} is a directory; give the path of a file to write")
+    if kind == "directory" and os.path.exists(output) and not os.path.isdir(output):
+        raise OutputError(f"{option} {output} is a file; give a directory to write the export into")
 
 
 def export(checkpoint: str, output: str, tokenizer: Optional[str] = None) -> str:
@@ -33,10 +91,16 @@ def export(checkpoint: str, output: str, tokenizer: Optional[str] = None) -> str
     path = os.path.join(checkpoint, CHECKPOINT_NAME) if os.path.isdir(checkpoint) else checkpoint
     if not os.path.isfile(path):
         raise hf_io.CheckpointError(f"{checkpoint}: no {CHECKPOINT_NAME} (train with train.checkpoint_every > 0)")
+    refuse_output(output, "--output", inputs=[("checkpoint", path)], kind="directory")
     state = load_checkpoint(path)
     config = config_from_dict(state["config"])
     if tokenizer:
         config.model.tokenizer = tokenizer
+    # The tokenizer and the checkpoint the run started from are read while the export is written.
+    sources = [("--tokenizer" if tokenizer else "model.tokenizer", config.model.tokenizer),
+               ("init checkpoint (model.init_checkpoint)", config.model.init_checkpoint)]
+    refuse_output(output, "--output", inputs=[(name, p) for name, p in sources if p and os.path.isfile(p)],
+                  input_dirs=[(name, p) for name, p in sources if p and os.path.isdir(p)], kind="directory")
     task = get_task(config)
     task.load_state_dict(state.get("task") or {})
     init, config.model.init_checkpoint = config.model.init_checkpoint, None  # weights come from the checkpoint
@@ -61,6 +125,8 @@ def predict(model_dir: str, input_path: str, output: str, *, text_column: str = 
     from bert_packed.finetune.classification import prediction_lines
     from bert_packed.modeling import BertConfig, BertForSequenceClassification
 
+    refuse_output(output, "--output", inputs=[("--input file", input_path)],
+                  input_dirs=[("--model directory", model_dir)], kind="file")
     pretrained = hf_io.read_pretrained(model_dir)
     id2label, problem_type = hf_io.label_maps(pretrained.hf_config)
     if not id2label:

@@ -16,10 +16,11 @@ weights are kept in ``OUT/best`` (a Hugging Face directory) and, with
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,33 +35,111 @@ PREDICTIONS_NAME = "predictions.jsonl"
 
 
 # ----------------------------------------------------------------------------- labels
+#
+# What the label values are decides the problem type when finetune.problem_type is null,
+# and a value that could mean two things is refused rather than guessed:
+#
+# - integers ("0", 2) are class ids; names ("pos") are classes mapped to ids in sorted order;
+#   booleans are the two classes "False" / "True"; lists are multi-label;
+# - a number with a fraction ("0.37") makes the task regression;
+# - a whole number written with a decimal point or an exponent ("1.0", "2e0") is ambiguous on
+#   its own (a class id a spreadsheet or pandas printed as a float, or a regression target that
+#   happens to be whole): with problem_type null it is refused; with a classification
+#   problem_type it is that class id, with regression that number;
+# - empty labels (except a multi-label row: no labels), "nan" / "inf" (a missing value
+#   written as a number), names mixed with numbers or booleans, lists mixed with single values,
+#   negative class ids and fractional class ids are refused, naming file, line, column, value.
+
+_NON_FINITE = ("nan", "inf", "infinity")
+_NUMBERS = ("int", "whole", "fraction")
 
 
-def _is_int(value: Any) -> bool:
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and bool(_INTEGER.match(value.strip())))
-
-
-def _is_number(value: Any) -> bool:
+def _kind(value: Any) -> str:
+    """'empty', 'list', 'bool', 'int', 'whole' (1.0, 2e0), 'fraction' (0.37), 'non-finite'
+    (nan, inf), 'name' (any other string) or 'other' (a JSON object)."""
+    if value is None:
+        return "empty"
     if isinstance(value, bool):
-        return False
-    if isinstance(value, (int, float)):
-        return True
-    try:
-        float(value)
-        return True
-    except (TypeError, ValueError):
-        return False
+        return "bool"
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        number = value
+    elif isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return "empty"
+        if _INTEGER.match(text):
+            return "int"
+        if text.lower().lstrip("+-") in _NON_FINITE:
+            return "non-finite"
+        try:
+            number = float(text)
+        except ValueError:
+            return "name"
+    else:
+        return "other"
+    if not math.isfinite(number):
+        return "non-finite"
+    return "whole" if number.is_integer() else "fraction"
 
 
-def infer_problem_type(values: List[Any], num_labels: Optional[int]) -> str:
-    """Hugging Face's rule on the data: lists -> multi-label; num_labels 1 or fractional
-    numbers -> regression; anything else -> single-label."""
-    if any(isinstance(v, list) for v in values):
+def _bad(values: Sequence[Any], row: int, where: str, text: str, shown: Any = None) -> DataError:
+    """DataError ``FILE: line N: column 'C': label V <text>`` for value ``row`` of ``values``."""
+    shown = values[row] if shown is None else shown
+    return DataError(f"{ft_data.value_where(values, row, where)}: label {shown!r} {text}")
+
+
+def _check_items(values: Sequence[Any], items: Sequence[Any], rows: Sequence[int], where: str) -> List[str]:
+    """The kinds of label ``items`` (``rows[k]``: the value item k came from), refusing what no
+    class label can be and mixtures of kinds."""
+    kinds = [_kind(x) for x in items]
+    first: Dict[str, int] = {}
+    for k, kind in enumerate(kinds):
+        first.setdefault(kind, k)
+        if kind == "non-finite":
+            raise _bad(values, rows[k], where, "is not a finite number (a missing value written as a number?); fix "
+                                               "or remove the row", items[k])
+        if kind == "empty":
+            raise _bad(values, rows[k], where, "is empty; every row needs a label (remove the row or fill it in)",
+                       items[k])
+        if kind in ("other", "list"):
+            raise _bad(values, rows[k], where, f"is a {'JSON object' if kind == 'other' else 'list'}, not a single "
+                                               f"label (multi-label data: lists of labels, or names joined by "
+                                               f"finetune.label_separator)", items[k])
+    for kind, others in (("name", _NUMBERS), ("bool", _NUMBERS + ("name",))):
+        clash = [first[o] for o in others if o in first]
+        if kind in first and clash:
+            a, b = sorted((first[kind], min(clash)))
+            raise DataError(f"{ft_data.value_where(values, rows[b], where)}: label {items[b]!r} is not written like "
+                            f"label {items[a]!r} ({ft_data.value_at(values, rows[a])}): labels mix names, numbers or "
+                            f"booleans; write every label the same way (all names, or all class ids)")
+    return kinds
+
+
+def infer_problem_type(values: List[Any], num_labels: Optional[int], where: str = "labels") -> str:
+    """The problem type the labels ``values`` imply (Hugging Face's rule, ambiguity refused, see
+    the rules above): lists -> multi-label; ``num_labels`` 1 or a fractional number ->
+    regression; integer ids, names or booleans -> single-label."""
+    kinds = [_kind(v) for v in values]
+    if "list" in kinds:
+        scalar = [i for i, kind in enumerate(kinds) if kind != "list"]
+        if scalar:
+            raise _bad(values, scalar[0], where, "is not a list, but other rows' labels are (multi-label); write "
+                                                 "every label as a list ([] for none)")
         return "multi_label_classification"
     if num_labels == 1:
         return "regression"
-    if all(_is_number(v) for v in values) and not all(_is_int(v) for v in values):
+    kinds = _check_items(values, values, range(len(values)), where)
+    if "fraction" in kinds:
         return "regression"
+    if "whole" in kinds:
+        raise _bad(values, kinds.index("whole"), where,
+                   "is a whole number written as a decimal: a class id or a regression target? set "
+                   "finetune.problem_type (single_label_classification or regression), or write class ids as "
+                   "integers")
     return "single_label_classification"
 
 
@@ -74,20 +153,30 @@ class Labels:
     @classmethod
     def from_training(cls, values: List[Any], problem_type: Optional[str], num_labels: Optional[int],
                       separator: str, checkpoint_labels: Optional[Dict[int, str]], where: str) -> "Labels":
-        problem_type = problem_type or infer_problem_type(values, num_labels)
+        problem_type = problem_type or infer_problem_type(values, num_labels, where)
         if problem_type == "regression":
             width = len(values[0]) if isinstance(values[0], list) else 1
             if num_labels is not None and num_labels != width:
                 raise DataError(f"{where}: regression labels have {width} value(s) per row but finetune.num_labels="
                                 f"{num_labels}")
             return cls(problem_type, width, {i: f"LABEL_{i}" for i in range(width)}, named=False)
-        items = [_split(v, separator) for v in values] if problem_type == "multi_label_classification" else [[v] for v in values]
-        flat = [x for row in items for x in row]
-        if flat and all(_is_int(x) for x in flat):  # integer labels are kept as they are
-            largest = max(int(x) for x in flat)
-            count = num_labels if num_labels is not None else largest + 1
+        multi = problem_type == "multi_label_classification"
+        split = [_split(v, separator) if multi else [v] for v in values]
+        items = [x for row in split for x in row]
+        rows = [i for i, row in enumerate(split) for _ in row]  # the value each item came from
+        kinds = _check_items(values, items, rows, where)
+        if "fraction" in kinds:
+            k = kinds.index("fraction")
+            raise _bad(values, rows[k], where, "is not a class id (it has a fraction); for numeric targets set "
+                                               "finetune.problem_type=regression", items[k])
+        if items and all(kind in ("int", "whole") for kind in kinds):  # class ids are kept as they are
+            ids = [int(float(x)) for x in items]
+            if min(ids) < 0:
+                k = ids.index(min(ids))
+                raise _bad(values, rows[k], where, "is a negative class id; class ids count from 0", items[k])
+            count = num_labels if num_labels is not None else max(ids) + 1
             return cls(problem_type, count, {i: f"LABEL_{i}" for i in range(count)}, named=False)
-        names = sorted({str(x) for x in flat})
+        names = sorted({str(x) for x in items})
         if checkpoint_labels and set(names) <= set(checkpoint_labels.values()):
             mapping = dict(checkpoint_labels)  # keep a fine-tuned checkpoint's label ids
         else:
@@ -103,34 +192,39 @@ class Labels:
             out = np.zeros((len(values), self.num_labels), dtype=np.float32)
             for i, value in enumerate(values):
                 row = value if isinstance(value, list) else [value]
-                if len(row) != self.num_labels or not all(_is_number(x) for x in row):
-                    raise DataError(f"{where}: row {i + 1}: label {value!r} is not {self.num_labels} number(s) "
-                                    f"(problem_type regression)")
+                kinds = [_kind(x) for x in row]
+                if "non-finite" in kinds:
+                    raise _bad(values, i, where, "is not a finite number; a regression target must be one (fix or "
+                                                 "remove the row)")
+                if len(row) != self.num_labels or not all(kind in _NUMBERS for kind in kinds):
+                    raise _bad(values, i, where, f"is not {self.num_labels} number(s) (problem_type regression)")
                 out[i] = [float(x) for x in row]
             return out[:, 0] if self.num_labels == 1 else out
         multi = self.problem_type == "multi_label_classification"
         out = np.zeros((len(values), self.num_labels), dtype=np.float32) if multi else np.zeros(len(values), np.int64)
         for i, value in enumerate(values):
             for item in (_split(value, separator) if multi else [value]):
-                label = self._id(item, i, where)
+                label = self._id(item, values, i, where)
                 if multi:
                     out[i, label] = 1.0
                 else:
                     out[i] = label
         return out
 
-    def _id(self, item: Any, row: int, where: str) -> int:
+    def _id(self, item: Any, values: Sequence[Any], row: int, where: str) -> int:
+        kind = _kind(item)
+        if kind in ("empty", "non-finite", "list", "other"):
+            _check_items(values, [item], [row], where)  # raises
         if self.named:
             if str(item) not in self.label2id:
-                raise DataError(f"{where}: row {row + 1}: label {item!r} is not one of the training labels "
-                                f"({_preview(self.label2id)})")
+                raise _bad(values, row, where, f"is not one of the training labels ({_preview(self.label2id)})", item)
             return self.label2id[str(item)]
-        if not _is_int(item):
-            raise DataError(f"{where}: row {row + 1}: label {item!r} is not an integer class id")
-        label = int(item)
+        if kind not in ("int", "whole"):
+            raise _bad(values, row, where, "is not an integer class id", item)
+        label = int(float(item))
         if not 0 <= label < self.num_labels:
-            raise DataError(f"{where}: row {row + 1}: label {label} is outside num_labels={self.num_labels} "
-                            f"(0..{self.num_labels - 1}); set finetune.num_labels or fix the label")
+            raise _bad(values, row, where, f"is outside num_labels={self.num_labels} (0..{self.num_labels - 1}); "
+                                           f"set finetune.num_labels or fix the label", item)
         return label
 
 
@@ -333,5 +427,9 @@ def _split_rows(table: Dict[str, List[Any]], fraction: float, seed: int, where: 
                         f"give finetune.validation_file")
     order = np.random.default_rng(seed).permutation(num_rows)
     held = set(order[:num_validation].tolist())
-    pick = lambda keep: {k: [v[i] for i in range(num_rows) if (i in held) != keep] for k, v in table.items()}  # noqa: E731
+    def pick(keep: bool) -> Dict[str, List[Any]]:
+        indices = [i for i in range(num_rows) if (i in held) != keep]
+        return {k: v.take(indices) if isinstance(v, ft_data.Column) else [v[i] for i in indices]
+                for k, v in table.items()}
+
     return pick(True), pick(False)

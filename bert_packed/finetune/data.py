@@ -31,6 +31,7 @@ import numpy as np
 
 from bert_packed.data import DataError
 from bert_packed.errors import ConfigError
+from bert_packed.io import not_utf8_message
 from bert_packed.task import Task
 
 __all__ = ["read_table", "encode_texts", "Encoded", "PackedDataset", "PackedTask", "TRUNCATION"]
@@ -67,12 +68,202 @@ def _read_saved_dataset(path: str, columns: Sequence[str]) -> Dict[str, List[Any
     for column in columns:
         if column not in dataset.column_names:
             raise DataError(f"{path}: no column {column!r}; columns: {', '.join(dataset.column_names)}")
-    return {column: list(dataset[column]) for column in columns}
+    out = {}
+    for column in columns:
+        values = list(dataset[column])
+        for i, value in enumerate(values):
+            if value is None:
+                raise DataError(f"{path}: row {i + 1}: no value in column {column!r} (None)")
+        out[column] = Column(values, path=path, name=column)
+    return out
 
 
-def read_table(path: str, columns: Sequence[str]) -> Dict[str, List[Any]]:
-    """The ``columns`` of every row of ``path``: a CSV/TSV file with a header row, JSON lines,
-    or a directory holding a Hugging Face dataset saved with ``save_to_disk`` (needs ``datasets``)."""
+class Column(list):
+    """The values of one column of a table :func:`read_table` read, and where each came from:
+    ``where(i)`` is ``"FILE: line N: column 'NAME'"`` (``"row N"`` for a saved dataset), so a
+    check anywhere downstream (texts, labels) names the file, line and column of a bad value."""
+
+    def __init__(self, values: Sequence[Any] = (), *, path: str = "data", name: str = "",
+                 lines: Optional[Sequence[int]] = None):
+        super().__init__(values)
+        self.path, self.name = path, name
+        self.lines = None if lines is None else list(lines)
+
+    def at(self, i: int) -> str:
+        """``line N`` of value ``i`` (``row N`` for a saved dataset)."""
+        return f"line {self.lines[i]}" if self.lines is not None else f"row {i + 1}"
+
+    def where(self, i: int, column: bool = True) -> str:
+        return f"{self.path}: {self.at(i)}" + (f": column {self.name!r}" if column else "")
+
+    def take(self, indices: Sequence[int]) -> "Column":
+        """The values at ``indices``, still knowing their lines."""
+        return Column([self[i] for i in indices], path=self.path, name=self.name,
+                      lines=None if self.lines is None else [self.lines[i] for i in indices])
+
+
+def value_where(values: Sequence[Any], i: int, where: str, column: bool = True) -> str:
+    """Where value ``i`` of ``values`` came from: ``FILE: line N: column 'NAME'`` for a
+    ``Column``, else ``WHERE: row i+1`` (values built in code)."""
+    if isinstance(values, Column):
+        return values.where(i, column)
+    return f"{where}: row {i + 1}"
+
+
+def value_at(values: Sequence[Any], i: int) -> str:
+    """``line N`` (or ``row N``) of value ``i`` of ``values``."""
+    return values.at(i) if isinstance(values, Column) else f"row {i + 1}"
+
+
+def _utf8_lines(path: str, handle) -> Iterator[str]:
+    """The lines of the binary ``handle`` decoded as UTF-8, a leading byte-order mark dropped.
+
+    The first byte that is not UTF-8 is a ``DataError`` naming the line, byte offset and
+    column: decoding with a guessed encoding (or replacing the byte) would train on text the
+    file does not hold. (UTF-8's byte-order mark, which Excel writes, is standard and is not
+    part of the first column's name.)"""
+    offset = 0
+    for number, raw in enumerate(handle, 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(not_utf8_message(path, raw, exc.start, first_line=number, base_offset=offset)) from None
+        if number == 1 and text.startswith("\ufeff"):
+            text = text[1:]
+        offset += len(raw)
+        yield text
+
+
+def read_utf8(path: str) -> str:
+    """The whole text of ``path`` as UTF-8, a leading byte-order mark dropped; a byte that is
+    not UTF-8 is refused as :func:`read_table` refuses it (line, byte offset, column)."""
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(not_utf8_message(path, raw, exc.start)) from None
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def no_duplicate_keys(where: str) -> Callable[[List[Tuple[str, Any]]], Dict[str, Any]]:
+    """A ``json`` ``object_pairs_hook`` refusing an object that has a key twice (``json`` would
+    keep the last value in silence): ``DataError`` naming ``where``, the key and, when the
+    object has one, its ``id``."""
+    def hook(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                owner = dict(pairs).get("id")
+                at = f"the object with id {owner!r}: " if isinstance(owner, (str, int)) and key != "id" else ""
+                raise DataError(f"{where}: {at}key {key!r} occurs twice in one object; which value is meant is "
+                                f"ambiguous: keep one")
+            out[key] = value
+        return out
+    return hook
+
+
+def _read_jsonl(path: str, lines: Iterator[str]) -> Tuple[List[str], List[Dict[str, Any]], List[int]]:
+    rows, numbers = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line, object_pairs_hook=no_duplicate_keys(f"{path}: line {number}"))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: line {number}: not a JSON object ({exc.msg} at column {exc.colno}); "
+                            f"JSON lines hold one object per line") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: line {number}: expected a JSON object per line, got a JSON "
+                            f"{_json_kind(row)}")
+        rows.append(row)
+        numbers.append(number)
+    return sorted({key for row in rows for key in row}), rows, numbers
+
+
+def _json_kind(value: Any, article: str = "") -> str:
+    kind = {list: "array", dict: "object", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+    return ("an " if article and kind[0] in "ao" else article) + kind
+
+
+def _read_delimited(path: str, lines: Iterator[str], delimiter: str) -> Tuple[List[str], List[List[str]], List[int]]:
+    """Header and rows of a CSV/TSV file, each row checked to have exactly the header's fields.
+
+    Quoting is standard CSV (a value holding the delimiter, a quote or a line break is quoted
+    whole, inner quotes doubled); ``strict`` refuses malformed quoting instead of guessing."""
+    reader = csv.reader(lines, delimiter=delimiter, strict=True)
+    limit = csv.field_size_limit(max(csv.field_size_limit(), _MAX_FIELD))  # long documents are texts too
+    try:
+        return _read_rows(path, reader, delimiter)
+    finally:
+        csv.field_size_limit(limit)
+
+
+_MAX_FIELD = 1 << 27  # characters of one CSV value (csv's default is 131,072)
+
+
+def _read_rows(path: str, reader, delimiter: str) -> Tuple[List[str], List[List[str]], List[int]]:
+    name = "tab" if delimiter == "\t" else repr(delimiter)
+    header: Optional[List[str]] = None
+    rows, numbers = [], []
+    first = 1
+    try:
+        for fields in reader:
+            line, first = first, reader.line_num + 1
+            if not fields:  # a blank line
+                continue
+            if header is None:
+                header = fields
+                seen: Dict[str, int] = {}
+                for column, title in enumerate(header, 1):
+                    if title in seen:
+                        raise DataError(f"{path}: line {line}: the header names column {title!r} twice (columns "
+                                        f"{seen[title]} and {column}); which one is meant is ambiguous: rename one")
+                    seen[title] = column
+                continue
+            if len(fields) > len(header):
+                raise DataError(f"{path}: line {line}: {len(fields)} fields but the header has {len(header)}: extra "
+                                f"value {_short(fields[len(header)])!r} in {_row_preview(fields)} (a {name} inside an "
+                                f"unquoted value?); quote values that hold the delimiter")
+            if len(fields) < len(header):
+                raise DataError(f"{path}: line {line}: {len(fields)} field(s) but the header has {len(header)}: no "
+                                f"value for column {header[len(fields)]!r} in {_row_preview(fields)}; every row needs "
+                                f"every column (an empty value is nothing between two delimiters)")
+            rows.append(fields)
+            numbers.append(line)
+    except csv.Error as exc:
+        lines_text = f"line {first}" if reader.line_num <= first else f"lines {first}-{reader.line_num}"
+        if "field larger than field limit" in str(exc):
+            raise DataError(f"{path}: {lines_text}: a value of more than {csv.field_size_limit():,} characters (a "
+                            f"quote that is never closed?); shorten it, or fix the quoting") from None
+        raise DataError(f"{path}: {lines_text}: not valid {'TSV' if delimiter == chr(9) else 'CSV'} ({exc}); a value "
+                        f"holding a quote, a {name} or a line break must be quoted whole, with inner quotes "
+                        f"doubled (\"\")") from None
+    return header or [], rows, numbers
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _row_preview(fields: Sequence[str], limit: int = 6) -> str:
+    """``['a', 'b c', ...]``: a row's fields, each shortened, for a message."""
+    shown = [repr(_short(f)) for f in fields[:limit]] + (["..."] if len(fields) > limit else [])
+    return "[" + ", ".join(shown) + "]"
+
+
+def read_table(path: str, columns: Sequence[str]) -> Dict[str, Column]:
+    """The ``columns`` of every row of ``path`` (a ``Column`` per name, in file order): a CSV/TSV
+    file with a header row, JSON lines, or a directory holding a Hugging Face dataset saved
+    with ``save_to_disk`` (needs ``datasets``).
+
+    One pass checks the whole file before anything is trained, and refuses (``DataError``
+    naming the file, line, column and value) what it would otherwise have to guess: bytes
+    that are not UTF-8 (a UTF-8 byte-order mark is fine and dropped), a header naming a
+    column twice, a row with more or fewer fields than the header (an unquoted delimiter),
+    malformed quoting, a JSON line that is not one object or repeats a key, a row without a
+    value for a requested column. Empty texts and labels are refused where they are read
+    (``encode_texts``, the task's labels), which know whether empty can mean something."""
     if not path:
         raise DataError("no data file given")
     if os.path.isdir(path):
@@ -80,42 +271,46 @@ def read_table(path: str, columns: Sequence[str]) -> Dict[str, List[Any]]:
     if not os.path.isfile(path):
         raise DataError(f"{path}: file not found")
     kind = _format(path)
-    rows: List[Dict[str, Any]] = []
-    try:
-        with open(path, encoding="utf-8", newline="") as handle:
-            if kind == ".jsonl":
-                for number, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise DataError(f"{path}:{number}: not a JSON object ({exc.msg})") from None
-                    if not isinstance(row, dict):
-                        raise DataError(f"{path}:{number}: expected a JSON object per line")
-                    rows.append(row)
-                available = sorted({key for row in rows for key in row})
-            else:
-                reader = csv.DictReader(handle, delimiter=_DELIMITERS[kind])
-                available = list(reader.fieldnames or [])
-                rows = list(reader)
-    except UnicodeDecodeError:
-        raise DataError(f"{path}: not UTF-8 text") from None
-    except csv.Error as exc:
-        raise DataError(f"{path}: not valid {kind[1:].upper()} ({exc})") from None
+    with open(path, "rb") as handle:
+        lines = _utf8_lines(path, handle)
+        if kind == ".jsonl":
+            available, rows, numbers = _read_jsonl(path, lines)
+            index = None
+        else:
+            available, rows, numbers = _read_delimited(path, lines, _DELIMITERS[kind])
+            index = {title: i for i, title in enumerate(available)}
     if not rows:
         raise DataError(f"{path}: the file is empty (no data rows)")
     for column in columns:
         if column not in available:
-            raise DataError(f"{path}: no column {column!r}; columns: {', '.join(map(str, available)) or '(none)'}")
-    out: Dict[str, List[Any]] = {column: [] for column in columns}
-    for number, row in enumerate(rows, 1):
-        for column in columns:
-            value = row.get(column)
-            if value is None:  # JSONL row without the key, or a short CSV row
-                raise DataError(f"{path}: row {number} has no value in column {column!r}")
-            out[column].append(value)
+            raise DataError(f"{path}: no column {column!r}; columns: {', '.join(map(str, available)) or '(none)'}"
+                            f"{_column_hint(column, available, kind)}")
+    out: Dict[str, Column] = {}
+    for column in columns:
+        if index is not None:
+            values = [fields[index[column]] for fields in rows]
+        else:
+            values = []
+            for row, number in zip(rows, numbers):
+                value = row.get(column)
+                if value is None:  # a JSON line without the key, or with null
+                    raise DataError(f"{path}: line {number}: no value in column {column!r} "
+                                    f"({'null' if column in row else 'no such key'})")
+                values.append(value)
+        out[column] = Column(values, path=path, name=column, lines=numbers)
     return out
+
+
+def _column_hint(column: str, available: Sequence[str], kind: str) -> str:
+    """Why a column may be missing: spaces around a header name, or the wrong delimiter."""
+    for title in available:
+        if isinstance(title, str) and title.strip() == column:
+            return f" (the header has {title!r}: spaces around the name)"
+    if kind != ".jsonl" and len(available) == 1:
+        other = ("tab", ".tsv") if kind == ".csv" else ("','", ".csv")
+        if ("\t" if kind == ".csv" else ",") in available[0]:
+            return f" (the header is one column holding a {other[0]}: name the file {other[1]}?)"
+    return ""
 
 
 class Encoded:
@@ -135,9 +330,16 @@ def encode_texts(tokenizer, texts: Sequence[str], pairs: Optional[Sequence[str]]
     """Tokenise ``texts`` (and ``pairs``) as BERT inputs of at most ``max_length`` tokens."""
     if truncation not in TRUNCATION:
         raise DataError(f"finetune.truncation must be one of {', '.join(TRUNCATION)}, got {truncation!r}")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise DataError(f"{where}: row {i + 1}: the text is {type(text).__name__}, not a string")
+    for values in (texts, pairs) if pairs is not None else (texts,):
+        for i, text in enumerate(values):
+            if not isinstance(text, str):
+                raise DataError(f"{value_where(values, i, where)}: the text is {_json_kind(text, 'a ')} "
+                                f"({text!r}), not a string")
+            if not text.strip():
+                raise DataError(f"{value_where(values, i, where)}: the text is empty; remove the row or fill it in "
+                                f"(an empty text would train on [CLS] [SEP] alone)")
+    if pairs is not None and len(pairs) != len(texts):
+        raise DataError(f"{where}: {len(texts)} texts but {len(pairs)} text pairs")
     inputs = list(texts) if pairs is None else list(zip(texts, pairs))
     tokenizer.no_truncation()
     tokenizer.no_padding()
@@ -146,9 +348,9 @@ def encode_texts(tokenizer, texts: Sequence[str], pairs: Optional[Sequence[str]]
     if too_long:
         first = too_long[0]
         if truncation == "error":
-            raise DataError(f"{where}: row {first + 1} has {len(encodings[first].ids)} tokens, more than the "
-                            f"maximum {max_length} (data.max_sequence_length); shorten it, raise the maximum, or "
-                            f"set finetune.truncation=truncate")
+            raise DataError(f"{value_where(texts, first, where, column=False)}: {len(encodings[first].ids)} tokens, "
+                            f"more than the maximum {max_length} (data.max_sequence_length); shorten it, raise the "
+                            f"maximum, or set finetune.truncation=truncate")
         tokenizer.enable_truncation(max_length, strategy="longest_first")
         try:
             for i, encoding in zip(too_long, tokenizer.encode_batch([inputs[i] for i in too_long])):
@@ -156,7 +358,8 @@ def encode_texts(tokenizer, texts: Sequence[str], pairs: Optional[Sequence[str]]
         finally:
             tokenizer.no_truncation()
         print(f"warning: {where}: {len(too_long)} of {len(inputs)} texts are longer than {max_length} tokens and "
-              f"were truncated (first: row {first + 1}); finetune.truncation=error refuses them", file=sys.stderr)
+              f"were truncated (first: {value_at(texts, first)}); "
+              f"finetune.truncation=error refuses them", file=sys.stderr)
     lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
     width = int(max(1, lengths.max(initial=1)))
     input_ids = np.zeros((len(encodings), width), dtype=np.int32)

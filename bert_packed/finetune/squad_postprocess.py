@@ -42,7 +42,7 @@ def feature_logits(batch: Mapping[str, np.ndarray], start_logits: np.ndarray, en
     """Scatter one packed batch's per-token logits ``[B, S]`` into per-feature arrays.
 
     ``slots`` ``[B, K]``: the feature index of every pack slot (-1 = empty, see
-    ``squad.feature_slots``); ``out_start`` / ``out_end`` ``[F, L]`` receive token t of
+    ``squad_collate.feature_slots``); ``out_start`` / ``out_end`` ``[F, L]`` receive token t of
     feature f at ``[f, t]`` (t = the token's position id).
     """
     sequence_ids = np.asarray(batch["sequence_ids"])
@@ -73,9 +73,9 @@ def postprocess_predictions(examples: Sequence[Any], features: Any, start_logits
                             *, n_best_size: int = 20, max_answer_length: int = 30,
                             version_2_with_negative: bool = False,
                             null_score_diff_threshold: float = 0.0) -> Predictions:
-    """Answers of ``examples`` (``squad.SquadExample``) from per-feature logits.
+    """Answers of ``examples`` (``squad_data.SquadExample``) from per-feature logits.
 
-    ``features``: ``squad.SquadFeatures`` (``offsets``, ``example_index``, ``lengths``);
+    ``features``: ``squad_features.SquadFeatures`` (``offsets``, ``example_index``, ``lengths``);
     ``start_logits`` / ``end_logits`` ``[F, L]`` feature-local (see :func:`feature_logits`).
     """
     if n_best_size < 1 or max_answer_length < 1:
