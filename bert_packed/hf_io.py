@@ -466,11 +466,7 @@ def save_pretrained(model: torch.nn.Module, directory: str, *, tokenizer=None, i
     architecture = model.hf_architecture
     config = {"architectures": [architecture], "model_type": "bert", **cfg.to_hf_dict()}
     config.pop("num_labels", None)  # Hugging Face derives it from id2label
-    if hasattr(model, "classifier"):
-        labels = id2label or {i: f"LABEL_{i}" for i in range(cfg.num_labels)}
-        config["id2label"] = {str(int(i)): str(name) for i, name in labels.items()}
-        config["label2id"] = {str(name): int(i) for i, name in labels.items()}
-        config["problem_type"] = cfg.resolved_problem_type
+    config.update(model.hf_label_config(id2label))
     config["dtype"] = "float32"
     config.update(extra_config or {})
     os.makedirs(directory, exist_ok=True)

@@ -418,6 +418,16 @@ class BertPreTrainedModel(nn.Module):
         """Give every pack of one optimizer step the step's global counts (``normalizer_fields``)."""
         raise NotImplementedError(f"{type(self).__name__} declares no step normalizers")
 
+    def hf_label_config(self, id2label: Optional[Mapping[int, str]] = None) -> Dict[str, Any]:
+        """The label keys of the export's config.json (none for a model without labels)."""
+        return {}
+
+    def _labels_of(self, id2label: Optional[Mapping[int, str]]) -> Dict[str, Any]:
+        """``id2label`` / ``label2id`` of a labelling head (default names LABEL_i)."""
+        labels = id2label or {i: f"LABEL_{i}" for i in range(self.config.num_labels)}
+        return {"id2label": {str(int(i)): str(name) for i, name in labels.items()},
+                "label2id": {str(name): int(i) for i, name in labels.items()}}
+
     def pipeline_layout(self) -> PipelineLayout:
         """The blocks a pipelined backend places (see ``PipelineLayout``)."""
         raise NotImplementedError(f"{type(self).__name__} declares no pipeline layout")
@@ -676,6 +686,9 @@ class BertForSequenceClassification(BertPreTrainedModel):
 
     def pipeline_layout(self) -> PipelineLayout:
         return PipelineLayout(self.bert.embeddings, self.bert.encoder.layer, self.bert.pooler, False)
+
+    def hf_label_config(self, id2label: Optional[Mapping[int, str]] = None) -> Dict[str, Any]:
+        return {**self._labels_of(id2label), "problem_type": self.config.resolved_problem_type}
 
     def add_step_normalizers(self, micro_batches, *, all_reduce=None):
         """Set ``normalizer`` (float32 ``[B]``) in every micro-batch to the step's sequence count

@@ -45,6 +45,7 @@ TASKS = {
     "pretraining": "bert_packed.task:PretrainingTask",
     "classification": "bert_packed.finetune.classification:ClassificationTask",
     "squad": "bert_packed.finetune.squad:SquadTask",
+    "token_classification": "bert_packed.finetune.token_classification:TokenClassificationTask",
 }
 
 

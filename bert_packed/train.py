@@ -72,14 +72,12 @@ def train(config: Config, backend, *, output_dir: Optional[str] = None, resume: 
         run = _Run(config, backend, output_dir=output_dir, resume=resume, resume_force=resume_force,
                    show_progress=show_progress)
         return run.execute()
-    except RuntimeError as exc:
-        # gloo/NCCL report a collective that outlived train.collective_timeout_minutes as a
-        # RuntimeError; say what it means instead of a traceback from deep inside torch.
-        if dist.is_available() and dist.is_initialized() and "timed out" in str(exc).lower().replace("timeout", "timed out"):
-            raise CollectiveTimeout(
-                f"a collective between the {dist.get_world_size()} processes timed out after "
-                f"train.collective_timeout_minutes={config.train.collective_timeout_minutes:g}: another rank hung "
-                f"or died (see its log); the last checkpoint is intact") from None
+    except BaseException as exc:
+        if run is not None and run.logger is None:  # refused before anything was written: leave no trace
+            run.close(undo=True)
+        timeout = _collective_timeout(exc, config)
+        if timeout is not None:
+            raise timeout from None
         raise
     finally:  # train.num_threads is for this run only (callers in the same process keep theirs)
         torch.set_num_threads(threads)
@@ -87,15 +85,34 @@ def train(config: Config, backend, *, output_dir: Optional[str] = None, resume: 
             run.close()
 
 
+def _collective_timeout(exc: BaseException, config: Config) -> Optional[CollectiveTimeout]:
+    """gloo/NCCL report a collective that outlived train.collective_timeout_minutes as a
+    RuntimeError: say what it means instead of a traceback from deep inside torch."""
+    if not (isinstance(exc, RuntimeError) and dist.is_available() and dist.is_initialized()
+            and "timed out" in str(exc).lower().replace("timeout", "timed out")):
+        return None
+    return CollectiveTimeout(
+        f"a collective between the {dist.get_world_size()} processes timed out after "
+        f"train.collective_timeout_minutes={config.train.collective_timeout_minutes:g}: another rank hung "
+        f"or died (see its log); the last checkpoint is intact")
+
+
 def _prepare_output_dir(output_dir: str, is_main: bool) -> Optional[DirectoryLock]:
-    """Create and lock the output directory (rank 0); remove temp files of dead writers."""
+    """Create and lock the output directory (rank 0); remove temp files of dead writers. The
+    lock remembers what it created (``created``: the directory and/or its lock file), so a run
+    refused before writing anything can leave no trace (``_Run.close(undo=True)``)."""
     if not is_main:
         return None
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConfigError(f"output directory {output_dir} is a file; choose another --output-dir")
     try:
+        created = [] if os.path.isdir(output_dir) else [output_dir]
         os.makedirs(output_dir, exist_ok=True)
-        lock = DirectoryLock(output_dir).acquire()
+        lock = DirectoryLock(output_dir)
+        if not os.path.exists(lock.path):
+            created.insert(0, lock.path)
+        lock.acquire()
+        lock.created = created
     except PermissionError:
         raise ConfigError(f"output directory {output_dir} is not writable (permission denied); "
                           f"choose another --output-dir") from None
@@ -163,15 +180,27 @@ class _Run:
         try:
             self.state = self.checkpointer.load(resume, resume_force)
         except BaseException:
-            self.close()  # train() never sees this half-built run
+            self.close(undo=True)  # train() never sees this half-built run
             raise
 
-    def close(self) -> None:
+    def close(self, undo: bool = False) -> None:
+        """Release the output directory; ``undo``: also remove what the run created there (its lock
+        file, the directory itself), for a run refused before it wrote anything."""
         if self.logger is not None:
             self.logger.close()
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        if self.lock is None:
+            return
+        if undo:
+            for path in self.lock.created:  # the lock file first, then the (then empty) directory
+                try:
+                    if path == self.lock.path:
+                        os.remove(path)
+                    else:
+                        os.rmdir(path)
+                except OSError:
+                    pass
+        self.lock.release()
+        self.lock = None
 
     def execute(self) -> Dict[str, Any]:
         if not self._setup():

@@ -154,3 +154,22 @@ def test_real_divergence_between_reads_is_stopped_where_one_read_per_step_stops_
         assert saved["step"] == (stops[log_every] - 1) // 3 * 3
         assert all(torch.isfinite(t).all() for t in saved["model"].values() if t.is_floating_point())
     assert stops[1] == stops[7] and stops[1] > 1
+
+
+def test_a_run_refused_before_its_first_step_leaves_no_trace(tmp_path, capsys):
+    """A data mistake found while the task reads its files (after the output directory was made
+    and locked) leaves neither the directory nor its lock file behind; an existing directory
+    keeps exactly what it held."""
+    import run
+
+    bad = tmp_path / "train.csv"
+    bad.write_text("text,label\nfine,1\n")  # no tokenizer: refused in the task's setup
+    args = ["--config", "finetune_classification", "--no-progress", "--set", f"finetune.train_file={bad}"]
+    assert run.main(args + ["--output-dir", str(tmp_path / "new")]) == 2
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "old"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    assert run.main(args + ["--output-dir", str(existing)]) == 2
+    assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
+    assert "needs a tokenizer" in capsys.readouterr().err
