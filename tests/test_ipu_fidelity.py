@@ -720,6 +720,39 @@ def test_the_backend_checkpoints_the_device_rng_and_restores_it_after_the_compil
     assert fresh != [expected]  # without it, dropout starts over from the seed
 
 
+def test_every_process_resumes_its_own_device_rng_state(tmp_path, monkeypatch):
+    """Under PopRun each instance's executable has its own RNG state (its replicas' hardware
+    generators): the checkpoint keeps one per process and each resumes its own."""
+    from bert_packed.loop import checkpointer as module
+
+    class Backend:
+        name = "mock"
+
+        def sync_to_host(self):
+            pass
+
+        def state_dict(self):
+            return {"optimizer": {"ipu_state": {}}, "rng_state": [7, 1, 2]}
+
+    class Stateful:
+        def state_dict(self):
+            return {}
+
+    def two_processes(obj):  # what gather returns with a second process whose device differs
+        other = {**obj, "rng_state": [7, 3, 4]} if isinstance(obj, dict) and "rng_state" in obj else obj
+        return [obj, other]
+
+    monkeypatch.setattr(module, "gather", two_processes)
+    writer = module.Checkpointer(str(tmp_path), Backend(), world_size=2, is_main=True, given={})
+    assert writer.write(3, model=Toy(), scheduler=None, source=Stateful(), task=Stateful(), totals={}, config={},
+                        plan={}) == []
+    state = module.load_checkpoint(writer.path)
+    assert [module.Checkpointer.backend_state(state, rank)["rng_state"] for rank in (0, 1)] == [[7, 1, 2], [7, 3, 4]]
+    assert module.Checkpointer.backend_state(state, 1)["optimizer"] == {"ipu_state": {}}
+    older = {"optimizer": {}, "backend_state": {"rng_state": [5]}}  # one dict for all processes
+    assert module.Checkpointer.backend_state(older, 1) == {"optimizer": {}, "rng_state": [5]}
+
+
 # -- 5. memory per tile -----------------------------------------------------------------------------
 
 def test_the_largest_tensors_of_phase2_against_one_tile():
