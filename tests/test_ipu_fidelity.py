@@ -30,6 +30,7 @@ from bert_packed.loop.plan import make_plan
 from bert_packed.optim import build_optimizer as build_host_optimizer
 from bert_packed.task import get_task
 from ipu import memory, offline
+from ipu.backend import stack_host_batch
 from ipu import options as ipu_options
 from ipu.mock_popart import extract_session_options as extract
 from ipu.mock_popart import session_options
@@ -401,6 +402,57 @@ def test_the_configs_of_the_check_are_the_shipped_ones():
     assert {"phase1", "phase2", "finetune_squad", "finetune_squad_large", "demo"} <= set(_shipped_ipu_configs())
 
 
+# The fields of each task's batch, from a packed pre-training batch (same packs and [CLS] slots).
+TASK_FIELDS = {
+    "pretraining": lambda b: b,
+    "classification": lambda b: {**{k: b[k] for k in ("input_ids", "segment_ids", "position_ids", "sequence_ids",
+                                                      "cls_positions")},
+                                 "labels": b["nsp_labels"], "label_weights": b["nsp_weights"]},
+    "squad": lambda b: {**{k: b[k] for k in ("input_ids", "segment_ids", "position_ids", "sequence_ids",
+                                             "cls_positions")},
+                        "start_positions": b["cls_positions"], "end_positions": b["cls_positions"] + 1,
+                        "label_weights": b["nsp_weights"]},
+}
+
+
+@pytest.mark.parametrize("name, task, heads", [
+    ("phase2", "pretraining", 0),                 # Graphcore: "Pooler --> IPU 0", "Classifier --> IPU 0"
+    ("finetune_squad", "squad", 3),               # Graphcore: "QA Outputs --> IPU {ipu}" (the last layer's)
+    ("finetune_squad_large", "squad", 7),
+    ("finetune_glue_base", "classification", 3),  # optimum-graphcore: "Classifier Output --> IPU {ipu}"
+])
+def test_the_compiled_pipeline_puts_the_heads_where_graphcore_does(name, task, heads):
+    """What the mock recorded when it compiled the training executable of a shipped config's
+    layout (tiny widths): the embeddings on IPU 0, each encoder layer on its IPU, and the heads
+    block on IPU 0 when it holds the MLM decoder tied to the embeddings (pre-training), else
+    after the last layer on the last IPU (graphcore/examples nlp/bert/pytorch modeling.py,
+    optimum-graphcore models/bert/modeling_bert.py)."""
+    layers = load_config(name).ipu.layers_per_ipu
+    config = load_config(name, TINY_MODEL + [
+        f"model.num_hidden_layers={sum(layers)}", "ipu.replication_factor=1", "ipu.device_iterations=1",
+        "train.global_batch_size=null", "train.gradient_accumulation=15", "train.micro_batch_size=1",
+        "ipu.executable_cache_dir=null", "ipu.half_precision=false", "data.max_sequences_per_pack=3",
+        "ipu.embedding_serialization_factor=1", "ipu.available_memory_proportion=[0.6]"])
+    assert get_task(config).name == task
+    torch.manual_seed(0)
+    model = get_task(config).model_class()(bert_config(config))
+    optimizer, _ = build_optimizer(config, model)
+    backend = MockBackend()
+    plan = make_plan(config, backend)
+    backend.prepare(model, optimizer, plan)
+    batch = TASK_FIELDS[task](random_micro_batches(0, 1, config)[0])
+    host = stack_host_batch(backend._normalise([batch] * plan.micro_batches_per_step), num_steps=1,
+                            gradient_accumulation=plan.gradient_accumulation, num_replicas=1)
+    backend.training_model.compile(**host)
+    blocks = {block: ipu for block, ipu, _ in backend.training_model.pipeline["blocks"]}
+    assert blocks["Embedding"] == 0
+    assert [blocks[f"Encoder{i}"] for i in range(sum(layers))] == [i for i, n in enumerate(layers) for _ in range(n)]
+    assert blocks["Heads"] == heads
+    stages = backend.training_model.pipeline["stage_ipus"]
+    assert stages == forward_stage_ipus(layers, heads)
+    assert stages[-1] == heads and (heads != 0 or stages.count(0) == 2)  # pre-training: a last stage on IPU 0
+
+
 # -- 2. --compile-only fills the cache the real run loads -------------------------------------------
 
 CACHED = TINY_MODEL + ["model.num_hidden_layers=4", "ipu.layers_per_ipu=[1,1,1,1]", "ipu.replication_factor=2",
@@ -490,7 +542,7 @@ def test_run_py_compile_only_report_mode(tmp_path, capsys):
                                               "not 'cpu'"
 
 
-# -- 4. evaluation leaves the training RNG untouched ---------------------------------------------
+# -- 4. evaluation and prediction leave the training RNG untouched (host and device) ---------------------------------------------
 
 def _train_eval_train(evaluate):
     config = load_config("phase2", TINY_MODEL + [
@@ -503,10 +555,12 @@ def _train_eval_train(evaluate):
     backend.prepare(model, build_host_optimizer(model, "lamb", lr=1e-3), make_plan(config, backend))
     batches = random_micro_batches(3, 5, config)
     first = backend.train_step([dict(b) for b in batches[:2]])
-    state = torch.get_rng_state()
+    state, device = torch.get_rng_state(), list(backend.training_model.rng_state)
     if evaluate:
         backend.eval_step(dict(batches[4]))  # builds its inference options: randomSeed
-    unchanged = torch.equal(torch.get_rng_state(), state)
+        backend.predict_step(dict(batches[4]), names=("nsp_logits",))  # another executable
+    # Neither the host's generator nor the training executable's (read back at its detach) moved.
+    unchanged = torch.equal(torch.get_rng_state(), state) and backend.training_model.rng_state == device
     second = backend.train_step([dict(b) for b in batches[2:4]])
     backend.sync_to_host()
     return first["loss"], second["loss"], [p.detach().clone() for p in model.parameters()], unchanged
