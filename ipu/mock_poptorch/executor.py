@@ -875,7 +875,7 @@ class PoplarExecutor:
             if not merged or merged[-1] != ipu_id:
                 merged.append(ipu_id)
         num_ipus_per_replica = max([ipu for _, ipu, _ in blocks], default=0) + 1
-        limit = o._values.get("ipus_per_replica")  # set by popdist.poptorch.Options under PopRun
+        limit = getattr(o, "_popdist_ipus_per_replica", None)  # popdist.poptorch.Options under PopRun
         if limit is not None and num_ipus_per_replica > limit:
             raise Error(f"The model is placed on {num_ipus_per_replica} IPUs but each replica has only "
                         f"{limit} IPUs (ipus_per_replica)")
