@@ -26,6 +26,12 @@ micro_batch, ...]`` (PopART's order). The mock then does what the device does:
   (``ipu/mock_popart/session_options.py``); ``useOfflineIpuTarget`` executables compile, never run.
 * ``setOptimizer`` after compiling refuses a change to a value compiled as a constant, as
   PopART's ``Optimizer::validReplacement`` does (``poptorch.optim.describe``/``check_replacement``).
+* the optimizer state lives on the device, as PopTorch's ``ipu_state``: a PopTorch optimizer's
+  ``state_dict()`` reads it back when the device has run, a loaded one is written when the
+  executable attaches (PopTorch's ``_read/_write_optim_state_dict_if_needed``).
+* random numbers: a run draws them (dropout) from the executable's own seed and generator, never
+  from the host's; ``rng_state`` reads and sets them as PopTorch 3.4 does (compiled executables
+  only, read back at detach and set again at attach, PopART's ``enableLoadAndOffloadRNGState``).
 * the executable cache: with ``enableExecutableCaching`` a compile computes the key from what
   PopART hashes (``cache_key``: the hashed session options, patterns, data flow, device, the
   traced graph's structure and the optimizer's constants) and "loads" a cached executable when
@@ -545,9 +551,11 @@ class PoplarExecutor:
     def _read_optimizer_state(self):
         """``poptorch_core.readOptimizerState``: ``ipu_state`` (the optimizer's state tensors,
         ``<key>___<parameter>``) and ``ipu_param`` (the hyperparameters the device holds,
-        ``<name>___group<i>``). Copies: the device keeps its own."""
+        ``<name>___group<i>``). Copies: the device keeps its own. (A None entry, torch's SGD
+        without momentum, is no tensor: nothing to read.)"""
         state = {f"{key}___{name}": value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
-                 for name, entries in self._device_optimizer_state.items() for key, value in entries.items()}
+                 for name, entries in self._device_optimizer_state.items() for key, value in entries.items()
+                 if value is not None}
         params = {}
         for i, group in enumerate(self._device_hyperparameters or []):
             for key, value in group.items():
@@ -573,10 +581,11 @@ class PoplarExecutor:
                 restored = value.item() if value.dim() == 0 and not value.is_floating_point() else value.clone()
                 given.setdefault(name, {})[entry] = restored
         for name, entries in self._device_optimizer_state.items():
-            for entry in entries:
+            for entry, value in entries.items():
                 if entry not in given.get(name, {}):
-                    warnings.warn(f"writeOptimizerState: ignoring missing state {entry}___{name}")
-                    given.setdefault(name, {})[entry] = entries[entry]
+                    if value is not None:
+                        warnings.warn(f"writeOptimizerState: ignoring missing state {entry}___{name}")
+                    given.setdefault(name, {})[entry] = value
         self._device_optimizer_state = given
 
     def _push_optimizer(self):
