@@ -772,6 +772,8 @@ def test_the_backend_checkpoints_the_device_rng_and_restores_it_after_the_compil
     without = {k: v for k, v in state.items() if k != "rng_state"}
     _, _, fresh = _dropout_steps(config, state=without, weights=weights, count=1)
     assert fresh != [expected]  # without it, dropout starts over from the seed
+    with pytest.raises(ConfigError, match="the checkpoint's device RNG state does not fit this executable"):
+        _dropout_steps(config, state={**state, "rng_state": [7, 1, 2]}, weights=weights, count=1)
 
 
 def test_every_process_resumes_its_own_device_rng_state(tmp_path, monkeypatch):
