@@ -242,7 +242,7 @@ class _Run:
                 self.scheduler.load_state_dict(state["scheduler"])
             self.source.load_state_dict(state["data"][self.rank])
             task.load_state_dict(state.get("task") or {})
-            backend_state = {"optimizer": state["optimizer"], **state.get("backend_state", {})}
+            backend_state = self.checkpointer.backend_state(state, self.rank)
         backend.prepare(self.model, self.optimizer, plan, scheduler=self.scheduler, state=backend_state)
         # Held-out data, built once before the first step; evaluated every eval_every steps and at
         # the end (a task that must report validation metrics evaluates at the end regardless).
