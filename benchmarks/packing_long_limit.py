@@ -2,6 +2,8 @@
 
     python benchmarks/packing_long_limit.py                    # L = 10**8, table on stdout
     python benchmarks/packing_long_limit.py --max-sequence-length 1000000000000 --json out.json
+    git archive f73733c packing | tar -x -C /tmp/before        # the dense code, before issue 27
+    python benchmarks/packing_long_limit.py --compare-with /tmp/before   # both, case by case
 
 A handful of short sequences (lengths 3, 5, 5, 7, 11 tokens; the llm cases: token lists of
 those lengths) at a length limit L. Each case runs in its own subprocess with its address
@@ -95,39 +97,52 @@ def _bytes(value):
     return f"{value} B"
 
 
+def _run(case, root, args):
+    """One case in a child process importing ``packing`` from ``root``; its JSON record."""
+    environment = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    completed = subprocess.run(
+        [sys.executable, "-c", CHILD, case, str(args.max_sequence_length), str(args.memory_limit_gib),
+         json.dumps(LENGTHS)], capture_output=True, text=True, env=environment, cwd=root)
+    lines = completed.stdout.strip().splitlines()
+    if completed.returncode != 0 or not lines:
+        return {"case": case, "crashed": (completed.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(lines[-1])
+
+
+def _outcome(case, record, args):
+    if "crashed" in record:
+        return f"crashed: {record['crashed'][:80]}"
+    if "refused" in record:
+        return f"PackingError: {record['refused'][:40]}..."
+    if record.get("memory_error"):
+        return f"MemoryError (> {args.memory_limit_gib:g} GiB)"
+    return f"{record['result']} {'sequences' if case == 'from_lengths' else 'packs/rows'}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-sequence-length", type=int, default=10**8)
     parser.add_argument("--memory-limit-gib", type=float, default=8.0,
                         help="address-space cap of each case's process (default 8)")
     parser.add_argument("--cases", nargs="+", default=CASES, help=f"default: {' '.join(CASES)}")
+    parser.add_argument("--compare-with", default=None, metavar="DIR",
+                        help="a directory holding another version of packing/: each case runs with it first, "
+                             "then with this checkout's")
     parser.add_argument("--json", default=None, help="also write the records to this file")
     args = parser.parse_args()
-    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    roots = ([("other", os.path.abspath(args.compare_with))] if args.compare_with else []) + [("this", ROOT)]
     records = []
     print(f"L = {args.max_sequence_length:,}, lengths {LENGTHS}, address space capped at "
           f"{args.memory_limit_gib:g} GiB per case")
-    print("| case | outcome | seconds | traced peak | peak RSS |\n|---|---|---:|---:|---:|")
+    print("| case | code | outcome | seconds | traced peak | peak RSS |\n|---|---|---|---:|---:|---:|")
     for case in args.cases:
-        completed = subprocess.run(
-            [sys.executable, "-c", CHILD, case, str(args.max_sequence_length), str(args.memory_limit_gib),
-             json.dumps(LENGTHS)], capture_output=True, text=True, env=environment, cwd=ROOT)
-        lines = completed.stdout.strip().splitlines()
-        if completed.returncode != 0 or not lines:
-            tail = (completed.stderr.strip().splitlines() or ["?"])[-1]
-            record = {"case": case, "crashed": tail}
-            print(f"| {case} | crashed: {tail[:80]} | | | |", flush=True)
-        else:
-            record = json.loads(lines[-1])
-            if "refused" in record:
-                outcome = f"PackingError: {record['refused'][:60]}..."
-            elif record.get("memory_error"):
-                outcome = f"MemoryError (> {args.memory_limit_gib:g} GiB)"
-            else:
-                outcome = f"{record['result']} packs/rows" if case != "from_lengths" else f"{record['result']} seqs"
-            print(f"| {case} | {outcome} | {record['seconds']:.3f} | {_bytes(record['traced_peak_bytes'])} | "
-                  f"{_bytes(record['peak_rss_bytes'])} |", flush=True)
-        records.append(record)
+        for label, root in roots:
+            record = _run(case, root, args)
+            record["code"] = label
+            print(f"| {case} | {label} | {_outcome(case, record, args)} | {record.get('seconds', 0):.3f} | "
+                  f"{_bytes(record.get('traced_peak_bytes', 0))} | {_bytes(record.get('peak_rss_bytes', 0))} |",
+                  flush=True)
+            records.append(record)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"max_sequence_length": args.max_sequence_length, "lengths": LENGTHS, "records": records},
