@@ -1,7 +1,8 @@
 """Backend registry: look a backend up by name; implementations are imported lazily so
 that e.g. ``cpu`` never imports poptorch or CUDA-only code.
 
-    backend = get_backend("cpu")          # an instance, ready for prepare(...)
+    backend = get_backend("cpu")                  # an instance, ready for prepare(...)
+    backend = get_backend("cuda", config=config)  # built for the config (e.g. cuda.device)
 
 Importing this package registers the backends' config sections (``ipu``, ``cuda``) with
 ``bert_packed.config``, which names no backend itself.
@@ -41,12 +42,13 @@ def get_backend_class(name: str):
     return getattr(module, class_name)
 
 
-def get_backend(name: str, *, check_available: bool = True):
-    """An instance of backend ``name``; ConfigError (one line) if unknown or unavailable."""
+def get_backend(name: str, *, config=None, check_available: bool = True):
+    """An instance of backend ``name`` (for ``config`` when given: ``Backend.for_config``);
+    ConfigError (one line) if unknown or unavailable (for that config)."""
     cls = get_backend_class(name)
-    if check_available and not cls.is_available():
-        raise ConfigError(f"backend {name!r} is not available: {cls.unavailable_reason()}")
-    return cls()
+    if check_available and not cls.is_available(config):
+        raise ConfigError(f"backend {name!r} is not available: {cls.unavailable_reason(config)}")
+    return cls() if config is None else cls.for_config(config)
 
 
 def offline_compilers():

@@ -9,7 +9,8 @@ the same optimizer step a single process takes over the same global batch.
 
 The class is written to be subclassed (the cuda backend does): override the hooks
 ``device``, ``dist_backend``, ``autocast``, ``backward``, ``optimizer_step``, ``start_timer``,
-``wrap_model`` / ``forward_module``.
+``wrap_model``, ``replicate`` / ``micro_batch_context`` / ``reduce_gradients`` (how gradients are
+summed over processes), ``learning_rate``.
 """
 from __future__ import annotations
 
@@ -35,13 +36,15 @@ class CPUBackend(Backend):
     cost_note = "wall time of forward+backward, fastest of interleaved runs"
 
     @staticmethod
-    def is_available() -> bool:
+    def is_available(config=None) -> bool:
         return True
 
     def __init__(self) -> None:
         super().__init__()
         self.model = self.optimizer = self.scheduler = None
-        self.forward_module = None
+        # forward_module: the (wrapped, e.g. compiled) model for evaluation and prediction;
+        # train_module: the same, or a data-parallel replica of it (cuda: DDP) for training.
+        self.forward_module = self.train_module = None
         # Of the last step, set by clip_gradients: 0-dim device tensors (read by the loop when it logs).
         self.grad_norm = self.found_inf = None
 
@@ -54,6 +57,24 @@ class CPUBackend(Backend):
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module used for forward calls (e.g. a compiled one); state stays in ``model``."""
         return model
+
+    def replicate(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make every process start from rank 0's weights (whatever its seed did); returns the
+        module to train through (here ``model`` itself; gradients are summed by
+        ``reduce_gradients``)."""
+        if self.distributed():
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        return model
+
+    def micro_batch_context(self, last: bool):
+        """Context around one training micro-batch's forward and backward; ``last``: the step's
+        last one (a data-parallel wrapper synchronises gradients only there)."""
+        return contextlib.nullcontext()
+
+    def learning_rate(self) -> Any:
+        """The learning rate after this step's schedule update (the ``learning_rate`` metric)."""
+        return float(self.scheduler.get_last_lr()[0])
 
     def to_device(self, batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
         return {k: torch.as_tensor(np.ascontiguousarray(v)).to(self.device) for k, v in batch.items()}
@@ -116,10 +137,9 @@ class CPUBackend(Backend):
         self.optimizer, self.scheduler = optimizer, scheduler
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        if self.distributed():  # every rank starts from rank 0's weights, whatever its seed did
-            for tensor in self.model.state_dict().values():
-                dist.broadcast(tensor, src=0)
+        replica = self.replicate(self.model)
         self.forward_module = self.wrap_model(self.model)
+        self.train_module = self.forward_module if replica is self.model else self.wrap_model(replica)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict()}
@@ -133,11 +153,14 @@ class CPUBackend(Backend):
         keys = metric_keys(self.model)
         # Accumulated and reduced on the device: nothing is copied to the host here.
         sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
-        for batch in self._normalise(micro_batches):
-            with self.autocast():
-                out = self.forward_module(**self.to_device(batch))
-            if train:
-                self.backward(out["loss"])
+        batches = self._normalise(micro_batches)
+        module = self.train_module if train else self.forward_module
+        for i, batch in enumerate(batches):
+            with self.micro_batch_context(last=i == len(batches) - 1) if train else contextlib.nullcontext():
+                with self.autocast():
+                    out = module(**self.to_device(batch))
+                if train:
+                    self.backward(out["loss"])
             sums += torch.stack([out[k].detach().double() for k in keys])
         return self.all_reduce_(sums)
 
@@ -151,7 +174,7 @@ class CPUBackend(Backend):
         metrics: Dict[str, Any] = dict(zip(metric_keys(self.model), sums.unbind()))
         metrics["grad_norm"] = self.grad_norm
         if self.scheduler is not None:
-            metrics["learning_rate"] = float(self.scheduler.get_last_lr()[0])
+            metrics["learning_rate"] = self.learning_rate()
         return StepMetrics(metrics)
 
     @torch.no_grad()

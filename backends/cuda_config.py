@@ -10,6 +10,9 @@ from bert_packed.config import HARMLESS, bounded
 class CUDAConfig:
     """NVIDIA GPU settings (backend ``cuda``)."""
 
+    # Where the backend runs: "cuda" (a GPU per process; LOCAL_RANK picks it under torchrun) or
+    # "cpu" (this backend's own code on the CPU: no GPU needed, gloo between processes; CI).
+    device: str = field(default="cuda", metadata={"choices": ("cuda", "cpu")})
     precision: str = field(default="bf16", metadata={"choices": ("bf16", "fp16", "fp32")})
     # torch.compile the model once (fixed shapes: no recompiles after warm-up).
     compile: bool = field(default=False, metadata=HARMLESS)
@@ -26,3 +29,8 @@ class CUDAConfig:
     loss_scale_init: float = bounded(65536.0, gt=0.0)
     # Let fp32 matmuls use TF32 tensor cores (Ampere and newer).
     allow_tf32: bool = True
+    # Data parallel: MiB of gradients per DDP all-reduce bucket (torch's default 25). Smaller
+    # buckets start communicating earlier in the backward, larger ones make fewer calls. At
+    # least DDP's 1 MiB first bucket: torch.compile splits a DDP model at bucket boundaries and
+    # refuses smaller ones.
+    ddp_bucket_cap_mb: float = bounded(25.0, ge=1.0)

@@ -210,7 +210,9 @@ class Lamb(torch.optim.Optimizer):
         denominators = torch._foreach_sqrt(exp_avg_sqs)
         if group["bias_correction"]:
             # 1 - beta^t of every tensor at once, in float64 like the reference's Python floats.
-            step_vector = torch.stack(steps).double()
+            # At least 1: a skipped first update leaves t at 0, where 1 - beta^0 = 0 would make the
+            # (discarded) update 0/0 = NaN and NaN * 0 would reach the weights; otherwise t >= 1.
+            step_vector = torch.stack(steps).double().clamp(min=1.0)
             bc1 = (1.0 - torch.pow(beta1, step_vector)).float().unbind()
             sqrt_bc2 = (1.0 - torch.pow(beta2, step_vector)).sqrt().float().unbind()
             torch._foreach_div_(denominators, list(sqrt_bc2))

@@ -300,7 +300,8 @@ class _Run:
         read, all pending steps at once, only where a step must be looked at (``_read_due``), and
         every step is checked for divergence then, in order."""
         plan, launched = self.plan, self.start_step
-        self.feed = feed = Prefetcher(self.source, self.config.train.prefetch_micro_batches)
+        self.feed = feed = Prefetcher(self.source, self.config.train.prefetch_micro_batches,
+                                      transform=self.backend.stage_batch)
         try:
             with StopSignals(self.logger.write) as stop:
                 while launched < plan.steps:
