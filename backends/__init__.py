@@ -4,25 +4,26 @@ that e.g. ``cpu`` never imports poptorch or CUDA-only code.
     backend = get_backend("cpu")                  # an instance, ready for prepare(...)
     backend = get_backend("cuda", config=config)  # built for the config (e.g. cuda.device)
 
-Importing this package registers the backends' config sections (``ipu``, ``cuda``) with
+Importing this package registers the backends' config sections (``ipu``, ``cuda``, ``cpu``) with
 ``bert_packed.config``, which names no backend itself.
 """
 from __future__ import annotations
 
 import importlib
 
+from backends.cpu_config import CPUConfig
 from backends.cuda_config import CUDAConfig
 from bert_packed.config import ConfigError, register_section
 from ipu.config import IPUConfig
 
 # name -> (module, class, the config section it reads). Only the chosen one is imported.
 BACKENDS = {
-    "cpu": ("backends.cpu", "CPUBackend", None),
+    "cpu": ("backends.cpu", "CPUBackend", "cpu"),
     "cuda": ("backends.cuda", "CUDABackend", "cuda"),
     "ipu": ("backends.ipu", "IPUBackend", "ipu"),
     "mock": ("backends.mock", "MockBackend", "ipu"),
 }
-SECTIONS = {"ipu": IPUConfig, "cuda": CUDAConfig}
+SECTIONS = {"ipu": IPUConfig, "cuda": CUDAConfig, "cpu": CPUConfig}
 for _section, _cls in SECTIONS.items():
     register_section(_section, _cls, readers=tuple(n for n, entry in BACKENDS.items() if entry[2] == _section))
 

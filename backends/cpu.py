@@ -23,13 +23,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bert_packed.attention import no_profiler_scopes
 from bert_packed.backend import Backend, StepMetrics
 from bert_packed.losses import metric_keys, step_normalizers
 from bert_packed.optim import grad_norm_, step_unless_non_finite
 
 
+class RecompileError(ValueError):
+    """torch.compile compiled new graphs after warm-up (one line: how many, and the fix)."""
+
+
+def num_compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (recompiles included).
+
+    A process-wide counter: the backend reads it before and after each optimizer step,
+    so graphs compiled outside ``train_step`` (e.g. the eval-mode graph) do not count.
+    """
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class CPUBackend(Backend):
     name = "cpu"
+    config_section = "cpu"
     device = torch.device("cpu")
     dist_backend = "gloo"  # process-group backend the loop initialises under torchrun
     cost_unit = "ms"
@@ -47,6 +64,7 @@ class CPUBackend(Backend):
         self.forward_module = self.train_module = None
         # Of the last step, set by clip_gradients: 0-dim device tensors (read by the loop when it logs).
         self.grad_norm = self.found_inf = None
+        self.num_steps = self.num_recompiles = 0
 
     # -- hooks (override in subclasses) ----------------------------------------------------
 
@@ -55,8 +73,20 @@ class CPUBackend(Backend):
         return contextlib.nullcontext()
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module used for forward calls (e.g. a compiled one); state stays in ``model``."""
-        return model
+        """The module used for forward calls: ``model``, or with ``compile`` set in the backend's
+        section, ``torch.compile(model)`` (its state stays in ``model``). ``dynamic=False``: packs
+        have one fixed [B, S] shape, so one static graph serves every step; a dynamic-shape graph
+        would only cost speed (and padding's varying shapes are what packing removes)."""
+        settings = self.plan.settings
+        if not settings.compile:
+            return model
+        mode = None if settings.compile_mode == "default" else settings.compile_mode
+        return torch.compile(model, mode=mode, dynamic=False)
+
+    def tracing(self):
+        """Context around a call of the (possibly compiled) model: a compiled one runs without the
+        profiler scopes, which dynamo would only warn about and drop."""
+        return no_profiler_scopes() if self.plan.settings.compile else contextlib.nullcontext()
 
     def replicate(self, model: torch.nn.Module) -> torch.nn.Module:
         """Make every process start from rank 0's weights (whatever its seed did); returns the
@@ -157,7 +187,7 @@ class CPUBackend(Backend):
         module = self.train_module if train else self.forward_module
         for i, batch in enumerate(batches):
             with self.micro_batch_context(last=i == len(batches) - 1) if train else contextlib.nullcontext():
-                with self.autocast():
+                with self.autocast(), self.tracing():
                     out = module(**self.to_device(batch))
                 if train:
                     self.backward(out["loss"])
@@ -167,6 +197,7 @@ class CPUBackend(Backend):
     def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> StepMetrics:
         """One step; its numbers stay on the device as 0-dim tensors until read (the loop reads
         them when it logs: no host synchronisation inside the step)."""
+        graphs_before = num_compiled_graphs() if self.plan.settings.compile else 0
         self.model.train()
         sums = self._run(micro_batches, train=True)
         self.reduce_gradients()
@@ -175,7 +206,23 @@ class CPUBackend(Backend):
         metrics["grad_norm"] = self.grad_norm
         if self.scheduler is not None:
             metrics["learning_rate"] = self.learning_rate()
+        if self.plan.settings.compile:
+            metrics["recompiles_after_warmup"] = float(self._count_recompiles(graphs_before))
         return StepMetrics(metrics)
+
+    def _count_recompiles(self, graphs_before: int) -> int:
+        """Graphs compiled after the warm-up steps (an error beyond ``max_recompiles_after_warmup``)."""
+        self.num_steps += 1
+        settings, section = self.plan.settings, self.config_section
+        if self.num_steps > settings.num_warmup_steps:
+            self.num_recompiles += num_compiled_graphs() - graphs_before
+            if self.num_recompiles > settings.max_recompiles_after_warmup:
+                raise RecompileError(
+                    f"torch.compile compiled {self.num_recompiles} new graph(s) after the "
+                    f"{settings.num_warmup_steps} warm-up steps (at step {self.num_steps}): a shape or guard "
+                    f"changed between steps; keep [B, S] fixed, or raise {section}.max_recompiles_after_warmup / "
+                    f"{section}.num_warmup_steps")
+        return self.num_recompiles
 
     @torch.no_grad()
     def eval_step(self, batch: Dict[str, np.ndarray]) -> Dict[str, float]:
@@ -187,7 +234,7 @@ class CPUBackend(Backend):
         """The model's ``names`` outputs (e.g. per-sequence ``logits`` [B,K,C]) for ``batch``, as
         float32 numpy arrays, in eval mode; no labels needed."""
         self.model.eval()
-        with self.autocast():
+        with self.autocast(), self.tracing():
             out = self.forward_module(**self.to_device(batch))
         return {name: out[name].detach().float().cpu().numpy() for name in names}
 

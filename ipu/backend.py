@@ -20,7 +20,6 @@ tuned for. The reported metrics are the unscaled shares, summed over micro-batch
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import re
@@ -30,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from bert_packed import attention as attention_registry
+from bert_packed.attention import no_profiler_scopes  # noqa: F401  (PopTorch traces the model: no host markers)
 from bert_packed.backend import Backend
 from bert_packed.build import build_model
 from bert_packed.config import Config, ConfigError, check_section
@@ -122,17 +121,6 @@ def estimate_run_memory(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         available_memory_proportion=[proportions.get(i, 0.6) for i in range(len(layers_per_ipu))])
     return memory.estimate_memory(config, layout)
 
-
-@contextlib.contextmanager
-def no_profiler_scopes():
-    """Run without the model's "packing/..." record_function scopes: PopTorch traces the model on
-    the first call, and host profiler markers have no place in the IPU graph."""
-    previous = getattr(attention_registry, "_PROFILER_SCOPES", True)
-    attention_registry.set_profiler_scopes(False)
-    try:
-        yield
-    finally:
-        attention_registry.set_profiler_scopes(previous)
 
 
 def stack_host_batch(micro_batches: List[Dict[str, np.ndarray]], *, num_steps: int, gradient_accumulation: int,
