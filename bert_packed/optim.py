@@ -33,6 +33,9 @@ __all__ = [
     "Lamb",
     "parameter_groups",
     "build_optimizer",
+    "adamw",
+    "grad_norm_",
+    "step_unless_non_finite",
     "linear_schedule",
     "build_schedule",
     "PACKING_ADJUSTMENTS",
@@ -54,8 +57,16 @@ class Lamb(torch.optim.Optimizer):
     """LAMB (see the module docstring for the update).
 
     Per-group options: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
-    ``max_weight_norm`` (None = no clamp; 0 = trust ratio 1 for this group).
+    ``max_weight_norm`` (None = no clamp; 0 = trust ratio 1 for this group), ``foreach``.
     The update is computed in float32 whatever the parameter dtype.
+
+    ``foreach`` (default True): the multi-tensor path, each operation one ``torch._foreach_*``
+    call over all tensors of a group (fewer Python-level calls and kernel launches; on CUDA
+    one kernel per operation for all tensors). False: the per-tensor reference implementation,
+    the published algorithm written out; the two agree to float32 rounding (tested within 1e-6
+    over 5 steps). ``state["step"]`` is a float32 0-dim tensor on the parameter's device (the
+    step count can then stay on the device when an update is skipped, see ``step``); an int
+    from an older checkpoint is converted on the next step.
     """
 
     def __init__(
@@ -67,6 +78,7 @@ class Lamb(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         bias_correction: bool = True,
         max_weight_norm: Optional[float] = None,
+        foreach: Optional[bool] = None,
     ):
         if not lr >= 0.0 or not math.isfinite(lr):
             raise OptimConfigError(f"LAMB lr must be a finite number >= 0, got {lr}")
@@ -85,53 +97,144 @@ class Lamb(torch.optim.Optimizer):
             weight_decay=weight_decay,
             bias_correction=bias_correction,
             max_weight_norm=max_weight_norm,
+            foreach=True if foreach is None else bool(foreach),
         )
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, found_inf: Optional[torch.Tensor] = None):
+        """One update of every parameter that has a gradient.
+
+        ``found_inf``: a 0-dim tensor on the parameters' device, nonzero when this step's
+        gradients are not finite (e.g. ``grad_norm_(...)[1]``). Then nothing changes (weights,
+        moments, step counts), and the foreach path decides it on the device without reading
+        the flag on the host (no synchronisation): the coefficients of the moment and weight
+        updates are selected by the flag and the gradient is read through ``nan_to_num``, so
+        ``w - 0 * u`` is exactly ``w``. The reference path (``foreach=False``) reads it with
+        ``.item()``.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise OptimConfigError("LAMB does not support sparse gradients")
-                grad = param.grad.float()
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise OptimConfigError("LAMB does not support sparse gradients")
+            for param in params:
                 state = self.state[param]
                 if not state:
-                    state["step"] = 0
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
                     state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
-                state["step"] += 1
-                step = state["step"]
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-                if group["bias_correction"]:
-                    m_hat = exp_avg / (1.0 - beta1**step)
-                    v_hat = exp_avg_sq / (1.0 - beta2**step)
-                else:
-                    m_hat, v_hat = exp_avg, exp_avg_sq
-                weight = param.float()
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                if group["weight_decay"] != 0.0:
-                    update = update.add(weight, alpha=group["weight_decay"])
-                weight_norm = weight.norm()
-                if group["max_weight_norm"] is not None:
-                    weight_norm = weight_norm.clamp(max=group["max_weight_norm"])
-                update_norm = update.norm()
-                # trust = phi(||w||) / ||u||, or 1 when either norm is 0 (fresh zero biases,
-                # or max_weight_norm = 0 to switch the trust ratio off for a group).
-                trust = torch.where(
-                    (weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, torch.ones_like(weight_norm)
-                )
-                param.add_((update * (-group["lr"] * trust)).to(param.dtype))
+                elif not torch.is_tensor(state["step"]):  # an int from an older checkpoint
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device=param.device)
+            if not params:
+                continue
+            if group.get("foreach", True):
+                self._multi_tensor_step(group, params, found_inf)
+            else:
+                self._single_tensor_step(group, params, found_inf)
         return loss
+
+    def _single_tensor_step(self, group, params, found_inf) -> None:
+        """The reference: the published update, one tensor at a time."""
+        if found_inf is not None and found_inf.item():
+            return
+        beta1, beta2 = group["betas"]
+        for param in params:
+            grad = param.grad.float()
+            state = self.state[param]
+            state["step"] += 1
+            step = int(state["step"].item())
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            if group["bias_correction"]:
+                m_hat = exp_avg / (1.0 - beta1**step)
+                v_hat = exp_avg_sq / (1.0 - beta2**step)
+            else:
+                m_hat, v_hat = exp_avg, exp_avg_sq
+            weight = param.float()
+            update = m_hat / (v_hat.sqrt() + group["eps"])
+            if group["weight_decay"] != 0.0:
+                update = update.add(weight, alpha=group["weight_decay"])
+            weight_norm = weight.norm()
+            if group["max_weight_norm"] is not None:
+                weight_norm = weight_norm.clamp(max=group["max_weight_norm"])
+            update_norm = update.norm()
+            # trust = phi(||w||) / ||u||, or 1 when either norm is 0 (fresh zero biases,
+            # or max_weight_norm = 0 to switch the trust ratio off for a group).
+            trust = torch.where(
+                (weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, torch.ones_like(weight_norm)
+            )
+            param.add_((update * (-group["lr"] * trust)).to(param.dtype))
+
+    def _multi_tensor_step(self, group, params, found_inf) -> None:
+        """The same update as ``_single_tensor_step``, one ``torch._foreach_*`` call per operation.
+
+        Written as ``m_hat / (sqrt(v_hat) + eps) = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)``; the
+        per-tensor bias corrections and trust ratios are 0-dim tensors (no host read)."""
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
+        fp32 = all(p.dtype == torch.float32 for p in params)
+        weights = list(params) if fp32 else [p.float() for p in params]
+        if found_inf is None:
+            keep_beta1, keep_beta2 = beta1, beta2
+            torch._foreach_add_(steps, 1.0)
+        else:
+            # Skipped step (found_inf != 0): beta := 1 keeps the moments (1 * m + 0 * g), lr := 0
+            # keeps the weights, the step counts do not move. The gradient is read without its
+            # non-finite values, so that 0 * g is 0 (nan_to_num allocates: only on this path).
+            skip = (found_inf != 0).to(torch.float32)
+            keep = 1.0 - skip
+            grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
+            keep_beta1 = beta1 + (1.0 - beta1) * skip  # 0-dim tensors
+            keep_beta2 = beta2 + (1.0 - beta2) * skip
+            torch._foreach_add_(steps, [keep] * len(steps))
+        if found_inf is None:
+            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)  # m + (1 - beta1)(g - m)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        else:
+            torch._foreach_mul_(exp_avgs, [keep_beta1] * len(exp_avgs))
+            torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, [1.0 - keep_beta1] * len(grads)))
+            torch._foreach_mul_(exp_avg_sqs, [keep_beta2] * len(exp_avg_sqs))
+            torch._foreach_add_(exp_avg_sqs, torch._foreach_mul(torch._foreach_mul(grads, grads),
+                                                                 [1.0 - keep_beta2] * len(grads)))
+        denominators = torch._foreach_sqrt(exp_avg_sqs)
+        if group["bias_correction"]:
+            # 1 - beta^t of every tensor at once, in float64 like the reference's Python floats.
+            step_vector = torch.stack(steps).double()
+            bc1 = (1.0 - torch.pow(beta1, step_vector)).float().unbind()
+            sqrt_bc2 = (1.0 - torch.pow(beta2, step_vector)).sqrt().float().unbind()
+            torch._foreach_div_(denominators, list(sqrt_bc2))
+            torch._foreach_add_(denominators, eps)
+            updates = torch._foreach_div(exp_avgs, denominators)
+            torch._foreach_div_(updates, list(bc1))
+        else:
+            torch._foreach_add_(denominators, eps)
+            updates = torch._foreach_div(exp_avgs, denominators)
+        if weight_decay != 0.0:
+            torch._foreach_add_(updates, weights, alpha=weight_decay)
+        weight_norms = torch.stack(torch._foreach_norm(weights))
+        if group["max_weight_norm"] is not None:
+            weight_norms = weight_norms.clamp(max=group["max_weight_norm"])
+        update_norms = torch.stack(torch._foreach_norm(updates))
+        trust = torch.where((weight_norms > 0) & (update_norms > 0), weight_norms / update_norms,
+                            torch.ones_like(weight_norms))
+        scale = -lr * trust if found_inf is None else -lr * trust * keep
+        torch._foreach_mul_(updates, list(scale.unbind()))
+        if fp32:
+            torch._foreach_add_(params, updates)
+        else:
+            for param, update in zip(params, updates):
+                param.add_(update.to(param.dtype))
 
 
 def _no_decay(name: str, param: nn.Parameter) -> bool:
@@ -156,6 +259,33 @@ def parameter_groups(model: nn.Module, weight_decay: float, *, bias_max_weight_n
     return [group for group in groups if group["params"]]
 
 
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "single_tensor")
+
+
+def adamw(groups: List[Dict], *, lr: float, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+          implementation: str = "auto") -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` on its fastest path.
+
+    ``"auto"``: ``fused=True`` where this torch has the fused kernel for the parameters' device
+    (CPU since torch 2.4, CUDA): one pass over each tensor per step instead of about eight, and
+    it honours a ``found_inf`` flag on the device (``step_unless_non_finite``); else
+    ``foreach=True`` (torch 2.0.1 on the CPU: one ``torch._foreach_*`` call per operation).
+    torch's own default on the CPU is the per-tensor loop (``"single_tensor"``), the reference.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise OptimConfigError(f"unknown optimizer implementation {implementation!r}; choose one of: "
+                               f"{', '.join(IMPLEMENTATIONS)}")
+    options = dict(lr=lr, betas=tuple(betas), eps=eps)
+    if implementation in ("auto", "fused"):
+        try:  # copies: torch writes its defaults into the group dicts it is given
+            return torch.optim.AdamW([dict(g) for g in groups], fused=True, **options)
+        except (RuntimeError, TypeError, ValueError):  # no fused kernel for this device / torch
+            if implementation == "fused":
+                raise OptimConfigError("this torch has no fused AdamW for the parameters' device") from None
+    return torch.optim.AdamW([dict(g) for g in groups], foreach=implementation != "single_tensor",
+                             **options)
+
+
 def build_optimizer(
     model: nn.Module,
     name: str = "lamb",
@@ -167,6 +297,7 @@ def build_optimizer(
     bias_correction: bool = True,
     max_weight_norm: Optional[float] = None,
     bias_max_weight_norm: Optional[float] = 0.0,
+    implementation: str = "auto",
 ) -> torch.optim.Optimizer:
     """``"lamb"`` (ours) or ``"adamw"`` (torch's) over ``parameter_groups(model, weight_decay)``.
 
@@ -176,16 +307,66 @@ def build_optimizer(
     ratio a LayerNorm gain's step is proportional to its own norm, so the gains can grow
     geometrically (the tiny config reached norms of 1e17 and NaN at step ~2000). None keeps the
     published LAMB for them too.
+
+    ``implementation``: ``"auto"`` (default) picks the fastest path: LAMB's multi-tensor
+    (foreach) update, AdamW fused where available (see ``adamw``), else foreach;
+    ``"single_tensor"`` is the per-tensor reference of either; ``"foreach"``/``"fused"`` force one.
     """
+    if implementation not in IMPLEMENTATIONS:
+        raise OptimConfigError(f"unknown optimizer implementation {implementation!r}; choose one of: "
+                               f"{', '.join(IMPLEMENTATIONS)}")
     if name == "lamb":
+        if implementation == "fused":
+            raise OptimConfigError("LAMB has no fused implementation; use auto, foreach or single_tensor")
         groups = parameter_groups(model, weight_decay, bias_max_weight_norm=bias_max_weight_norm)
-    else:
-        groups = parameter_groups(model, weight_decay)
-    if name == "lamb":
-        return Lamb(groups, lr=lr, betas=tuple(betas), eps=eps, bias_correction=bias_correction, max_weight_norm=max_weight_norm)
+        return Lamb(groups, lr=lr, betas=tuple(betas), eps=eps, bias_correction=bias_correction,
+                    max_weight_norm=max_weight_norm, foreach=implementation != "single_tensor")
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+        return adamw(parameter_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, implementation=implementation)
     raise OptimConfigError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}")
+
+
+# ----------------------------------------------------------------------------- device-side step pieces
+
+
+def grad_norm_(parameters: Iterable[torch.Tensor], max_norm: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(norm, found_inf)``: the global L2 norm of the gradients before clipping and a 0-dim
+    float flag (1.0 when the norm is not finite: a NaN/inf gradient, or one too large for
+    float32), both on the gradients' device, computed with ``torch._foreach_norm`` (one call
+    for all tensors). With ``max_norm`` the gradients are scaled in place by
+    ``min(1, max_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s rule).
+
+    Nothing is read on the host: the caller passes ``found_inf`` to ``step_unless_non_finite``
+    and reads ``norm`` whenever it logs (one transfer per log interval, not per step).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        zero = torch.zeros(())
+        return zero, zero.clone()
+    grads32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads32)))
+    found_inf = (~torch.isfinite(norm)).to(torch.float32)
+    if max_norm is not None:
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, [coefficient.to(g.dtype) for g in grads])
+    return norm, found_inf
+
+
+def step_unless_non_finite(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()`` that changes nothing when ``found_inf`` (a 0-dim device tensor) is
+    nonzero, decided on the device where the optimizer can: ``Lamb`` (``step(found_inf=)``)
+    and torch's fused optimizers (their ``found_inf`` attribute, as ``GradScaler`` sets it).
+    Other optimizers (e.g. foreach AdamW on torch 2.0.1) read the flag on the host first."""
+    if isinstance(optimizer, Lamb):
+        optimizer.step(found_inf=found_inf)
+    elif getattr(optimizer, "defaults", {}).get("fused"):
+        optimizer.found_inf = found_inf
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not found_inf.item():
+        optimizer.step()
 
 
 def linear_schedule(step: int, *, warmup_steps: int, total_steps: int, decay: bool = True) -> float:

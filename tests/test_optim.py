@@ -1,4 +1,6 @@
-"""LAMB against an independent numpy implementation of the published update; schedule; packing adjustments."""
+"""LAMB against an independent numpy implementation of the published update; the multi-tensor
+(foreach) LAMB and fused/foreach AdamW against the per-tensor references; the device-side
+non-finite skip and gradient norm; schedule; packing adjustments."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,12 +11,15 @@ from torch import nn
 from bert_packed.optim import (
     Lamb,
     OptimConfigError,
+    adamw,
     adjust_for_packing,
     adjust_gradient_accumulation,
     adjust_lamb_betas,
     build_optimizer,
     build_schedule,
+    grad_norm_,
     parameter_groups,
+    step_unless_non_finite,
 )
 from test_model_fixtures import tiny_config
 
@@ -40,10 +45,11 @@ def published_lamb(weights, gradients, *, lr, beta1, beta2, eps, weight_decay, b
     return w
 
 
+@pytest.mark.parametrize("foreach", [True, False])
 @pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("max_weight_norm", [None, 0.5, 0.0])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
-def test_lamb_matches_the_published_update(bias_correction, max_weight_norm, weight_decay):
+def test_lamb_matches_the_published_update(bias_correction, max_weight_norm, weight_decay, foreach):
     rng = np.random.default_rng(0)
     shapes = [(7, 5), (5,), (3, 4, 2)]
     initial = [rng.normal(size=s).astype(np.float32) for s in shapes]
@@ -51,7 +57,7 @@ def test_lamb_matches_the_published_update(bias_correction, max_weight_norm, wei
     steps = [[rng.normal(size=s).astype(np.float32) * 0.1 for s in shapes] for _ in range(4)]
     params = [nn.Parameter(torch.from_numpy(w.copy())) for w in initial]
     options = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-6, weight_decay=weight_decay, bias_correction=bias_correction, max_weight_norm=max_weight_norm)
-    optimizer = Lamb(params, **options)
+    optimizer = Lamb(params, foreach=foreach, **options)
     for grads in steps:
         for p, g in zip(params, grads):
             p.grad = torch.from_numpy(g.copy())
@@ -71,6 +77,146 @@ def test_lamb_matches_the_published_update(bias_correction, max_weight_norm, wei
         assert np.abs(p.detach().numpy() - expected).max() <= 1e-6
 
 
+def _model_and_gradients(num_steps, seed=0, scale=0.1):
+    """A tiny BERT (both parameter groups: decayed matrices, biases + LayerNorm) and a seeded
+    random gradient for every parameter and step."""
+    from bert_packed.modeling import BertForPreTraining
+
+    torch.manual_seed(seed)
+    model = BertForPreTraining(tiny_config())
+    generator = torch.Generator().manual_seed(seed + 1)
+    grads = [[torch.randn(p.shape, generator=generator) * scale for p in model.parameters()]
+             for _ in range(num_steps)]
+    return model, grads
+
+
+def _train(model, optimizer, grads, found_inf=None):
+    for step_grads in grads:
+        for param, grad in zip(model.parameters(), step_grads):
+            param.grad = grad.clone()
+        optimizer.step() if found_inf is None else step_unless_non_finite(optimizer, found_inf)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("max_weight_norm", [None, 0.5])
+def test_foreach_lamb_equals_the_per_tensor_reference_over_5_steps(bias_correction, max_weight_norm):
+    # Both groups of build_optimizer: decayed weights with the trust ratio (clamped or not) and
+    # biases + LayerNorm with bias_max_weight_norm 0 (trust ratio 1).
+    import copy
+
+    model, grads = _model_and_gradients(5)
+    results, states = [], []
+    for implementation in ("single_tensor", "auto"):
+        copied = copy.deepcopy(model)
+        optimizer = build_optimizer(copied, "lamb", lr=0.01, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01,
+                                    bias_correction=bias_correction, max_weight_norm=max_weight_norm,
+                                    implementation=implementation)
+        assert optimizer.defaults["foreach"] is (implementation == "auto")
+        assert [g.get("max_weight_norm") for g in optimizer.param_groups] == [max_weight_norm, 0.0]
+        results.append(_train(copied, optimizer, grads))
+        states.append([optimizer.state[p] for p in copied.parameters()])
+    moved = max((a - p.detach()).abs().max().item() for a, p in zip(results[1], model.parameters()))
+    assert moved > 1e-3  # the 5 steps did change the weights
+    assert max((a - b).abs().max().item() for a, b in zip(*results)) <= 1e-6
+    for reference, fast in zip(*states):
+        assert fast["step"].item() == reference["step"].item() == 5
+        assert torch.allclose(fast["exp_avg"], reference["exp_avg"], rtol=0, atol=1e-6)
+        assert torch.allclose(fast["exp_avg_sq"], reference["exp_avg_sq"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "foreach"])
+def test_fast_adamw_equals_the_per_tensor_reference_over_5_steps(implementation):
+    import copy
+
+    model, grads = _model_and_gradients(5)
+    reference_model, fast_model = copy.deepcopy(model), copy.deepcopy(model)
+    options = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    reference = build_optimizer(reference_model, "adamw", implementation="single_tensor", **options)
+    fast = build_optimizer(fast_model, "adamw", implementation=implementation, **options)
+    assert not reference.defaults["foreach"] and not reference.defaults.get("fused")
+    assert fast.defaults["foreach"] or fast.defaults.get("fused")
+    if implementation == "auto" and tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 4):
+        assert fast.defaults.get("fused")  # the CPU has a fused AdamW since torch 2.4
+    expected, got = _train(reference_model, reference, grads), _train(fast_model, fast, grads)
+    assert max((a - p.detach()).abs().max().item() for a, p in zip(got, model.parameters())) > 1e-3
+    assert max((a - b).abs().max().item() for a, b in zip(expected, got)) <= 1e-6
+    # Same parameter groups and weight decay as before (what ipu/pipeline.build_optimizer reads).
+    assert [g["weight_decay"] for g in fast.param_groups] == [0.01, 0.0]
+    assert {"lr", "betas", "eps", "weight_decay"} <= set(fast.defaults)
+
+
+@pytest.mark.parametrize("name,implementation", [("lamb", "auto"), ("lamb", "single_tensor"), ("adamw", "auto"),
+                                                 ("adamw", "foreach")])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_leaves_weights_moments_and_step_unchanged(name, implementation, bad):
+    import copy
+
+    model, grads = _model_and_gradients(3)
+    optimizer = build_optimizer(model, name, lr=0.01, implementation=implementation)
+    _train(model, optimizer, grads[:2])
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(optimizer.state_dict()["state"])
+    poisoned = [g.clone() for g in grads[2]]
+    poisoned[3].view(-1)[5] = bad
+    for param, grad in zip(model.parameters(), poisoned):
+        param.grad = grad
+    norm, found_inf = grad_norm_(model.parameters(), max_norm=1.0)
+    assert found_inf.item() == 1.0 and not torch.isfinite(norm)
+    step_unless_non_finite(optimizer, found_inf)
+    assert all(torch.equal(w, p.detach()) for w, p in zip(weights, model.parameters()))
+    after = optimizer.state_dict()["state"]
+    for key, before in state.items():
+        for field, value in before.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after[key][field])), (key, field)
+    # A finite step after the skipped one is the step that would have been taken without it.
+    clean_model, clean_grads = _model_and_gradients(3)
+    clean = build_optimizer(clean_model, name, lr=0.01, implementation=implementation)
+    expected = _train(clean_model, clean, clean_grads)
+    for param, grad in zip(model.parameters(), grads[2]):
+        param.grad = grad.clone()
+    _, found_inf = grad_norm_(model.parameters())
+    assert found_inf.item() == 0.0
+    step_unless_non_finite(optimizer, found_inf)
+    assert max((e - p.detach()).abs().max().item() for e, p in zip(expected, model.parameters())) <= 1e-6
+
+
+def test_grad_norm_equals_torch_clip_grad_norm():
+    model, grads = _model_and_gradients(1, scale=1.0)
+    params = list(model.parameters())
+    for param, grad in zip(params, grads[0]):
+        param.grad = grad.clone()
+    expected_norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads[0]]))
+    norm, found_inf = grad_norm_(params)
+    assert torch.allclose(norm, expected_norm, rtol=1e-5) and found_inf.item() == 0.0
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads[0]))  # no max_norm: untouched
+    norm, _ = grad_norm_(params, max_norm=0.5)
+    clipped = [p.grad.clone() for p in params]
+    for param, grad in zip(params, grads[0]):
+        param.grad = grad.clone()
+    torch_norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+    assert torch.allclose(norm, torch_norm, rtol=1e-5)
+    assert all(torch.allclose(a, p.grad, rtol=1e-5, atol=1e-8) for a, p in zip(clipped, params))
+    assert torch.allclose(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in clipped])), torch.tensor(0.5),
+                          rtol=1e-4)
+
+
+def test_lamb_resumes_from_an_int_step_of_an_older_checkpoint():
+    param = nn.Parameter(torch.ones(3))
+    optimizer = Lamb([param], lr=0.1)
+    param.grad = torch.ones(3)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    saved["state"][0]["step"] = 1  # as the per-tensor LAMB stored it
+    resumed_param = nn.Parameter(param.detach().clone())
+    resumed = Lamb([resumed_param], lr=0.1)
+    resumed.load_state_dict(saved)
+    for p, o in ((param, optimizer), (resumed_param, resumed)):
+        p.grad = torch.full((3,), 0.5)
+        o.step()
+    assert torch.equal(param, resumed_param) and resumed.state[resumed_param]["step"].item() == 2
+
+
 def test_parameter_groups_exclude_biases_and_layernorm_from_weight_decay():
     from bert_packed.modeling import BertForPreTraining
 
@@ -85,6 +231,10 @@ def test_parameter_groups_exclude_biases_and_layernorm_from_weight_decay():
     assert isinstance(build_optimizer(model, "adamw", lr=1e-3), torch.optim.AdamW)
     with pytest.raises(OptimConfigError, match="unknown optimizer 'sgd'"):
         build_optimizer(model, "sgd", lr=1e-3)
+    with pytest.raises(OptimConfigError, match="unknown optimizer implementation"):
+        build_optimizer(model, "adamw", lr=1e-3, implementation="fast")
+    with pytest.raises(OptimConfigError, match="no fused"):
+        build_optimizer(model, "lamb", lr=1e-3, implementation="fused")
 
 
 def test_linear_schedule_warms_up_then_decays_to_zero():
