@@ -387,21 +387,29 @@ def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, o
             side, plan = plans[name]
             out = os.path.join(out_dir, f"{name}-{repeat}")
             print(f"[{repeat + 1}/{repeats}] {name}", flush=True)
-            if side == "hf":
-                result = run_hf(name, plan, out, args.threads)
-            else:
-                config, overrides, root = default_config, plan, ROOT
-                if isinstance(plan, tuple) and plan[0] == "config":
-                    _, config, overrides = plan
-                elif isinstance(plan, tuple):
-                    _, root, overrides = plan
-                result = run_ours(name, overrides, out, args.threads, config, checkpoint, os.path.abspath(root))
+            try:
+                result = _run_one(name, side, plan, out, args, checkpoint, default_config)
+            except RuntimeError as exc:  # one failed row (e.g. torch_compile without a compiler) is reported
+                print(f"    failed: {exc}", flush=True)
+                runs.append({"row": name, "repeat": repeat, "error": str(exc)[-2000:]})
+                continue
             result["repeat"] = repeat
             result["load_average"] = os.getloadavg()  # at the end of the run: the machine may be shared
             runs.append(result)
             print(f"    loop {result['loop_seconds']:.1f} s, command {result['command_seconds']:.1f} s"
                   + (f", dev accuracy {result['dev_accuracy']:.4f}" if "dev_accuracy" in result else ""), flush=True)
     return runs
+
+
+def _run_one(name, side, plan, out, args, checkpoint, default_config):
+    if side == "hf":
+        return run_hf(name, plan, out, args.threads)
+    config, overrides, root = default_config, plan, ROOT
+    if isinstance(plan, tuple) and plan[0] == "config":
+        _, config, overrides = plan
+    elif isinstance(plan, tuple):
+        _, root, overrides = plan
+    return run_ours(name, overrides, out, args.threads, config, checkpoint, os.path.abspath(root))
 
 
 def _stats(values):
@@ -411,7 +419,10 @@ def _stats(values):
 def summarise(runs, names):
     rows = {}
     for name in names:
-        mine = [r for r in runs if r["row"] == name]
+        mine = [r for r in runs if r["row"] == name and "error" not in r]
+        failed = [r for r in runs if r["row"] == name and "error" in r]
+        if failed and not mine:
+            rows[name] = {"failed": failed[0]["error"].strip().splitlines()[-1][:200]}
         if not mine:
             continue
         loop = _stats([r["loop_seconds"] for r in mine])
@@ -438,6 +449,7 @@ def table(summary, descriptions, not_yet, reference, finetune=True):
              f"tokens | loop speed-up vs {reference} |",
              "|---|---|---|" + ("---|" if finetune else "") + "---|---|---|---|---|"]
     base = summary.get(reference)
+    base = base if base and "failed" not in base else None
     for name, description in descriptions.items():
         if name in not_yet:
             lines.append(f"| {description} | {not_yet[name]} |" + " |" * (7 if finetune else 6))
@@ -445,6 +457,9 @@ def table(summary, descriptions, not_yet, reference, finetune=True):
         if name not in summary:
             continue
         r = summary[name]
+        if "failed" in r:
+            lines.append(f"| {description} | failed: {r['failed']} |" + " |" * (7 if finetune else 6))
+            continue
         speedup = f"{base['loop_seconds']['median'] / r['loop_seconds']['median']:.2f}x" if base else "n/a"
         accuracy = f"{_cell(r['dev_accuracy'], '{:.4f}')} | " if finetune else ""
         lines.append(f"| {description} | {_cell(r['loop_seconds'])} | {_cell(r['command_seconds'])} | {accuracy}"
