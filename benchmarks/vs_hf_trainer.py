@@ -396,6 +396,8 @@ def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, o
             result["repeat"] = repeat
             result["load_average"] = os.getloadavg()  # at the end of the run: the machine may be shared
             runs.append(result)
+            with open(os.path.join(out_dir, "runs.jsonl"), "a") as f:  # kept if the benchmark is stopped
+                f.write(json.dumps(result) + "\n")
             print(f"    loop {result['loop_seconds']:.1f} s, command {result['command_seconds']:.1f} s"
                   + (f", dev accuracy {result['dev_accuracy']:.4f}" if "dev_accuracy" in result else ""), flush=True)
     return runs
