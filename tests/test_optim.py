@@ -201,6 +201,26 @@ def test_grad_norm_equals_torch_clip_grad_norm():
                           rtol=1e-4)
 
 
+def test_foreach_lamb_on_bfloat16_parameters_equals_the_reference():
+    # The update is computed in float32 and written back in the parameters' dtype on both paths.
+    generator = torch.Generator().manual_seed(3)
+    initial = [torch.randn(6, 4, generator=generator), torch.randn(4, generator=generator)]
+    grads = [[torch.randn(t.shape, generator=generator) for t in initial] for _ in range(5)]
+    results = []
+    for foreach in (False, True):
+        params = [nn.Parameter(t.clone().to(torch.bfloat16)) for t in initial]
+        optimizer = Lamb(params, lr=0.05, foreach=foreach)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.to(torch.bfloat16)
+            optimizer.step()
+        assert all(p.dtype == torch.bfloat16 for p in params)
+        assert optimizer.state[params[0]]["exp_avg"].dtype == torch.float32
+        results.append([p.detach().float() for p in params])
+    assert max((a - b).abs().max().item() for a, b in zip(*results)) <= 1e-2  # one bf16 ulp at |w| ~ 1
+    assert max((a - p).abs().max().item() for a, p in zip(results[1], initial)) > 0.05
+
+
 def test_lamb_resumes_from_an_int_step_of_an_older_checkpoint():
     param = nn.Parameter(torch.ones(3))
     optimizer = Lamb([param], lr=0.1)
