@@ -60,11 +60,14 @@ class Lamb(torch.optim.Optimizer):
     ``max_weight_norm`` (None = no clamp; 0 = trust ratio 1 for this group), ``foreach``.
     The update is computed in float32 whatever the parameter dtype.
 
-    ``foreach`` (default True): the multi-tensor path, each operation one ``torch._foreach_*``
-    call over all tensors of a group (fewer Python-level calls and kernel launches; on CUDA
-    one kernel per operation for all tensors). False: the per-tensor reference implementation,
-    the published algorithm written out; the two agree to float32 rounding (tested within 1e-6
-    over 5 steps). ``state["step"]`` is a float32 0-dim tensor on the parameter's device (the
+    ``foreach=True``: the multi-tensor path, each operation one ``torch._foreach_*`` call over
+    all tensors of a group (one kernel launch per operation for all tensors on a GPU).
+    ``False``: the per-tensor reference implementation, the published algorithm written out;
+    the two agree to float32 rounding (tested within 1e-6 over 5 steps). ``None`` (default):
+    foreach for parameters off the CPU, per-tensor on the CPU, torch's own rule: on the CPU a
+    foreach operation is a loop over the tensors anyway, and walking all 22.7 M parameters of
+    a model per operation loses the cache locality of finishing one tensor at a time (measured
+    in docs/benchmarks.md: foreach 0.6-1.0x the per-tensor step on MiniLM's shapes). ``state["step"]`` is a float32 0-dim tensor on the parameter's device (the
     step count can then stay on the device when an update is skipped, see ``step``); an int
     from an older checkpoint is converted on the next step.
     """
@@ -97,7 +100,7 @@ class Lamb(torch.optim.Optimizer):
             weight_decay=weight_decay,
             bias_correction=bias_correction,
             max_weight_norm=max_weight_norm,
-            foreach=True if foreach is None else bool(foreach),
+            foreach=None if foreach is None else bool(foreach),
         )
         super().__init__(params, defaults)
 
@@ -110,8 +113,8 @@ class Lamb(torch.optim.Optimizer):
         moments, step counts), and the foreach path decides it on the device without reading
         the flag on the host (no synchronisation): the coefficients of the moment and weight
         updates are selected by the flag and the gradient is read through ``nan_to_num``, so
-        ``w - 0 * u`` is exactly ``w``. The reference path (``foreach=False``) reads it with
-        ``.item()``.
+        ``w - 0 * u`` is exactly ``w``. The per-tensor path (the CPU's default) reads it with
+        ``.item()``, which on the CPU costs no wait.
         """
         loss = None
         if closure is not None:
@@ -131,7 +134,10 @@ class Lamb(torch.optim.Optimizer):
                     state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device=param.device)
             if not params:
                 continue
-            if group.get("foreach", True):
+            foreach = group.get("foreach")
+            if foreach is None:
+                foreach = all(p.device.type != "cpu" for p in params)
+            if foreach:
                 self._multi_tensor_step(group, params, found_inf)
             else:
                 self._single_tensor_step(group, params, found_inf)
@@ -309,8 +315,9 @@ def build_optimizer(
     published LAMB for them too.
 
     ``implementation``: ``"auto"`` (default) picks the fastest path: LAMB's multi-tensor
-    (foreach) update, AdamW fused where available (see ``adamw``), else foreach;
-    ``"single_tensor"`` is the per-tensor reference of either; ``"foreach"``/``"fused"`` force one.
+    (foreach) update off the CPU and its per-tensor one on the CPU (``Lamb(foreach=None)``),
+    AdamW fused where available (see ``adamw``), else foreach; ``"single_tensor"`` is the
+    per-tensor reference of either; ``"foreach"``/``"fused"`` force one.
     """
     if implementation not in IMPLEMENTATIONS:
         raise OptimConfigError(f"unknown optimizer implementation {implementation!r}; choose one of: "
@@ -320,7 +327,8 @@ def build_optimizer(
             raise OptimConfigError("LAMB has no fused implementation; use auto, foreach or single_tensor")
         groups = parameter_groups(model, weight_decay, bias_max_weight_norm=bias_max_weight_norm)
         return Lamb(groups, lr=lr, betas=tuple(betas), eps=eps, bias_correction=bias_correction,
-                    max_weight_norm=max_weight_norm, foreach=implementation != "single_tensor")
+                    max_weight_norm=max_weight_norm,
+                    foreach={"auto": None, "foreach": True, "single_tensor": False}[implementation])
     if name == "adamw":
         return adamw(parameter_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, implementation=implementation)
     raise OptimConfigError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}")

@@ -107,12 +107,12 @@ def test_foreach_lamb_equals_the_per_tensor_reference_over_5_steps(bias_correcti
 
     model, grads = _model_and_gradients(5)
     results, states = [], []
-    for implementation in ("single_tensor", "auto"):
+    for implementation in ("single_tensor", "foreach"):
         copied = copy.deepcopy(model)
         optimizer = build_optimizer(copied, "lamb", lr=0.01, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01,
                                     bias_correction=bias_correction, max_weight_norm=max_weight_norm,
                                     implementation=implementation)
-        assert optimizer.defaults["foreach"] is (implementation == "auto")
+        assert optimizer.defaults["foreach"] is (implementation == "foreach")
         assert [g.get("max_weight_norm") for g in optimizer.param_groups] == [max_weight_norm, 0.0]
         results.append(_train(copied, optimizer, grads))
         states.append([optimizer.state[p] for p in copied.parameters()])
@@ -146,7 +146,7 @@ def test_fast_adamw_equals_the_per_tensor_reference_over_5_steps(implementation)
     assert {"lr", "betas", "eps", "weight_decay"} <= set(fast.defaults)
 
 
-@pytest.mark.parametrize("name,implementation", [("lamb", "auto"), ("lamb", "single_tensor"), ("adamw", "auto"),
+@pytest.mark.parametrize("name,implementation", [("lamb", "foreach"), ("lamb", "auto"), ("adamw", "auto"),
                                                  ("adamw", "foreach")])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_gradient_leaves_weights_moments_and_step_unchanged(name, implementation, bad):
@@ -219,6 +219,18 @@ def test_foreach_lamb_on_bfloat16_parameters_equals_the_reference():
         results.append([p.detach().float() for p in params])
     assert max((a - b).abs().max().item() for a, b in zip(*results)) <= 1e-2  # one bf16 ulp at |w| ~ 1
     assert max((a - p).abs().max().item() for a, p in zip(results[1], initial)) > 0.05
+
+
+def test_lamb_default_is_per_tensor_on_the_cpu_and_foreach_when_asked(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the multi-tensor path ran")
+
+    monkeypatch.setattr(Lamb, "_multi_tensor_step", refuse)
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    Lamb([param], lr=0.1).step()  # foreach=None on CPU parameters: the per-tensor path
+    with pytest.raises(AssertionError, match="multi-tensor"):
+        Lamb([param], lr=0.1, foreach=True).step()
 
 
 def test_lamb_resumes_from_an_int_step_of_an_older_checkpoint():
