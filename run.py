@@ -43,10 +43,18 @@ def parse_args(argv=None):
                         "memory report instead (not cached)")
     p.add_argument("--print-config", nargs="?", const=True, metavar="NAME",
                    help="print the resolved config (of NAME, else --config) for --backend and exit")
-    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+    p.add_argument("--world-size", type=int,
                    help="data-parallel processes to validate for (default: $WORLD_SIZE or 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     args = p.parse_args(argv)
+    if args.world_size is None:  # torchrun sets WORLD_SIZE
+        text = os.environ.get("WORLD_SIZE", "1")
+        try:
+            args.world_size = int(text)
+        except ValueError:
+            p.error(f"$WORLD_SIZE={text!r} is not a number of processes")
+    if args.world_size < 1:
+        p.error(f"--world-size counts processes: give 1 or more, got {args.world_size}")
     if args.init_checkpoint is not None and not args.init_checkpoint.strip():
         p.error("--init-checkpoint needs a Hugging Face directory or a checkpoint path, got an empty one")
     if isinstance(args.print_config, str):

@@ -97,16 +97,26 @@ def _collective_timeout(exc: BaseException, config: Config) -> Optional[Collecti
         f"or died (see its log); the last checkpoint is intact")
 
 
+def _missing_folders(path: str) -> List[str]:
+    """The folders of ``path`` that do not exist yet, deepest first (what makedirs creates)."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
 def _prepare_output_dir(output_dir: str, is_main: bool) -> Optional[DirectoryLock]:
     """Create and lock the output directory (rank 0); remove temp files of dead writers. The
-    lock remembers what it created (``created``: the directory and/or its lock file), so a run
+    lock remembers what it created (``created``: its lock file and the folders makedirs made,
+    deepest first), so a run
     refused before writing anything can leave no trace (``_Run.close(undo=True)``)."""
     if not is_main:
         return None
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConfigError(f"output directory {output_dir} is a file; choose another --output-dir")
     try:
-        created = [] if os.path.isdir(output_dir) else [output_dir]
+        created = _missing_folders(output_dir)
         os.makedirs(output_dir, exist_ok=True)
         lock = DirectoryLock(output_dir)
         if not os.path.exists(lock.path):

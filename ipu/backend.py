@@ -207,6 +207,24 @@ class PopTorchBackend(Backend):
         popdist = ipu_options.init_popdist(ipu_options.import_popdist())
         return None if popdist is None else ipu_options.data_shard(popdist)
 
+    def ipus_present(self, num_ipus: int) -> bool:
+        """Whether the system has ``num_ipus`` IPUs (PopTorch's check; busy ones count)."""
+        return bool(self.poptorch.ipuHardwareIsAvailable(num_ipus))
+
+    def missing_ipus_hint(self) -> str:
+        return "check `gc-info -l`"
+
+    def _check_ipus_present(self, ipu) -> None:
+        """Refuse a run that needs more IPUs than the system has before anything is written or
+        compiled (PopTorch would only fail when the first step compiles)."""
+        needed = ipu.replication_factor * ipu.ipus_per_replica
+        rounded = 1 << (needed - 1).bit_length() if ipu.auto_round_num_ipus else needed
+        if not self.ipus_present(rounded):
+            counted = f", rounded up to {rounded} (ipu.auto_round_num_ipus)" if rounded != needed else ""
+            raise ConfigError(f"the run needs {needed} IPUs (ipu.replication_factor={ipu.replication_factor} x "
+                              f"{ipu.ipus_per_replica} per replica, ipu.layers_per_ipu){counted}, more than this system "
+                              f"has ({self.missing_ipus_hint()}); lower ipu.replication_factor")
+
     # -- setup --------------------------------------------------------------------------------
     def prepare(self, model, optimizer, plan, *, scheduler=None, state=None, offline: bool = False,
                 report_dir: Optional[str] = None) -> None:
@@ -223,6 +241,8 @@ class PopTorchBackend(Backend):
         """
         poptorch, ipu = self.poptorch, plan.settings
         check_section(self.config_section, ipu)
+        if not offline:
+            self._check_ipus_present(ipu)
         if ipu.output_mode in ("final", "default"):
             raise ConfigError(f"ipu.output_mode={ipu.output_mode} returns only the last micro-batch per replica "
                               f"in training, so the step's loss can't be reported; use sum or all")

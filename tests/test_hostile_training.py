@@ -150,9 +150,9 @@ BAD_CONFIGS = [
      "ipu.embedding_serialization_factor=3 must be >= 1 and divide model.vocab_size=256; pick a divisor "
      "(1 = no serialization)"),
     (["ipu.available_memory_proportion=[1.5]"], "mock",
-     "ipu.available_memory_proportion=[1.5]: each entry is a fraction of tile memory in (0, 1], got 1.5"),
+     "ipu.available_memory_proportion[0] must be in (0, 1] (a fraction of tile memory), got 1.5"),
     (["ipu.layers_per_ipu=[-1, 3]"], "mock",
-     "ipu.layers_per_ipu=[-1, 3]: give one count >= 0 per IPU (encoder layers on that IPU)"),
+     "ipu.layers_per_ipu[0] must be >= 0 (encoder layers on that IPU), got -1"),
 ]
 
 
@@ -163,6 +163,93 @@ def test_config_mistakes_exit_2_with_one_line(tmp_path, capsys, overrides, backe
         argv += ["--set", override]
     assert main_error(capsys, argv) == (2, f"error: {message}")
     assert not (tmp_path / "run").exists()
+
+
+# Absurd counts and sizes (issue 27): every number of every section has a maximum with its
+# reason (tests/test_config.py checks the declarations); these go through run.main.
+ABSURD = [
+    (["--steps", "1000000000000000000000000000000"], "cpu",
+     "train.steps must be <= 1000000000 (more optimizer steps than any run takes; BERT-Large pre-training takes "
+     "10^4 to 10^6), got 1000000000000000000000000000000"),
+    (["--set", "train.micro_batch_size=1000000000000"], "cpu",
+     "train.micro_batch_size must be <= 16384 (no device holds the activations of more packs in one forward pass), "
+     "got 1000000000000"),
+    (["--set", "train.gradient_accumulation=10000000000000000000000"], "cpu",
+     "train.gradient_accumulation must be <= 1048576 (16 times the largest published BERT batch (65536 sequences)), "
+     "got 10000000000000000000000"),
+    # Was a numpy traceback (np.random.seed takes 32 bits).
+    (["--set", "train.seed=4294967296"], "cpu",
+     "train.seed must be <= 4294967295 (numpy's random seed is 32 bits), got 4294967296"),
+    # Was a segfault (libgomp cannot create the threads).
+    (["--set", "train.num_threads=100000000"], "cpu",
+     "train.num_threads must be <= 1024 (more threads than any CPU runs; libgomp crashes when it cannot create "
+     "them), got 100000000"),
+    (["--set", "train.collective_timeout_minutes=1e30"], "cpu",
+     "train.collective_timeout_minutes must be <= 10080 (a week; a collective waiting longer has hung), got 1e+30"),
+    (["--set", "train.eval_batches=100000", "--set", "train.eval_every=1"], "cpu",
+     "train.eval_batches must be <= 10000 (they are built once and kept in host memory), got 100000"),
+    (["--set", "data.num_sequences=1000000000000"], "cpu",
+     "data.num_sequences must be <= 100000000 (generated sequences are drawn and packed in host memory at the "
+     "start; use data.path), got 1000000000000"),
+    (["--set", "data.max_sequence_length=1000000000", "--set", "model.max_position_embeddings=1000000000"], "cpu",
+     "model.max_position_embeddings must be <= 1048576 (16 times the longest sequence a run takes), got 1000000000"),
+    (["--set", "data.max_sequences_per_pack=200"], "cpu",
+     "data.max_sequences_per_pack must be <= 127 (packed files store sequence ids as int8), got 200"),
+    (["--set", "model.hidden_size=1000000000000"], "cpu",
+     "model.hidden_size must be <= 65536 (one hidden x hidden weight matrix would be 16 GiB; the widest transformers "
+     "use ~25000), got 1000000000000"),
+    (["--set", "optimizer.weight_decay=1e30"], "cpu",
+     "optimizer.weight_decay must be <= 1 (ten times the largest decay recipes use (0.01 to 0.1)), got 1e+30"),
+    (["--set", "finetune.epochs=1e300"], "cpu",
+     "finetune.epochs must be <= 1000000 (fine-tuning takes 2 to 10 passes), got 1e+300"),
+    (["--set", "ipu.replication_factor=1000000"], "mock",
+     "ipu.replication_factor must be <= 1024 (the largest IPU systems have 1024 IPUs), got 1000000"),
+    (["--set", "ipu.replication_factor=1024", "--set", "ipu.layers_per_ipu=[1, 1]"], "mock",
+     "ipu.replication_factor=1024 replicas of 2 IPUs (ipu.layers_per_ipu) need 2048 IPUs; the largest IPU "
+     "systems have 1024"),
+    (["--set", "ipu.device_iterations=10000", "--set", "train.gradient_accumulation=100000"], "mock",
+     "one host call holds 256000000000 tokens (ipu.device_iterations=10000 x 100000 micro-batches per step x "
+     "ipu.replication_factor=1 x train.micro_batch_size=4 packs x data.max_sequence_length=64), more than "
+     "2147483648: the host builds them all before the call; lower ipu.device_iterations"),
+    (["--set", "ipu.loss_scaling=1e9"], "mock",
+     "ipu.loss_scaling must be <= 65504 (fp16's largest value; Graphcore's BERT uses 512 to 16384), got 1000000000.0"),
+    (["--set", "cuda.loss_scale_init=1e300"], "cuda",
+     "cuda.loss_scale_init must be <= 3.40282e+38 (GradScaler keeps it in fp32, whose largest value that is), got "
+     "1e+300"),
+    # More IPUs than the (mock) system has: refused before the run directory is made (was a
+    # traceback at the first step's compile, with metrics.jsonl already written).
+    (["--set", "ipu.replication_factor=512"], "mock",
+     "the run needs 512 IPUs (ipu.replication_factor=512 x 1 per replica, ipu.layers_per_ipu), more than this "
+     "system has (the mock system has 16; set MOCK_POPTORCH_NUM_IPUS to model a larger one); lower "
+     "ipu.replication_factor"),
+]
+
+
+@pytest.mark.parametrize("extra, backend, message", ABSURD, ids=[" ".join(c[0]) for c in ABSURD])
+def test_absurd_counts_and_sizes_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, extra, backend, message):
+    from bert_packed.config import resolve_config_path
+
+    tiny = resolve_config_path("tiny")
+    before = snapshot(tmp_path, tiny)
+    argv = TINY + ["--backend", backend, "--output-dir", str(tmp_path / "out" / "run"), *extra]
+    assert main_error(capsys, argv) == (2, f"error: {message}")
+    assert_unchanged(before, tmp_path, tiny)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, environ, message", [
+    (["--world-size", "0"], {}, "error: --world-size counts processes: give 1 or more, got 0 (see run.py --help)"),
+    ([], {"WORLD_SIZE": "two"}, "error: $WORLD_SIZE='two' is not a number of processes (see run.py --help)"),
+])
+def test_a_world_size_that_is_no_count_of_processes_is_one_line(capsys, monkeypatch, argv, environ, message):
+    import run
+
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("sys.argv", ["run.py"])
+    with pytest.raises(SystemExit) as exit_:
+        run.main(["--config", "tiny", "--print-config", *argv])
+    assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
 
 
 def test_output_dir_that_is_a_file_is_refused(tmp_path, capsys):

@@ -29,6 +29,7 @@ from bert_packed.errors import ConfigError
 from bert_packed.finetune import data as ft_data
 from bert_packed.finetune import metrics as ft_metrics
 from bert_packed.io import write_text_atomic
+from bert_packed.limits import at_most, bounded
 
 _INTEGER = re.compile(r"^[+-]?\d+$")
 PREDICTIONS_NAME = "predictions.jsonl"
@@ -51,6 +52,9 @@ PREDICTIONS_NAME = "predictions.jsonl"
 #   negative class ids and fractional class ids are refused, naming file, line, column, value.
 
 _NON_FINITE = ("nan", "inf", "infinity")
+# Classes: the head is num_labels x hidden_size weights (4 GiB in fp32 at 2^20 x 1024) and a
+# multi-label target is num_labels floats per sequence; GLUE-style tasks have 2 to 100s.
+MAX_LABELS = at_most(2**20, "the head alone would be num_labels x hidden_size weights")
 _NUMBERS = ("int", "whole", "fraction")
 
 
@@ -174,6 +178,10 @@ class Labels:
             if min(ids) < 0:
                 k = ids.index(min(ids))
                 raise _bad(values, rows[k], where, "is a negative class id; class ids count from 0", items[k])
+            if num_labels is None and max(ids) >= MAX_LABELS["le"]:
+                k = ids.index(max(ids))
+                raise _bad(values, rows[k], where, f"would make {max(ids) + 1} classes (class ids count from 0), more "
+                                                   f"than {MAX_LABELS['le']}: {MAX_LABELS['why']}", items[k])
             count = num_labels if num_labels is not None else max(ids) + 1
             return cls(problem_type, count, {i: f"LABEL_{i}" for i in range(count)}, named=False)
         names = sorted({str(x) for x in items})
@@ -181,6 +189,9 @@ class Labels:
             mapping = dict(checkpoint_labels)  # keep a fine-tuned checkpoint's label ids
         else:
             mapping = dict(enumerate(names))
+        if len(mapping) > MAX_LABELS["le"]:
+            raise DataError(f"{where}: the labels are {len(mapping)} distinct names, more than {MAX_LABELS['le']} "
+                            f"classes: {MAX_LABELS['why']}")
         if num_labels is not None and num_labels != len(mapping):
             raise DataError(f"{where}: the labels are {len(mapping)} names ({_preview(mapping.values())}) but "
                             f"finetune.num_labels={num_labels}; drop the setting or fix the labels")
@@ -255,7 +266,7 @@ class ClassificationFields:
     problem_type: Optional[str] = field(default=None, metadata={"choices": (
         None, "single_label_classification", "multi_label_classification", "regression")})
     # null = from the data (string labels: their count; integer labels: the largest + 1).
-    num_labels: Optional[int] = field(default=None, metadata={"ge": 1})
+    num_labels: Optional[int] = bounded(None, ge=1, **MAX_LABELS)
     # Multi-label labels written as one string: the separator between label names.
     label_separator: str = ","
 
