@@ -47,7 +47,13 @@ PREDICTIONS_NAME = "predictions.jsonl"
 #   its own (a class id a spreadsheet or pandas printed as a float, or a regression target that
 #   happens to be whole): with problem_type null it is refused; with a classification
 #   problem_type it is that class id, with regression that number;
-# - empty labels (except a multi-label row: no labels), "nan" / "inf" (a missing value
+# - a multi-label row is a JSON list of names or ids, or names joined by finetune.label_separator;
+#   an empty cell ("", spaces) or [] is a row with NO labels (every class negative): the one
+#   empty label accepted, as multi-label data has such rows. An empty name inside a row ("a,,b",
+#   "a,", ["a", ""]) is refused (a label lost?), and so is data where no row has a label;
+# - with problem_type null, a name holding label_separator ("a,b") is ambiguous (names joined
+#   for multi-label, or one class whose name holds it?) and refused;
+# - empty labels elsewhere (single-label, regression), "nan" / "inf" (a missing value
 #   written as a number), names mixed with numbers or booleans, lists mixed with single values,
 #   negative class ids and fractional class ids are refused, naming file, line, column, value.
 
@@ -123,10 +129,12 @@ def _check_items(values: Sequence[Any], items: Sequence[Any], rows: Sequence[int
     return kinds
 
 
-def infer_problem_type(values: List[Any], num_labels: Optional[int], where: str = "labels") -> str:
+def infer_problem_type(values: List[Any], num_labels: Optional[int], where: str = "labels",
+                       separator: Optional[str] = None) -> str:
     """The problem type the labels ``values`` imply (Hugging Face's rule, ambiguity refused, see
     the rules above): lists -> multi-label; ``num_labels`` 1 or a fractional number ->
-    regression; integer ids, names or booleans -> single-label."""
+    regression; integer ids, names or booleans -> single-label. A name holding ``separator``
+    (names joined for multi-label?) is refused: the problem type must then be given."""
     kinds = [_kind(v) for v in values]
     if "list" in kinds:
         scalar = [i for i, kind in enumerate(kinds) if kind != "list"]
@@ -144,6 +152,12 @@ def infer_problem_type(values: List[Any], num_labels: Optional[int], where: str 
                    "is a whole number written as a decimal: a class id or a regression target? set "
                    "finetune.problem_type (single_label_classification or regression), or write class ids as "
                    "integers")
+    joined = [i for i, kind in enumerate(kinds) if kind == "name" and separator and separator in str(values[i])]
+    if joined:
+        raise _bad(values, joined[0], where,
+                   f"holds finetune.label_separator {separator!r}: several labels (multi-label) or one class whose "
+                   f"name holds {separator!r}? set finetune.problem_type (multi_label_classification or "
+                   f"single_label_classification)")
     return "single_label_classification"
 
 
@@ -157,16 +171,21 @@ class Labels:
     @classmethod
     def from_training(cls, values: List[Any], problem_type: Optional[str], num_labels: Optional[int],
                       separator: str, checkpoint_labels: Optional[Dict[int, str]], where: str) -> "Labels":
-        problem_type = problem_type or infer_problem_type(values, num_labels, where)
+        problem_type = problem_type or infer_problem_type(values, num_labels, where, separator)
         if problem_type == "regression":
             width = len(values[0]) if isinstance(values[0], list) else 1
+            if width == 0:
+                raise _bad(values, 0, where, "is empty; every row needs a label (remove the row or fill it in)")
             if num_labels is not None and num_labels != width:
                 raise DataError(f"{where}: regression labels have {width} value(s) per row but finetune.num_labels="
                                 f"{num_labels}")
             return cls(problem_type, width, {i: f"LABEL_{i}" for i in range(width)}, named=False)
         multi = problem_type == "multi_label_classification"
-        split = [_split(v, separator) if multi else [v] for v in values]
+        split = [_row_labels(values, i, separator, where) if multi else [v] for i, v in enumerate(values)]
         items = [x for row in split for x in row]
+        if multi and not items:
+            raise DataError(f"{where}: no row has a label (multi-label rows may have none, written as an empty "
+                            f"value or [], but some row must name a class)")
         rows = [i for i, row in enumerate(split) for _ in row]  # the value each item came from
         kinds = _check_items(values, items, rows, where)
         if "fraction" in kinds:
@@ -204,6 +223,8 @@ class Labels:
             for i, value in enumerate(values):
                 row = value if isinstance(value, list) else [value]
                 kinds = [_kind(x) for x in row]
+                if "empty" in kinds or not row:
+                    raise _bad(values, i, where, "is empty; every row needs a label (remove the row or fill it in)")
                 if "non-finite" in kinds:
                     raise _bad(values, i, where, "is not a finite number; a regression target must be one (fix or "
                                                  "remove the row)")
@@ -214,7 +235,7 @@ class Labels:
         multi = self.problem_type == "multi_label_classification"
         out = np.zeros((len(values), self.num_labels), dtype=np.float32) if multi else np.zeros(len(values), np.int64)
         for i, value in enumerate(values):
-            for item in (_split(value, separator) if multi else [value]):
+            for item in (_row_labels(values, i, separator, where) if multi else [value]):
                 label = self._id(item, values, i, where)
                 if multi:
                     out[i, label] = 1.0
@@ -239,11 +260,24 @@ class Labels:
         return label
 
 
-def _split(value: Any, separator: str) -> List[Any]:
+def _row_labels(values: Sequence[Any], row: int, separator: str, where: str) -> List[Any]:
+    """The labels of multi-label row ``row``: its JSON list, or its names split at ``separator``
+    (spaces around a name dropped). An empty value or [] is a row with no labels; an empty name
+    inside a row is refused (see the rules above)."""
+    value = values[row]
     if isinstance(value, list):
-        return value
-    text = str(value).strip()
-    return [part.strip() for part in text.split(separator) if part.strip()] if text else []
+        labels = value
+    else:
+        text = "" if value is None else str(value).strip()
+        labels = [part.strip() for part in text.split(separator)] if text else []
+    if any(_kind(label) == "empty" for label in labels):
+        if isinstance(value, list):
+            raise _bad(values, row, where, "has an empty label name; a label lost? remove it, or write [] for a row "
+                                           "with no labels")
+        raise _bad(values, row, where, f"has an empty label name between or around the separators ({separator!r}); a "
+                                       f"label lost? join the names by single separators, or leave the value empty "
+                                       f"for a row with no labels")
+    return labels
 
 
 def _preview(names, limit: int = 8) -> str:
