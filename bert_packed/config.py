@@ -56,7 +56,8 @@ CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 
 __all__ = ["ConfigError", "Config", "ModelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "FinetuneConfig",
            "register_section", "section_names", "bounded", "load_config", "config_from_dict", "resolve_config_path",
-           "validate", "num_replicas", "gradient_accumulation", "resume_harmless_keys", "dump", "CONFIG_DIR"]
+           "validate", "num_replicas", "gradient_accumulation", "resume_harmless_keys", "input_paths", "dump",
+           "CONFIG_DIR"]
 
 
 def _choices(*values: Any) -> Dict[str, Any]:
@@ -407,11 +408,11 @@ def resolve_config_path(name: str) -> str:
     for path in candidates:
         if os.path.isfile(path):
             return path
+    if os.path.isdir(name):
+        raise ConfigError(f"config {name} is a directory; give a YAML file (or a name in configs/)")
     available = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml")) if os.path.isdir(CONFIG_DIR) else []
-    raise ConfigError(
-        f"unknown config {name!r}: no file configs/{name}, configs/{name}.yaml or {name}; "
-        f"available: {', '.join(available)}"
-    )
+    tried = name if os.path.isabs(name) else f"configs/{name}, configs/{name}.yaml or {name}"
+    raise ConfigError(f"unknown config {name!r}: no file {tried}; available: {', '.join(available)}")
 
 
 def _type_name(tp: Any) -> str:
@@ -518,7 +519,10 @@ def _read_yaml(path: str) -> Any:
         data = load_yaml(path)
     except YamlError as exc:
         raise ConfigError(str(exc)) from None
-    return {} if data is None else data
+    if data is None:  # nothing but blanks and comments: a file saved empty by mistake?
+        raise ConfigError(f"{path}: the config file is empty; write its sections (model:, data:, train:, ...), or "
+                          f"{{}} for every default")
+    return data
 
 
 def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
@@ -633,6 +637,11 @@ def validate(config: Config, backend, world_size: int = 1) -> List[str]:
                 f"{name}.{{{', '.join(changed)}}} do not apply to backend {backend.name!r} "
                 f"(only to {'/'.join(section.readers)}); ignored"
             )
+    f = config.finetune
+    if f.task and f.train_file and f.validation_file and os.path.realpath(f.train_file) == os.path.realpath(
+            f.validation_file):
+        warns.append(f"finetune.validation_file is finetune.train_file ({f.train_file}): the evaluations, and the "
+                     f"best model chosen by them, measure the training data")
     owners = dict(_finetune_section().key_owners)
     task = config.finetune.task
     foreign = sorted(k for k in config.cli_keys.get("finetune", ()) if k in owners and task not in owners[k])
@@ -641,6 +650,16 @@ def validate(config: Config, backend, world_size: int = 1) -> List[str]:
         warns.append(f"finetune.{{{', '.join(foreign)}}} do not apply to task {task!r} (only to {'/'.join(tasks)}); "
                      f"ignored")
     return warns
+
+
+def input_paths(config: Config) -> List[Tuple[str, Optional[str]]]:
+    """(what, path) of every file or directory the run reads (unset ones as None): the init
+    checkpoint and tokenizer, and the data of pre-training or of the fine-tuning task."""
+    m, d, f = config.model, config.data, config.finetune
+    paths = [("the init checkpoint", m.init_checkpoint), ("model.tokenizer", m.tokenizer)]
+    if f.task:
+        return paths + [("finetune.train_file", f.train_file), ("finetune.validation_file", f.validation_file)]
+    return paths + [("data.path", d.path), ("data.eval_path", d.eval_path)]
 
 
 def resume_harmless_keys() -> frozenset:

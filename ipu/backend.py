@@ -240,6 +240,26 @@ class PopTorchBackend(Backend):
         hyperparameter changes pushed that way, and only between calls).
         """
         poptorch, ipu = self.poptorch, plan.settings
+        self.check_plan(model, plan, offline=offline)
+        self.plan, self.settings, self.scheduler, self.host_optimizer = plan, ipu, scheduler, optimizer
+        ga = plan.gradient_accumulation
+        self.model = _annotate(model, ipu, poptorch)
+        self.optimizer = pipeline.build_optimizer(optimizer, poptorch, ipu)
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        num_total = ipu_options.num_total_replicas(ipu, self.popdist)
+        wrapper = pipeline.TrainingWrapper(self.model, poptorch, loss_multiplier=ga * num_total)
+        opts = ipu_options.build_options(poptorch, ipu, seed=plan.seed, gradient_accumulation=ga, training=True,
+                                         popdist=self.popdist, popart=self.popart, offline=offline,
+                                         profile_dir=report_dir)
+        self.training_model = poptorch.trainingModel(wrapper, opts, optimizer=self.optimizer)
+
+    def check_plan(self, model, plan, *, offline: bool = False) -> None:
+        """Every mistake ``prepare`` would refuse, found without building anything (``compile_only``
+        calls it before it writes its estimate): the section's bounds, the IPUs present (unless
+        ``offline``), the output mode, PopRun's process group, the pipeline layout against the
+        model, steps per call and pipeline depth."""
+        ipu = plan.settings
         check_section(self.config_section, ipu)
         if not offline:
             self._check_ipus_present(ipu)
@@ -252,25 +272,13 @@ class PopTorchBackend(Backend):
             # group they would be per instance and the step num_instances times too large.
             raise ConfigError("PopRun with several instances needs torch.distributed initialised (for the "
                               "step's global counts); see docs/ipu.md, or run one instance")
-        self.plan, self.settings, self.scheduler, self.host_optimizer = plan, ipu, scheduler, optimizer
-        ga = plan.gradient_accumulation
         layout = model.pipeline_layout()
         pipeline.layer_ipus(ipu.layers_per_ipu, len(layout.layers))
         if plan.steps % plan.steps_per_call:
             raise ConfigError(f"train.steps={plan.steps} is not a multiple of ipu.device_iterations="
                               f"{plan.steps_per_call} (one PopTorch call runs that many steps); change either")
-        pipeline.check_pipeline_depth(ipu.layers_per_ipu, ga, plan.steps_per_call,
+        pipeline.check_pipeline_depth(ipu.layers_per_ipu, plan.gradient_accumulation, plan.steps_per_call,
                                       pipeline.heads_ipu(ipu.layers_per_ipu, layout.head_tied_to_embeddings))
-        self.model = _annotate(model, ipu, poptorch)
-        self.optimizer = pipeline.build_optimizer(optimizer, poptorch, ipu)
-        if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        num_total = ipu_options.num_total_replicas(ipu, self.popdist)
-        wrapper = pipeline.TrainingWrapper(self.model, poptorch, loss_multiplier=ga * num_total)
-        opts = ipu_options.build_options(poptorch, ipu, seed=plan.seed, gradient_accumulation=ga, training=True,
-                                         popdist=self.popdist, popart=self.popart, offline=offline,
-                                         profile_dir=report_dir)
-        self.training_model = poptorch.trainingModel(wrapper, opts, optimizer=self.optimizer)
 
     def state_dict(self) -> Dict[str, Any]:
         """PopTorch's optimizer state (the device's, for real IPUs)."""

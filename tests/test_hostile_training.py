@@ -266,8 +266,8 @@ def test_output_dir_below_a_file_is_refused(tmp_path, capsys):
     target.write_text("keep me\n")
     before = snapshot(tmp_path)
     code, line = main_error(capsys, TINY + ["--steps", "1", "--output-dir", str(target / "sub")])
-    assert (code, line) == (2, f"error: output directory {target / 'sub'}: Not a directory; choose another "
-                               f"--output-dir")
+    assert (code, line) == (2, f"error: output directory {target / 'sub'}: Not a directory ({target} is a file); "
+                               f"choose another --output-dir")
     assert_unchanged(before, tmp_path)
 
 
@@ -281,6 +281,156 @@ def test_keyboard_interrupt_before_training_is_one_line(monkeypatch, capsys):
     assert main_error(capsys, ["--config", "tiny"]) == (130, "interrupted (nothing half-written was kept)")
 
 
+# ----------------------------------------------------------------------------- the modes of run.py (issue 27)
+# --compile-only, --profile and --print-config: the same output-directory rules as training, a
+# mistake refused before anything is written, and flags that contradict each other refused.
+
+
+@pytest.fixture
+def packed_data(tmp_path):
+    """A folder holding a packed HDF5 file (data.path: an input of pre-training)."""
+    from bert_packed.data.pack import pack_file
+    from bert_packed.data.synthetic import write_synthetic_unpacked
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_synthetic_unpacked(folder / "u.h5", 200, max_seq_length=64, max_predictions=10, vocab_size=256, seed=1)
+    pack_file(folder / "u.h5", folder / "packed.h5", show_progress=False)
+    os.remove(folder / "u.h5")
+    return folder
+
+
+@pytest.mark.parametrize("mode", [["--compile-only"], ["--compile-only", "report"], ["--profile"], []],
+                         ids=["compile-only", "compile-only report", "profile", "train"])
+@pytest.mark.parametrize("where", ["a file", "below a file", "the data's folder"])
+def test_every_mode_refuses_an_output_dir_that_cannot_be_one(tmp_path, capsys, packed_data, mode, where):
+    (tmp_path / "file").write_text("keep me\n")
+    target = {"a file": tmp_path / "file", "below a file": tmp_path / "file" / "sub",
+              "the data's folder": packed_data}[where]
+    message = {"a file": f"output directory {target} is a file; choose another --output-dir",
+               "below a file": f"output directory {target}: Not a directory ({tmp_path / 'file'} is a file); choose "
+                               f"another --output-dir",
+               "the data's folder": f"--output-dir {target} is data.path's directory ({packed_data / 'packed.h5'}); "
+                                    f"choose another --output-dir so the input stays as it is"}[where]
+    before = snapshot(tmp_path)
+    argv = TINY + ["--backend", "mock", "--steps", "1", "--set", f"data.path={packed_data / 'packed.h5'}",
+                   "--set", "model.vocab_size=256", "--output-dir", str(target), *mode]
+    assert main_error(capsys, argv) == (2, f"error: {message}")  # (was "error: FILE: File exists" for the modes)
+    assert_unchanged(before, tmp_path)
+
+
+def test_compile_only_refuses_a_mistake_before_writing_its_estimate(tmp_path, capsys):
+    # Was: memory_estimate.md/.json written, then the refusal.
+    out = tmp_path / "out"
+    argv = TINY + ["--backend", "mock", "--compile-only", "--steps", "4", "--set", "ipu.device_iterations=3",
+                   "--output-dir", str(out)]
+    assert main_error(capsys, argv) == (2, "error: train.steps=4 is not a multiple of ipu.device_iterations=3 (one "
+                                           "PopTorch call runs that many steps); change either")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--print-config", "tiny", "--config", "phase2"],
+     "--print-config tiny and --config phase2 name two configs; give one"),
+    (["--compile-only", "--profile"], "argument --profile: not allowed with argument --compile-only"),
+    (["--print-config", "--compile-only"], "argument --compile-only: not allowed with argument --print-config"),
+    (["--profile", "--resume"], "--resume continues a training run; --profile does not train"),
+    (["--compile-only", "report", "--resume-force"], "--resume continues a training run; --compile-only does not train"),
+])
+def test_modes_that_contradict_are_refused(capsys, monkeypatch, argv, message):
+    # Was: one of them silently won (--print-config NAME over --config, --compile-only over --profile).
+    import run
+
+    monkeypatch.setattr("sys.argv", ["run.py"])
+    with pytest.raises(SystemExit) as exit_:
+        run.main(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {message} (see run.py --help)"]
+
+
+@pytest.mark.parametrize("content", ["", "# nothing but a comment\n\n"], ids=["empty", "comment"])
+def test_an_empty_config_file_is_refused_not_the_defaults(tmp_path, capsys, content):
+    # Was: every default (BERT-Large, 2137 steps) for a file saved empty by mistake; {} still means that.
+    path = tmp_path / "mine.yaml"
+    path.write_text(content)
+    before = snapshot(tmp_path)
+    assert main_error(capsys, ["--config", str(path), "--output-dir", str(tmp_path / "run")]) == (
+        2, f"error: {path}: the config file is empty; write its sections (model:, data:, train:, ...), or {{}} for "
+           f"every default")
+    assert_unchanged(before, tmp_path)
+    path.write_text("{}\n")
+    assert run_ok(capsys, ["--print-config", str(path)]).out.startswith("# resolved config 'mine'")
+
+
+def test_a_config_that_is_a_directory_or_a_missing_path_is_named_plainly(tmp_path, capsys):
+    (tmp_path / "conf.yaml").mkdir()
+    code, line = main_error(capsys, ["--print-config", str(tmp_path / "conf.yaml")])
+    assert (code, line) == (2, f"error: config {tmp_path / 'conf.yaml'} is a directory; give a YAML file (or a name "
+                               f"in configs/)")
+    code, line = main_error(capsys, ["--print-config", str(tmp_path / "nope.yaml")])
+    # Was: "no file configs//abs/nope.yaml, configs//abs/nope.yaml.yaml or /abs/nope.yaml".
+    assert code == 2 and line.startswith(f"error: unknown config '{tmp_path / 'nope.yaml'}': no file "
+                                         f"{tmp_path / 'nope.yaml'}; available: demo, ")
+
+
+# ----------------------------------------------------------------------------- Ctrl-C (issue 27)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_py_as_main(code_before, argv, tmp_path):
+    """``python run.py ARGV`` (as __main__, through runpy) after ``code_before``; (status, stderr, the
+    SIGINT handler at exit)."""
+    import subprocess
+    import sys
+
+    script = (f"import builtins, runpy, signal, sys\n{code_before}\nsys.argv = ['run.py'] + {argv!r}\n"
+              f"try:\n    runpy.run_path('run.py', run_name='__main__')\nexcept SystemExit as exc:\n"
+              f"    print('handler', signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n    sys.exit(exc.code)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stderr, result.stdout
+
+
+def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
+    # Was: a KeyboardInterrupt traceback from inside an import (the first seconds of every run).
+    interrupt_imports = ("real = builtins.__import__\n"
+                         "def imp(name, *args, **kwargs):\n"
+                         "    if name == 'backends':\n"
+                         "        raise KeyboardInterrupt\n"
+                         "    return real(name, *args, **kwargs)\n"
+                         "builtins.__import__ = imp")
+    code, err, _ = _run_py_as_main(interrupt_imports, ["--config", "tiny", "--output-dir", str(tmp_path / "run")],
+                                   tmp_path)
+    assert (code, err.splitlines()) == (130, ["interrupted (nothing half-written was kept)"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_after_the_work_is_done_is_ignored():
+    # Was: a Ctrl-C during the interpreter's shutdown, after a completed run, exited "killed by
+    # SIGINT"; from the moment run.py has its exit status, SIGINT is ignored.
+    code, err, out = _run_py_as_main("", ["--print-config", "tiny"], None)
+    assert code == 0 and out.rstrip().endswith("handler True"), err
+
+
+def test_ctrl_c_while_the_end_of_run_outputs_are_written_says_what_is_left(tmp_path, capsys, monkeypatch):
+    # Was: "interrupted (nothing half-written was kept)" and no summary.json, though the trained
+    # weights were in a checkpoint the message did not mention.
+    from bert_packed import task as task_module
+
+    def export(self, model, directory):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(task_module.Task, "export", export)
+    out = tmp_path / "run"
+    argv = TINY + ["--steps", "4", "--set", "train.checkpoint_every=2", "--output-dir", str(out)]
+    code, line = main_error(capsys, argv)
+    assert (code, line) == (130, f"stopped: SIGINT after the last step (4), while the end-of-run outputs (final "
+                                 f"evaluation, predictions, OUT/hf) were written: they are incomplete; the checkpoint "
+                                 f"{out / 'checkpoint.pt'} holds step 4 (python -m bert_packed.finetune export {out} "
+                                 f"--output DIR writes its Hugging Face export)")
+    assert _summary(out)["status"] == "interrupted" and load_checkpoint(str(out / CHECKPOINT_NAME))["step"] == 4
+    code, line = main_error(capsys, TINY + ["--steps", "4", "--output-dir", str(tmp_path / "run0")])
+    assert line.endswith("no checkpoint holds step 4 (train.checkpoint_every=0)")
 # ----------------------------------------------------------------------------- resume and checkpoints
 
 
