@@ -73,6 +73,8 @@ def _check_args(p, args) -> None:
         p.error(f"--world-size counts processes: give 1 or more, got {args.world_size}")
     if args.init_checkpoint is not None and not args.init_checkpoint.strip():
         p.error("--init-checkpoint needs a Hugging Face directory or a checkpoint path, got an empty one")
+    if args.output_dir is not None and not args.output_dir.strip():
+        p.error("--output-dir needs a directory, got an empty one")
     mode = next((flag for flag, on in (("--profile", args.profile), ("--compile-only", args.compile_only),
                                        ("--print-config", args.print_config)) if on), None)
     if mode and (args.resume or args.resume_force):

@@ -477,6 +477,12 @@ def _set_value(config: Config, section: str, key: str, value: Any, source: str) 
         )
     tp, choices = types[key]
     value = _coerce(value, tp, f"{source}: {section}.{key}")
+    optional = typing.get_origin(tp) is typing.Union
+    if isinstance(value, str) and (value == "" or (optional and not value.strip())):
+        # An unset shell variable ($DATA) would otherwise mean "none" (random init, generated
+        # data, the default output directory) or fail deep inside (an empty separator).
+        raise ConfigError(f"{source}: {section}.{key} is empty; give a value"
+                          f"{' (or null for none)' if optional else ''}")
     if choices is not None and value not in choices:
         names = ", ".join("null" if c is None else str(c) for c in choices)
         raise ConfigError(f"{source}: {section}.{key} must be one of {names}, got {value!r}")
@@ -489,7 +495,7 @@ def _parse_override(text: str) -> tuple:
     dotted, raw = text.split("=", 1)
     section, key = dotted.split(".", 1)
     try:
-        value = loads_yaml(raw, f"--set {dotted}") if raw.strip() else ""
+        value = loads_yaml(raw, f"--set {dotted}") if raw.strip() else raw  # blanks as they are
     except YamlSyntaxError:  # not YAML: the text as it is (e.g. a path with a colon)
         value = raw
     except YamlError as exc:  # YAML, but refused (a repeated key, an alias bomb)

@@ -153,6 +153,12 @@ BAD_CONFIGS = [
      "ipu.available_memory_proportion[0] must be in (0, 1] (a fraction of tile memory), got 1.5"),
     (["ipu.layers_per_ipu=[-1, 3]"], "mock",
      "ipu.layers_per_ipu[0] must be >= 0 (encoder layers on that IPU), got -1"),
+    # An empty value (an unset shell variable): was "none" in silence (random init, generated
+    # data, runs/NAME) or, for the label separator, a traceback (str.split("")).
+    (["model.init_checkpoint="], "cpu", "--set: model.init_checkpoint is empty; give a value (or null for none)"),
+    (["data.path=  "], "cpu", "--set: data.path is empty; give a value (or null for none)"),
+    (["train.output_dir="], "cpu", "--set: train.output_dir is empty; give a value (or null for none)"),
+    (["finetune.label_separator="], "cpu", "--set: finetune.label_separator is empty; give a value"),
 ]
 
 
@@ -611,6 +617,7 @@ def test_a_timed_out_collective_is_one_line_naming_the_setting(tmp_path, monkeyp
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "abc"], "error: argument --steps: invalid int value: 'abc' (see run.py --help)"),
     (["--bogus"], "error: unrecognized arguments: --bogus (see run.py --help)"),
+    (["--output-dir", ""], "error: --output-dir needs a directory, got an empty one (see run.py --help)"),
 ])
 def test_command_line_mistakes_are_one_line(capsys, monkeypatch, argv, message):
     import run
