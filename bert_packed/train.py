@@ -277,9 +277,12 @@ class _Run:
                   f"to do (raise --steps to continue)", file=sys.stderr)
         try:
             with open(self.summary_path) as f:
-                return json.load(f)
+                summary = json.load(f)
         except (OSError, ValueError):
             return {"status": "completed", "last_step": step, "checkpoint_step": step}
+        if self.is_main and summary.get("status") == "interrupted" and summary.get("error"):
+            print(f"note: the run was stopped: {summary['error']}", file=sys.stderr)  # e.g. while exporting
+        return summary
 
     def _opening_line(self) -> None:
         if not (self.is_main and self.show_progress):

@@ -435,6 +435,11 @@ def test_ctrl_c_while_the_end_of_run_outputs_are_written_says_what_is_left(tmp_p
                                  f"{out / 'checkpoint.pt'} holds step 4 (python -m bert_packed.finetune export {out} "
                                  f"--output DIR writes its Hugging Face export)")
     assert _summary(out)["status"] == "interrupted" and load_checkpoint(str(out / CHECKPOINT_NAME))["step"] == 4
+    before = snapshot(out)
+    assert run_ok(capsys, argv + ["--resume"]).err.splitlines() == [
+        f"note: {out / 'checkpoint.pt'} is at step 4 and train.steps=4: nothing to do (raise --steps to continue)",
+        f"note: the run was stopped: {line[len('stopped: '):]}"]
+    assert_unchanged(before, out)
     code, line = main_error(capsys, TINY + ["--steps", "4", "--output-dir", str(tmp_path / "run0")])
     assert line.endswith("no checkpoint holds step 4 (train.checkpoint_every=0)")
 # ----------------------------------------------------------------------------- resume and checkpoints
