@@ -770,3 +770,22 @@ def test_export_and_predict_still_write_outside_inputs(capsys, finished, checkpo
                           "--output", str(tmp_path / "p.jsonl"), "--max-sequence-length", str(S)]) == 0
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 4
     assert_unchanged(before, root, checkpoint)
+
+
+def test_epochs_that_come_to_more_steps_than_the_maximum_are_refused():
+    # finetune.epochs is within its own maximum, but over the data it comes to more optimizer
+    # steps than train.steps may be: refused when the steps are derived, naming both.
+    import types
+
+    from bert_packed.config import ConfigError, load_config
+    from bert_packed.finetune.classification import ClassificationTask
+
+    task = ClassificationTask(load_config("finetune_classification", ["finetune.epochs=1000000"]))
+    task.train_data = types.SimpleNamespace(num_packs=5000)
+    with pytest.raises(ConfigError) as error:
+        task.num_steps(4)
+    assert str(error.value) == (
+        "finetune.epochs=1e+06 over 5000 training packs, 4 per step, come to 1250000000 optimizer steps, more than "
+        "train.steps' maximum 1000000000 (more optimizer steps than any run takes; BERT-Large pre-training takes "
+        "10^4 to 10^6); lower finetune.epochs")
+    assert task.num_steps(5000) == 1000000  # within the maximum: the derived steps
