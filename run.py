@@ -113,15 +113,15 @@ def _main(args) -> int:
         print(dump(config), end="")
         return 0
     if args.compile_only:  # compiles offline: it needs the compiler (the Poplar SDK), not free devices
-        backend = get_backend(args.backend, check_available=False)
-        if not backend.offline_compile:
+        if not get_backend_class(args.backend).offline_compile:  # before building it (cuda would pick a GPU)
             raise ConfigError(f"--compile-only compiles ahead of time: use --backend "
                               f"{' or '.join(offline_compilers())}, not {args.backend!r}")
+        backend = get_backend(args.backend, config=config, check_available=False)
         output_dir = args.output_dir or os.path.join("runs", config.name, "compile")
         check_output_dir(output_dir, input_paths(config))
         backend.compile_only(config, output_dir, mode=args.compile_only)
         return 0
-    backend = get_backend(args.backend)
+    backend = get_backend(args.backend, config=config)
     if args.profile:
         from bert_packed.profiling import run_profile
 

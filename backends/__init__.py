@@ -1,27 +1,29 @@
 """Backend registry: look a backend up by name; implementations are imported lazily so
 that e.g. ``cpu`` never imports poptorch or CUDA-only code.
 
-    backend = get_backend("cpu")          # an instance, ready for prepare(...)
+    backend = get_backend("cpu")                  # an instance, ready for prepare(...)
+    backend = get_backend("cuda", config=config)  # built for the config (e.g. cuda.device)
 
-Importing this package registers the backends' config sections (``ipu``, ``cuda``) with
+Importing this package registers the backends' config sections (``ipu``, ``cuda``, ``cpu``) with
 ``bert_packed.config``, which names no backend itself.
 """
 from __future__ import annotations
 
 import importlib
 
+from backends.cpu_config import CPUConfig
 from backends.cuda_config import CUDAConfig
 from bert_packed.config import ConfigError, register_section
 from ipu.config import IPUConfig
 
 # name -> (module, class, the config section it reads). Only the chosen one is imported.
 BACKENDS = {
-    "cpu": ("backends.cpu", "CPUBackend", None),
+    "cpu": ("backends.cpu", "CPUBackend", "cpu"),
     "cuda": ("backends.cuda", "CUDABackend", "cuda"),
     "ipu": ("backends.ipu", "IPUBackend", "ipu"),
     "mock": ("backends.mock", "MockBackend", "ipu"),
 }
-SECTIONS = {"ipu": IPUConfig, "cuda": CUDAConfig}
+SECTIONS = {"ipu": IPUConfig, "cuda": CUDAConfig, "cpu": CPUConfig}
 for _section, _cls in SECTIONS.items():
     register_section(_section, _cls, readers=tuple(n for n, entry in BACKENDS.items() if entry[2] == _section))
 
@@ -41,12 +43,13 @@ def get_backend_class(name: str):
     return getattr(module, class_name)
 
 
-def get_backend(name: str, *, check_available: bool = True):
-    """An instance of backend ``name``; ConfigError (one line) if unknown or unavailable."""
+def get_backend(name: str, *, config=None, check_available: bool = True):
+    """An instance of backend ``name`` (for ``config`` when given: ``Backend.for_config``);
+    ConfigError (one line) if unknown or unavailable (for that config)."""
     cls = get_backend_class(name)
-    if check_available and not cls.is_available():
-        raise ConfigError(f"backend {name!r} is not available: {cls.unavailable_reason()}")
-    return cls()
+    if check_available and not cls.is_available(config):
+        raise ConfigError(f"backend {name!r} is not available: {cls.unavailable_reason(config)}")
+    return cls() if config is None else cls.for_config(config)
 
 
 def offline_compilers():

@@ -9,7 +9,8 @@ the same optimizer step a single process takes over the same global batch.
 
 The class is written to be subclassed (the cuda backend does): override the hooks
 ``device``, ``dist_backend``, ``autocast``, ``backward``, ``optimizer_step``, ``start_timer``,
-``wrap_model`` / ``forward_module``.
+``wrap_model``, ``replicate`` / ``micro_batch_context`` / ``reduce_gradients`` (how gradients are
+summed over processes), ``learning_rate``.
 """
 from __future__ import annotations
 
@@ -22,28 +23,48 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bert_packed.attention import no_profiler_scopes
 from bert_packed.backend import Backend, StepMetrics
 from bert_packed.losses import metric_keys, step_normalizers
 from bert_packed.optim import grad_norm_, step_unless_non_finite
 
 
+class RecompileError(ValueError):
+    """torch.compile compiled new graphs after warm-up (one line: how many, and the fix)."""
+
+
+def num_compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (recompiles included).
+
+    A process-wide counter: the backend reads it before and after each optimizer step,
+    so graphs compiled outside ``train_step`` (e.g. the eval-mode graph) do not count.
+    """
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class CPUBackend(Backend):
     name = "cpu"
+    config_section = "cpu"
     device = torch.device("cpu")
     dist_backend = "gloo"  # process-group backend the loop initialises under torchrun
     cost_unit = "ms"
     cost_note = "wall time of forward+backward, fastest of interleaved runs"
 
     @staticmethod
-    def is_available() -> bool:
+    def is_available(config=None) -> bool:
         return True
 
     def __init__(self) -> None:
         super().__init__()
         self.model = self.optimizer = self.scheduler = None
-        self.forward_module = None
+        # forward_module: the (wrapped, e.g. compiled) model for evaluation and prediction;
+        # train_module: the same, or a data-parallel replica of it (cuda: DDP) for training.
+        self.forward_module = self.train_module = None
         # Of the last step, set by clip_gradients: 0-dim device tensors (read by the loop when it logs).
         self.grad_norm = self.found_inf = None
+        self.num_steps = self.num_recompiles = 0
 
     # -- hooks (override in subclasses) ----------------------------------------------------
 
@@ -52,8 +73,38 @@ class CPUBackend(Backend):
         return contextlib.nullcontext()
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module used for forward calls (e.g. a compiled one); state stays in ``model``."""
+        """The module used for forward calls: ``model``, or with ``compile`` set in the backend's
+        section, ``torch.compile(model)`` (its state stays in ``model``). ``dynamic=False``: packs
+        have one fixed [B, S] shape, so one static graph serves every step; a dynamic-shape graph
+        would only cost speed (and padding's varying shapes are what packing removes)."""
+        settings = self.plan.settings
+        if not settings.compile:
+            return model
+        mode = None if settings.compile_mode == "default" else settings.compile_mode
+        return torch.compile(model, mode=mode, dynamic=False)
+
+    def tracing(self):
+        """Context around a call of the (possibly compiled) model: a compiled one runs without the
+        profiler scopes, which dynamo would only warn about and drop."""
+        return no_profiler_scopes() if self.plan.settings.compile else contextlib.nullcontext()
+
+    def replicate(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make every process start from rank 0's weights (whatever its seed did); returns the
+        module to train through (here ``model`` itself; gradients are summed by
+        ``reduce_gradients``)."""
+        if self.distributed():
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)
         return model
+
+    def micro_batch_context(self, last: bool):
+        """Context around one training micro-batch's forward and backward; ``last``: the step's
+        last one (a data-parallel wrapper synchronises gradients only there)."""
+        return contextlib.nullcontext()
+
+    def learning_rate(self) -> Any:
+        """The learning rate after this step's schedule update (the ``learning_rate`` metric)."""
+        return float(self.scheduler.get_last_lr()[0])
 
     def to_device(self, batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
         return {k: torch.as_tensor(np.ascontiguousarray(v)).to(self.device) for k, v in batch.items()}
@@ -116,10 +167,9 @@ class CPUBackend(Backend):
         self.optimizer, self.scheduler = optimizer, scheduler
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        if self.distributed():  # every rank starts from rank 0's weights, whatever its seed did
-            for tensor in self.model.state_dict().values():
-                dist.broadcast(tensor, src=0)
+        replica = self.replicate(self.model)
         self.forward_module = self.wrap_model(self.model)
+        self.train_module = self.forward_module if replica is self.model else self.wrap_model(replica)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict()}
@@ -133,17 +183,21 @@ class CPUBackend(Backend):
         keys = metric_keys(self.model)
         # Accumulated and reduced on the device: nothing is copied to the host here.
         sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
-        for batch in self._normalise(micro_batches):
-            with self.autocast():
-                out = self.forward_module(**self.to_device(batch))
-            if train:
-                self.backward(out["loss"])
+        batches = self._normalise(micro_batches)
+        module = self.train_module if train else self.forward_module
+        for i, batch in enumerate(batches):
+            with self.micro_batch_context(last=i == len(batches) - 1) if train else contextlib.nullcontext():
+                with self.autocast(), self.tracing():
+                    out = module(**self.to_device(batch))
+                if train:
+                    self.backward(out["loss"])
             sums += torch.stack([out[k].detach().double() for k in keys])
         return self.all_reduce_(sums)
 
     def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> StepMetrics:
         """One step; its numbers stay on the device as 0-dim tensors until read (the loop reads
         them when it logs: no host synchronisation inside the step)."""
+        graphs_before = num_compiled_graphs() if self.plan.settings.compile else 0
         self.model.train()
         sums = self._run(micro_batches, train=True)
         self.reduce_gradients()
@@ -151,8 +205,24 @@ class CPUBackend(Backend):
         metrics: Dict[str, Any] = dict(zip(metric_keys(self.model), sums.unbind()))
         metrics["grad_norm"] = self.grad_norm
         if self.scheduler is not None:
-            metrics["learning_rate"] = float(self.scheduler.get_last_lr()[0])
+            metrics["learning_rate"] = self.learning_rate()
+        if self.plan.settings.compile:
+            metrics["recompiles_after_warmup"] = float(self._count_recompiles(graphs_before))
         return StepMetrics(metrics)
+
+    def _count_recompiles(self, graphs_before: int) -> int:
+        """Graphs compiled after the warm-up steps (an error beyond ``max_recompiles_after_warmup``)."""
+        self.num_steps += 1
+        settings, section = self.plan.settings, self.config_section
+        if self.num_steps > settings.num_warmup_steps:
+            self.num_recompiles += num_compiled_graphs() - graphs_before
+            if self.num_recompiles > settings.max_recompiles_after_warmup:
+                raise RecompileError(
+                    f"torch.compile compiled {self.num_recompiles} new graph(s) after the "
+                    f"{settings.num_warmup_steps} warm-up steps (at step {self.num_steps}): a shape or guard "
+                    f"changed between steps; keep [B, S] fixed, or raise {section}.max_recompiles_after_warmup / "
+                    f"{section}.num_warmup_steps")
+        return self.num_recompiles
 
     @torch.no_grad()
     def eval_step(self, batch: Dict[str, np.ndarray]) -> Dict[str, float]:
@@ -164,7 +234,7 @@ class CPUBackend(Backend):
         """The model's ``names`` outputs (e.g. per-sequence ``logits`` [B,K,C]) for ``batch``, as
         float32 numpy arrays, in eval mode; no labels needed."""
         self.model.eval()
-        with self.autocast():
+        with self.autocast(), self.tracing():
             out = self.forward_module(**self.to_device(batch))
         return {name: out[name].detach().float().cpu().numpy() for name in names}
 

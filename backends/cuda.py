@@ -1,7 +1,7 @@
 """The ``cuda`` backend: packed BERT on NVIDIA GPUs.
 
 It is the cpu backend's step (global-count normalisation, forward/backward per
-micro-batch, one summed gradient all-reduce, one update) with GPU hooks:
+micro-batch, gradients summed over processes, one update) with GPU hooks:
 
 - mixed precision: ``cuda.precision`` bf16 (default; autocast, no loss scaling needed),
   fp16 (autocast + dynamic loss scaling with ``torch.amp.GradScaler``) or fp32 (TF32
@@ -11,18 +11,25 @@ micro-batch, one summed gradient all-reduce, one update) with GPU hooks:
   ``cuda.num_warmup_steps`` steps any new graph is a recompile, reported in the metrics
   (``recompiles_after_warmup``) and an error beyond ``cuda.max_recompiles_after_warmup``;
 - block-sparse attention: ``model.attention_implementation: flex`` (FlexAttention with a
-  per-batch document mask, bert_packed/flex_attention.py); ``dense`` and ``sdpa`` stay
-  available;
+  per-batch document mask, bert_packed/flex_attention.py); ``dense``, ``sdpa`` and
+  ``varlen`` stay available;
 - data parallel: ``torchrun --nproc_per_node N run.py --backend cuda ...``: one process
-  per GPU (``LOCAL_RANK``), each reading its own shard of the packs; gradients summed with
-  NCCL, while the loop's small host-side reductions (counts, metrics) go over gloo
-  (process group ``cpu:gloo,cuda:nccl``);
-- timing with CUDA events: ``device_seconds`` per step in the metrics (GPU time between
-  the step's first and last kernel) and ``profile()`` in event milliseconds.
+  per GPU (``LOCAL_RANK``), each reading its own shard of the packs. The model trains
+  through ``DistributedDataParallel``: ``no_sync`` on the accumulation micro-batches, then
+  DDP's bucketed all-reduce overlapped with the last micro-batch's backward, with a hook that
+  SUMS the buckets (every rank's loss is already divided by the step's global counts). The
+  loop's small host-side reductions (counts, checkpoint state) go over gloo (process group
+  ``cpu:gloo,cuda:nccl``). Evaluation, prediction and checkpoints use the inner model;
+- no host synchronisation inside a step: the metric sums, the gradient norm, the fp16 skip
+  flag and loss scale stay on the GPU until the loop reads them; the step's CUDA-event time
+  and the peak memory are ``Deferred`` numbers worked out then; micro-batches are staged in
+  page-locked memory by the loop's prefetch thread and copied without blocking;
+- the CUDA generator of every rank is in the checkpoint (``cuda_rng`` in each process's backend
+  state), so a resumed run draws the same dropout masks as the uninterrupted one.
 
-``CUDABackend(device="cpu")`` runs the same code on the CPU (bf16/fp16 autocast and
-GradScaler exist there too); the tests use it to check everything but the kernels on a
-machine without a GPU. ``run.py --backend cuda`` itself refuses to start without one.
+``cuda.device: cpu`` (or ``CUDABackend(device="cpu")``) runs the same code on the CPU
+(autocast and GradScaler exist there too; gloo between processes, DDP included); CI uses it
+to check everything but the kernels on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -32,63 +39,79 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from backends.cpu import CPUBackend
-from bert_packed.backend import StepMetrics
+from backends.cpu import CPUBackend, RecompileError, num_compiled_graphs  # noqa: F401  (re-exported)
+from bert_packed.backend import Deferred, StepMetrics
 from bert_packed.config import ConfigError, check_section
+from bert_packed.optim import step_unless_non_finite
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-
-
-class RecompileError(ValueError):
-    """torch.compile compiled new graphs after warm-up (one line: how many, and the fix)."""
-
-
-def num_compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process so far (recompiles included).
-
-    A process-wide counter: the backend reads it before and after each optimizer step,
-    so graphs compiled outside ``train_step`` (e.g. the eval-mode graph) do not count.
-    """
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+# Attention implementations with no CPU training path (see docs/cuda.md, "what stays GPU-only").
+_GPU_ONLY_TRAINING = {"flex": "FlexAttention backward", "varlen": "varlen_attn (Flash) kernel"}
 
 
 class CUDABackend(CPUBackend):
     name = "cuda"
     config_section = "cuda"
-    # Object/host collectives of the loop (CPU tensors) over gloo, gradients over NCCL.
+    # Object/host collectives of the loop (CPU tensors) over gloo, gradients over NCCL; an
+    # instance on cuda.device=cpu uses gloo alone.
     dist_backend = "cpu:gloo,cuda:nccl"
     cost_note = "CUDA-event time of forward+backward, fastest of interleaved runs"
 
     @staticmethod
-    def is_available() -> bool:
+    def is_available(config=None) -> bool:
+        if config is not None and config.sections["cuda"].device == "cpu":
+            return True  # this backend's code on the CPU
         return torch.cuda.is_available()
 
     @classmethod
-    def unavailable_reason(cls) -> Optional[str]:
+    def unavailable_reason(cls, config=None) -> Optional[str]:
         """Why ``--backend cuda`` cannot run here (one line with the fix), or None if it can."""
+        if cls.is_available(config):
+            return None
         if torch.version.cuda is None:
             return (f"torch {torch.__version__} is a CPU-only build (no CUDA); install a CUDA build of torch "
-                    f"on a machine with an NVIDIA GPU, or use --backend cpu")
-        if not torch.cuda.is_available():
-            return ("torch sees no CUDA GPU (torch.cuda.is_available() is False: check the NVIDIA driver and "
-                    "CUDA_VISIBLE_DEVICES), or use --backend cpu")
-        return None
+                    f"on a machine with an NVIDIA GPU, or use --backend cpu (or --set cuda.device=cpu to run this "
+                    f"backend's code on the CPU)")
+        return ("torch sees no CUDA GPU (torch.cuda.is_available() is False: check the NVIDIA driver and "
+                "CUDA_VISIBLE_DEVICES), or use --backend cpu (or --set cuda.device=cpu to run this backend's code "
+                "on the CPU)")
+
+    @classmethod
+    def for_config(cls, config) -> "CUDABackend":
+        return cls(device=config.sections["cuda"].device)
+
+    @classmethod
+    def validate_config(cls, config, world_size: int) -> List[str]:
+        attention = config.model.attention_implementation
+        if config.sections["cuda"].device == "cpu" and attention in _GPU_ONLY_TRAINING:
+            raise ConfigError(
+                f"cuda.device=cpu cannot train model.attention_implementation={attention}: torch has no "
+                f"{_GPU_ONLY_TRAINING[attention]} on a CPU; use attention 'sdpa' or 'dense' there, or a GPU")
+        return []
 
     def __init__(self, device: Optional[Any] = None) -> None:
+        """``device``: "cuda" (default; ``LOCAL_RANK``'s GPU under torchrun), "cpu", or a
+        torch.device. Given here it wins over ``cuda.device`` (``for_config`` passes that)."""
         super().__init__()
-        if device is None:
-            # One process per GPU under torchrun; set before the first NCCL collective.
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-        self.device = torch.device(device)
+        device = torch.device("cuda" if device is None else device)
+        if device.type == "cuda":
+            if device.index is None:  # one process per GPU under torchrun
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)  # before the first NCCL collective
+        self.device = device
+        self.dist_backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         self.autocast_dtype: Optional[torch.dtype] = torch.bfloat16
-        self.scaler = None
-        self.skipped_step = False
-        self.num_steps = 0
-        self.num_recompiles = 0
+        self.scaler = self.schedule = self.ddp = None
+        self.overflow = self.loss_scale = None  # fp16: the last step's, on the device
+        self._learning_rate: Any = None
+
+    @property
+    def rng_device(self) -> torch.device:
+        """The device whose default generator the model's random ops (dropout) draw from; on the
+        CPU that is the host generator, which the loop checkpoints itself."""
+        return self.device
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -120,14 +143,32 @@ class CUDABackend(CPUBackend):
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = cuda.allow_tf32
             torch.backends.cudnn.allow_tf32 = cuda.allow_tf32
-        if cuda.precision == "fp16":
-            # bf16 has fp32's exponent range; fp16 gradients underflow without scaling.
-            if hasattr(torch.amp, "GradScaler"):  # torch >= 2.3
-                self.scaler = torch.amp.GradScaler(self.device.type, init_scale=cuda.loss_scale_init)
-            else:  # torch 2.0 (the Poplar SDK's): only the CUDA class exists
-                self.scaler = torch.cuda.amp.GradScaler(init_scale=cuda.loss_scale_init,
-                                                        enabled=self.device.type == "cuda")
+        # bf16 has fp32's exponent range; fp16 gradients underflow without scaling.
+        self.scaler = _grad_scaler(self.device, cuda.loss_scale_init) if cuda.precision == "fp16" else None
+        self.schedule = None
+        if self.scaler is not None and scheduler is not None:
+            self.schedule = _HeldBackSchedule(scheduler, self.device)
+        if state is not None:
+            self._load_device_state(state)
         super().prepare(model, optimizer, plan, scheduler=scheduler, state=state)
+
+    def _load_device_state(self, state: Dict[str, Any]) -> None:
+        """The loss scaler and this rank's CUDA generator from a checkpoint's ``state_dict()``."""
+        if self.scaler is not None and state.get("grad_scaler") is not None:
+            self.scaler.load_state_dict(state["grad_scaler"])
+        generator = state.get("cuda_rng")
+        if generator is not None and self.rng_device.type == "cuda":
+            torch.cuda.set_rng_state(generator, self.rng_device)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The optimizer, the loss scaler (fp16) and this rank's CUDA generator state (the
+        checkpointer keeps every process's device state, and gives each its own back)."""
+        state = super().state_dict()
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        if self.rng_device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.rng_device)
+        return state
 
     # -- hooks of the cpu step --------------------------------------------------------------
 
@@ -136,14 +177,63 @@ class CUDABackend(CPUBackend):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        cuda = self.plan.settings
-        if not cuda.compile:
+    def replicate(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Under torchrun: ``DistributedDataParallel`` (its constructor broadcasts rank 0's weights).
+
+        - ``find_unused_parameters=True``: DDP then keeps its first bucket layout instead of
+          rebuilding it after the first step, so a resumed run sums every gradient element in
+          the same order as the uninterrupted run for any number of ranks (bit-exact resume), and
+          a task whose model leaves parameters without a gradient trains. It costs one walk of
+          the autograd graph per optimizer step, on the host, at the last micro-batch only;
+        - buckets of ``cuda.ddp_bucket_cap_mb``; ``gradient_as_bucket_view``: the gradients live
+          in DDP's buckets (no second copy);
+        - buffers are not re-broadcast every forward (the model's are constants);
+        - the communication hook sums instead of DDP's average.
+        """
+        if not self.distributed():
             return model
-        # dynamic=False: packs have one fixed [B, S] shape, so one static graph serves
-        # every step; a dynamic-shape graph would only cost speed.
-        mode = None if cuda.compile_mode == "default" else cuda.compile_mode
-        return torch.compile(model, mode=mode, dynamic=False)
+        import inspect
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Buffers synced at construction only (torch 2.13 renamed the switch).
+        new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+        buffers = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
+        self.ddp = DistributedDataParallel(
+            model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            bucket_cap_mb=self.plan.settings.ddp_bucket_cap_mb, find_unused_parameters=True,
+            gradient_as_bucket_view=True, **buffers)
+        self.ddp.register_comm_hook(None, _sum_over_ranks)
+        return self.ddp
+
+    def micro_batch_context(self, last: bool):
+        """DDP's ``no_sync`` for every micro-batch but the step's last one: gradients accumulate
+        locally and are all-reduced once, bucket by bucket during the last backward."""
+        if self.ddp is None or last:
+            return contextlib.nullcontext()
+        return self.ddp.no_sync()
+
+    def reduce_gradients(self) -> None:
+        if self.ddp is None:  # one process (nothing to do) or a DDP-less subclass
+            super().reduce_gradients()
+
+    def stage_batch(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        """On a GPU: the micro-batch copied into page-locked memory (in the prefetch thread), as
+        numpy views, so ``to_device`` copies it without blocking."""
+        if self.device.type != "cuda":
+            return batch
+        # This thread's current device is this process's GPU: pinning in a thread left on
+        # device 0 would create a CUDA context on GPU 0 in every rank.
+        with torch.cuda.device(self.device):
+            return {key: _pinned(value) for key, value in batch.items()}
+
+    def to_device(self, batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
+        if self.device.type != "cuda":
+            return super().to_device(batch)
+        # From page-locked memory (stage_batch) the copy runs while the host goes on; from pageable
+        # memory (the step's normaliser fields, evaluation batches) CUDA stages the data first, so
+        # the array may go as soon as the call returns. Neither waits for the GPU.
+        return {key: _host_tensor(value).to(self.device, non_blocking=True) for key, value in batch.items()}
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
@@ -152,50 +242,50 @@ class CUDABackend(CPUBackend):
             loss.backward()
 
     def optimizer_step(self) -> None:
+        """bf16/fp32: the cpu backend's (no host read). fp16: unscale, measure and clip, skip the
+        update on the device when the scaled gradients overflowed (the scaler's own flag, as
+        ``GradScaler.step`` would read it on the host) or the norm is not finite, update the scale,
+        and advance the schedule unless the step was skipped (``_HeldBackSchedule``)."""
         if self.scaler is None:
             return super().optimizer_step()
-        # Gradients were summed over ranks while scaled (every rank uses the same scale,
-        # and after the all-reduce every rank sees the same inf/nan), so all ranks skip
-        # or take the step together.
+        if self.schedule is not None:
+            self.schedule.settle()  # the previous step's advance, before this update reads the rate
         self.scaler.unscale_(self.optimizer)
         self.clip_gradients()
-        scale = self.scaler.get_scale()
-        self.scaler.step(self.optimizer)
+        overflow = _scaler_overflow(self.scaler, self.optimizer, self.device)
+        step_unless_non_finite(self.optimizer, torch.maximum(overflow, self.found_inf.to(overflow.device)))
         self.scaler.update()
-        # An overflowing step is skipped and the scale lowered; the schedule then stays
-        # where it is, so the retried step gets the learning rate it was meant to have.
-        self.skipped_step = self.scaler.get_scale() < scale
-        if self.scheduler is not None and not self.skipped_step:
-            self.scheduler.step()
+        self.overflow = overflow
+        self.loss_scale = _scale_tensor(self.scaler).detach().clone()
+        if self.schedule is not None:
+            self._learning_rate = self.schedule.step_taken(overflow)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def learning_rate(self) -> Any:
+        if self.schedule is not None:
+            return self._learning_rate  # Deferred: known once the device has said whether the step was skipped
+        return super().learning_rate()
+
+    def sync_to_host(self) -> None:
+        if self.schedule is not None:
+            self.schedule.settle()
 
     # -- the protocol -----------------------------------------------------------------------
 
     def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> StepMetrics:
-        graphs_before = num_compiled_graphs()
         timer = _EventTimer(self.device)
         metrics = super().train_step(micro_batches).raw
         device_seconds = timer.stop()
-        self.num_steps += 1
-        cuda = self.plan.settings
-        if self.num_steps > cuda.num_warmup_steps:
-            self.num_recompiles += num_compiled_graphs() - graphs_before
-            if self.num_recompiles > cuda.max_recompiles_after_warmup:
-                raise RecompileError(
-                    f"torch.compile compiled {self.num_recompiles} new graph(s) after the "
-                    f"{cuda.num_warmup_steps} warm-up steps (at step {self.num_steps}): a shape or guard "
-                    f"changed between steps; keep [B, S] fixed, or raise cuda.max_recompiles_after_warmup / "
-                    f"cuda.num_warmup_steps"
-                )
-        metrics["recompiles_after_warmup"] = float(self.num_recompiles)
+        metrics.setdefault("recompiles_after_warmup", 0.0)  # reported on every cuda run, compiled or not
         if device_seconds is not None:
             metrics["device_seconds"] = device_seconds
-            metrics["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            # The allocator's running peak, read when the loop reads the step (no per-step call).
+            metrics["max_memory_gib"] = Deferred(lambda: torch.cuda.max_memory_allocated(self.device) / 2**30)
         if self.scaler is not None:
-            metrics["loss_scale"] = float(self.scaler.get_scale())
+            metrics["loss_scale"] = self.loss_scale
             # By design, not divergence: the loop logs it and stops after
             # train.max_consecutive_skipped_steps in a row.
-            metrics["skipped_step"] = float(self.skipped_step)
+            metrics["skipped_step"] = self.overflow
         return StepMetrics(metrics)
 
     def start_timer(self) -> Callable[[], float]:
@@ -203,11 +293,113 @@ class CUDABackend(CPUBackend):
         so ``profile()`` reports event milliseconds; off-GPU the cpu backend's wall clock."""
         if self.device.type != "cuda":
             return super().start_timer()
-        return _EventTimer(self.device).stop
+        timer = _EventTimer(self.device)
+        return lambda: timer.stop().item()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _sum_over_ranks(process_group, bucket):  # no annotations: DDP checks them against the real types
+    """DDP communication hook: the bucket SUMMED over ranks (DDP's built-in hook averages; every
+    rank's loss is already divided by the step's global counts, so the sum is the gradient of the
+    global batch, the step one process takes over it)."""
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
+def _grad_scaler(device: torch.device, init_scale: float):
+    if hasattr(torch.amp, "GradScaler"):  # torch >= 2.3: CUDA and CPU
+        return torch.amp.GradScaler(device.type, init_scale=init_scale)
+    if device.type == "cuda":  # torch 2.0 (the Poplar SDK's): only the CUDA class exists
+        return torch.cuda.amp.GradScaler(init_scale=init_scale)
+    raise ConfigError(f"cuda.precision=fp16 on the CPU needs torch >= 2.3 (torch.amp.GradScaler), found "
+                      f"{torch.__version__}; use cuda.precision=fp32 or bf16 there")
+
+
+def _scaler_overflow(scaler, optimizer, device: torch.device) -> torch.Tensor:
+    """1.0 (a 0-dim float32 device tensor) when ``unscale_`` found an inf/NaN in the scaled
+    gradients: the flag ``scaler.update()`` lowers the scale on and ``GradScaler.step`` reads
+    (with ``.item()``) to skip the update; here it stays on the device."""
+    flags = [flag.to(device, non_blocking=True) for flag in scaler._found_inf_per_device(optimizer).values()]
+    return torch.stack(flags).amax()
+
+
+def _scale_tensor(scaler) -> torch.Tensor:
+    """The scaler's current scale as a device tensor (``get_scale()`` would read it on the host)."""
+    return scaler._get_scale_async()
+
+
+def _pinned(value):
+    """``value`` (a numpy array) copied into page-locked memory, as a numpy view of that tensor."""
+    if not isinstance(value, np.ndarray) or value.dtype == object:
+        return value
+    return torch.from_numpy(np.ascontiguousarray(value)).pin_memory().numpy()
+
+
+def _host_tensor(array) -> torch.Tensor:
+    """The CPU tensor to copy ``array`` from: for a staged array the page-locked tensor behind it
+    (the host allocator then keeps that block until the non-blocking copy is done), else the
+    array's memory as it is."""
+    base = array.base if isinstance(array, np.ndarray) else None
+    if (isinstance(base, torch.Tensor) and base.is_pinned() and base.data_ptr() == array.ctypes.data
+            and tuple(base.shape) == array.shape):
+        return base
+    return torch.as_tensor(np.ascontiguousarray(array))
+
+
+class _HeldBackSchedule:
+    """fp16 only: the learning-rate schedule does not advance after a step that loss scaling
+    skipped (the retried step gets the rate it was meant to have), without a host wait per step.
+
+    Whether a step was skipped is a flag on the device. Reading it right after the step would make
+    the host wait for the GPU every step. Instead the flag is copied, at the end of the step, into
+    page-locked memory behind an event, and ``settle()`` reads it just before the next update reads
+    the learning rate, and advances the schedule then: one step late, exactly. By then the host has
+    queued the next step's forward and backward behind that event, so in a running loop the GPU has
+    long passed it and the read does not wait. (The alternative, a schedule computed on the device,
+    needs the optimizer to take its learning rate as a tensor and the loop's host scheduler to be
+    rebuilt from the device at every checkpoint.) ``settle()`` also runs before a checkpoint
+    (``sync_to_host``) and when a step's ``learning_rate`` metric is read."""
+
+    def __init__(self, scheduler, device: torch.device):
+        self.scheduler = scheduler
+        on_gpu = device.type == "cuda"
+        self.flag = torch.zeros((), dtype=torch.float32, pin_memory=on_gpu)  # the last step's skip flag, on the host
+        self.event = torch.cuda.Event() if on_gpu else None
+        self.pending: Optional[Dict[str, float]] = None  # the last step's record until settled
+
+    def step_taken(self, skipped: torch.Tensor) -> Deferred:
+        """Register a step's skip flag (on the device); returns its ``learning_rate`` metric (the
+        rate after the step's schedule update), worked out when it is read."""
+        self.settle()
+        self.flag.copy_(skipped, non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+        record: Dict[str, float] = {}
+        self.pending = record
+        return Deferred(lambda: self._rate(record))
+
+    def settle(self) -> None:
+        """Advance the schedule for the pending step unless it was skipped."""
+        record, self.pending = self.pending, None
+        if record is None:
+            return
+        if self.event is not None:
+            self.event.synchronize()
+        if not self.flag.item():
+            self.scheduler.step()
+        record["lr"] = float(self.scheduler.get_last_lr()[0])
+
+    def _rate(self, record: Dict[str, float]) -> float:
+        if "lr" not in record:  # the pending step's
+            self.settle()
+        return record["lr"]
 
 
 class _EventTimer:
-    """CUDA-event stopwatch on the current stream; ``stop()`` -> seconds (None off-GPU)."""
+    """CUDA-event stopwatch on the current stream; ``stop()`` -> the seconds as a ``Deferred``
+    (read when the loop reads the step; None off-GPU)."""
 
     def __init__(self, device: torch.device) -> None:
         self.start = self.end = None
@@ -216,9 +408,14 @@ class _EventTimer:
             self.end = torch.cuda.Event(enable_timing=True)
             self.start.record()
 
-    def stop(self) -> Optional[float]:
+    def stop(self) -> Optional[Deferred]:
         if self.start is None:
             return None
         self.end.record()
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1e3
+        start, end = self.start, self.end
+
+        def seconds() -> float:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        return Deferred(seconds)

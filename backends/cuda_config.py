@@ -5,28 +5,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bert_packed.config import HARMLESS, bounded
-from bert_packed.limits import STEPS, at_most
+from backends.cpu_config import CPUConfig
+from bert_packed.config import bounded
+from bert_packed.limits import at_most
 
 
 @dataclass
-class CUDAConfig:
-    """NVIDIA GPU settings (backend ``cuda``)."""
+class CUDAConfig(CPUConfig):
+    """NVIDIA GPU settings (backend ``cuda``): the cpu section's compile settings, and these."""
 
+    # Where the backend runs: "cuda" (a GPU per process; LOCAL_RANK picks it under torchrun) or
+    # "cpu" (this backend's own code on the CPU: no GPU needed, gloo between processes; CI).
+    device: str = field(default="cuda", metadata={"choices": ("cuda", "cpu")})
     precision: str = field(default="bf16", metadata={"choices": ("bf16", "fp16", "fp32")})
-    # torch.compile the model once (fixed shapes: no recompiles after warm-up).
-    compile: bool = field(default=False, metadata=HARMLESS)
-    # torch.compile mode: "default", "reduce-overhead" (CUDA graphs) or "max-autotune".
-    compile_mode: str = field(default="default", metadata={
-        "choices": ("default", "reduce-overhead", "max-autotune"), **HARMLESS})
-    # Optimizer steps that may compile (the first forward/backward compiles; eval compiles
-    # its own graph on first use). After them, graphs compiled are counted as recompiles.
-    num_warmup_steps: int = bounded(2, ge=0, **STEPS, **HARMLESS)
-    # Recompiles tolerated after warm-up; more is an error (a shape or guard changed: with
-    # fixed [B, S] packs that is a bug, and it silently costs seconds per step). Each takes
-    # seconds to minutes, so 10^6 would be weeks of compiling.
-    max_recompiles_after_warmup: int = bounded(0, ge=0, **at_most(10**6, "each recompile takes seconds to minutes"),
-                                               **HARMLESS)
     # fp16 only: GradScaler's initial loss scale (dynamic afterwards; each overflowing step is
     # skipped and halves it). GradScaler keeps it in fp32: above fp32's largest value it is inf,
     # and halving inf never recovers.
@@ -35,3 +26,10 @@ class CUDAConfig:
                                                                 "that is"))
     # Let fp32 matmuls use TF32 tensor cores (Ampere and newer).
     allow_tf32: bool = True
+    # Data parallel: MiB of gradients per DDP all-reduce bucket (torch's default 25). Smaller
+    # buckets start communicating earlier in the backward, larger ones make fewer calls. At
+    # least DDP's 1 MiB first bucket: torch.compile splits a DDP model at bucket boundaries and
+    # refuses smaller ones. At most 16 GiB, more than any GPU's whole gradient of BERT-Large
+    # (1.3 GB): one bucket then holds every gradient, and larger caps change nothing.
+    ddp_bucket_cap_mb: float = bounded(25.0, ge=1.0, **at_most(16384.0, "one bucket already holds every "
+                                                                        "gradient; larger caps change nothing"))

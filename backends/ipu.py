@@ -26,12 +26,12 @@ class IPUBackend(PopTorchBackend):
     # name "ipu" and cost_unit "cycles" come from PopTorchBackend.
 
     @staticmethod
-    def is_available() -> bool:
+    def is_available(config=None) -> bool:
         poptorch = _import_poptorch()
         return poptorch is not None and bool(poptorch.ipuHardwareIsAvailable())
 
     @classmethod
-    def unavailable_reason(cls) -> str:
+    def unavailable_reason(cls, config=None) -> str:
         if _import_poptorch() is None:
             return INSTALL_HINT
         return "poptorch is installed but no IPU is visible (check `gc-info -l`); use --backend mock"

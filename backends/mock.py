@@ -22,7 +22,7 @@ class MockBackend(PopTorchBackend):
     throughput_is_estimated = True
 
     @staticmethod
-    def is_available() -> bool:
+    def is_available(config=None) -> bool:
         return True
 
     def ipus_present(self, num_ipus: int) -> bool:

@@ -279,15 +279,21 @@ def _ours(spec: Dict[str, Any], setup: Setup, device: torch.device):
     model = build_model(config)
     optimizer, scheduler = build_optimizer(config, model)
     backend = CUDABackend(device=None if device.type == "cuda" else device)
-    backend.prepare(model, optimizer, make_plan(config, backend), scheduler=scheduler)
+    backend.prepare(model, optimizer, make_plan(config, backend, world_size=world_size), scheduler=scheduler)
     if spec["compile"] and spec["compile_backend"] != "inductor":
         # A lighter dynamo backend (CI on a CPU): the same graph capture, guards and
         # recompile accounting as the backend's own torch.compile(model), without inductor.
         backend.forward_module = torch.compile(backend.model, backend=spec["compile_backend"], dynamic=False)
+        backend.train_module = (backend.forward_module if backend.ddp is None else
+                                torch.compile(backend.ddp, backend=spec["compile_backend"], dynamic=False))
+    # Page-locked on a GPU, as the training loop's prefetch thread stages them.
+    pool = [backend.stage_batch(batch) for batch in pool]
     last = {}
 
     def step(micro_batches):
-        last.update(backend.train_step(micro_batches))
+        # The step's numbers as they are (device tensors): reading them here would make the host
+        # wait for the GPU every step, which the training loop does not.
+        last.update(backend.train_step(micro_batches).raw)
 
     return step, pool, config, model.config, last
 

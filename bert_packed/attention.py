@@ -81,6 +81,18 @@ def set_profiler_scopes(enabled: bool) -> None:
     _PROFILER_SCOPES = bool(enabled)
 
 
+@contextlib.contextmanager
+def no_profiler_scopes():
+    """Run without the model's "packing/..." record_function scopes: for a graph compiler that
+    traces the model (PopTorch, torch.compile), host profiler markers have no place in the graph."""
+    previous = _PROFILER_SCOPES
+    set_profiler_scopes(False)
+    try:
+        yield
+    finally:
+        set_profiler_scopes(previous)
+
+
 def profiler_scope(name: str):
     """``torch.profiler.record_function(name)``, or a no-op when scopes are switched off."""
     return record_function(name) if _PROFILER_SCOPES else contextlib.nullcontext()

@@ -33,7 +33,7 @@ M = max masked tokens per pack; batch fields as in docs/internals.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -41,12 +41,35 @@ Batch = Dict[str, np.ndarray]
 Metrics = Dict[str, float]
 
 
+class Deferred:
+    """A step's number that the host can only work out once the device has got that far (the
+    CUDA-event time of the step, a learning rate that depends on a flag computed on the device):
+    ``item()`` (or ``float()``) works it out then, waiting for the device if it must, and keeps
+    the value. A ``StepMetrics`` value may be one; the loop reads it with the tensors."""
+
+    __slots__ = ("_read", "_value")
+
+    def __init__(self, read: Callable[[], float]):
+        self._read, self._value = read, None
+
+    def item(self) -> float:
+        if self._read is not None:
+            self._value, self._read = float(self._read()), None
+        return self._value
+
+    __float__ = item
+
+    def __repr__(self) -> str:
+        return f"Deferred({'unread' if self._read is not None else self._value})"
+
+
 class StepMetrics(Mapping):
     """A step's metrics as a backend returns them without waiting for the device: the values
-    may be 0-dim device tensors. Reading one (``metrics["loss"]``, ``dict(metrics)``) gives a
-    python float, which waits for the device then; the training loop instead collects ``raw``
-    (the values as they are) of all steps since it last looked and reads them in one transfer
-    (``bert_packed.loop.logger.to_host``): no host synchronisation inside a step."""
+    may be 0-dim device tensors or ``Deferred`` numbers. Reading one (``metrics["loss"]``,
+    ``dict(metrics)``) gives a python float, which waits for the device then; the training loop
+    instead collects ``raw`` (the values as they are) of all steps since it last looked and reads
+    them in one transfer (``bert_packed.loop.logger.to_host``): no host synchronisation inside a
+    step."""
 
     def __init__(self, values: Dict[str, Any]):
         self.raw = dict(values)
@@ -93,14 +116,23 @@ class Backend:
 
     # -- before anything is built (class-level: usable when the backend cannot run here) -----
     @staticmethod
-    def is_available() -> bool:
-        """True when this machine can run the backend (hardware and libraries present)."""
+    def is_available(config=None) -> bool:
+        """True when this machine can run the backend (hardware and libraries present), for
+        ``config`` when given (a setting may choose a device that is present, e.g. cuda.device)."""
         raise NotImplementedError
 
     @classmethod
-    def unavailable_reason(cls) -> Optional[str]:
-        """Why the backend cannot run here, one line with the fix; None when it can."""
-        return None if cls.is_available() else "not available on this machine"
+    def unavailable_reason(cls, config=None) -> Optional[str]:
+        """Why the backend cannot run here (for ``config`` when given), one line with the fix;
+        None when it can."""
+        return None if cls.is_available(config) else "not available on this machine"
+
+    @classmethod
+    def for_config(cls, config) -> "Backend":
+        """An unprepared instance for ``config`` (``backends.get_backend`` builds them this way:
+        settings needed before ``prepare``, such as the device the process group depends on, are
+        read here). The default ignores the config."""
+        return cls()
 
     @classmethod
     def validate_config(cls, config, world_size: int) -> List[str]:
@@ -158,9 +190,17 @@ class Backend:
         """The model's ``names`` outputs for ``batch`` (float32 numpy), in eval mode."""
         raise NotImplementedError
 
+    def stage_batch(self, batch: Batch) -> Batch:
+        """Called on every training micro-batch as it is made, in the loop's prefetch thread (off
+        the step's critical path): put it where ``train_step`` copies it to the device fastest
+        (the cuda backend: page-locked memory, for non-blocking copies). Returns the same fields
+        with the same values, still numpy arrays; the default returns ``batch`` itself."""
+        return batch
+
     def sync_to_host(self) -> None:
-        """Make the trained weights readable in the host model (before a checkpoint or an
-        export). Nothing to do where the weights live on the host."""
+        """Make the trained weights readable in the host model and the host's training state
+        current (the schedule's position where the device decides whether it advances), before a
+        checkpoint or an export. Nothing to do where both live on the host."""
 
     def state_dict(self) -> Dict[str, Any]:
         """What the backend must keep for an exact resume: ``optimizer`` (the optimizer state as

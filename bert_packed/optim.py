@@ -60,11 +60,15 @@ class Lamb(torch.optim.Optimizer):
     ``max_weight_norm`` (None = no clamp; 0 = trust ratio 1 for this group), ``foreach``.
     The update is computed in float32 whatever the parameter dtype.
 
-    ``foreach`` (default True): the multi-tensor path, each operation one ``torch._foreach_*``
-    call over all tensors of a group (fewer Python-level calls and kernel launches; on CUDA
-    one kernel per operation for all tensors). False: the per-tensor reference implementation,
-    the published algorithm written out; the two agree to float32 rounding (tested within 1e-6
-    over 5 steps). ``state["step"]`` is a float32 0-dim tensor on the parameter's device (the
+    ``foreach=True``: the multi-tensor path, each operation one ``torch._foreach_*`` call over
+    all tensors of a group (one kernel launch per operation for all tensors on a GPU).
+    ``False``: the per-tensor reference implementation, the published algorithm written out;
+    the two agree to float32 rounding (tested within 1e-6 over 5 steps). ``None`` (default):
+    foreach for parameters off the CPU, per-tensor on the CPU, torch's own rule: on the CPU a
+    foreach operation is a loop over the tensors anyway, and walking all 22.7 M parameters of
+    a model per operation loses the cache locality of finishing one tensor at a time (measured
+    in docs/benchmarks.md: foreach 0.6-1.0x the per-tensor step on MiniLM's shapes).
+    ``state["step"]`` is a float32 0-dim tensor on the parameter's device (the
     step count can then stay on the device when an update is skipped, see ``step``); an int
     from an older checkpoint is converted on the next step.
     """
@@ -97,7 +101,7 @@ class Lamb(torch.optim.Optimizer):
             weight_decay=weight_decay,
             bias_correction=bias_correction,
             max_weight_norm=max_weight_norm,
-            foreach=True if foreach is None else bool(foreach),
+            foreach=None if foreach is None else bool(foreach),
         )
         super().__init__(params, defaults)
 
@@ -110,8 +114,8 @@ class Lamb(torch.optim.Optimizer):
         moments, step counts), and the foreach path decides it on the device without reading
         the flag on the host (no synchronisation): the coefficients of the moment and weight
         updates are selected by the flag and the gradient is read through ``nan_to_num``, so
-        ``w - 0 * u`` is exactly ``w``. The reference path (``foreach=False``) reads it with
-        ``.item()``.
+        ``w - 0 * u`` is exactly ``w``. The per-tensor path (the CPU's default) decides it on the
+        device the same way, one tensor at a time.
         """
         loss = None
         if closure is not None:
@@ -131,28 +135,42 @@ class Lamb(torch.optim.Optimizer):
                     state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device=param.device)
             if not params:
                 continue
-            if group.get("foreach", True):
+            foreach = group.get("foreach")
+            if foreach is None:
+                foreach = all(p.device.type != "cpu" for p in params)
+            if foreach:
                 self._multi_tensor_step(group, params, found_inf)
             else:
                 self._single_tensor_step(group, params, found_inf)
         return loss
 
     def _single_tensor_step(self, group, params, found_inf) -> None:
-        """The reference: the published update, one tensor at a time."""
-        if found_inf is not None and found_inf.item():
-            return
+        """The published update, one tensor at a time: the reference the foreach path is tested
+        against, and the CPU's default. Nothing is read on the host: the bias corrections come
+        from the step count on the device, and a skipped step (``found_inf``) is decided there as
+        on the foreach path (beta := 1 keeps the moments, the weight update is multiplied by 0,
+        the step count does not move)."""
         beta1, beta2 = group["betas"]
+        skip = None if found_inf is None else (found_inf != 0).to(torch.float32)
         for param in params:
             grad = param.grad.float()
             state = self.state[param]
-            state["step"] += 1
-            step = int(state["step"].item())
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            if skip is None:
+                state["step"] += 1
+                exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            else:
+                state["step"] += 1.0 - skip
+                grad = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+                keep_beta1, keep_beta2 = beta1 + (1.0 - beta1) * skip, beta2 + (1.0 - beta2) * skip
+                exp_avg.mul_(keep_beta1).add_(grad * (1.0 - keep_beta1))
+                exp_avg_sq.mul_(keep_beta2).add_(grad * grad * (1.0 - keep_beta2))
             if group["bias_correction"]:
-                m_hat = exp_avg / (1.0 - beta1**step)
-                v_hat = exp_avg_sq / (1.0 - beta2**step)
+                # 1 - beta^t in float64 on the device; t at least 1 (a skipped first step leaves 0).
+                step = state["step"].double().clamp(min=1.0)
+                m_hat = exp_avg / (1.0 - torch.pow(beta1, step)).float()
+                v_hat = exp_avg_sq / (1.0 - torch.pow(beta2, step)).float()
             else:
                 m_hat, v_hat = exp_avg, exp_avg_sq
             weight = param.float()
@@ -168,7 +186,8 @@ class Lamb(torch.optim.Optimizer):
             trust = torch.where(
                 (weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, torch.ones_like(weight_norm)
             )
-            param.add_((update * (-group["lr"] * trust)).to(param.dtype))
+            scale = -group["lr"] * trust if skip is None else -group["lr"] * trust * (1.0 - skip)
+            param.add_((update * scale).to(param.dtype))
 
     def _multi_tensor_step(self, group, params, found_inf) -> None:
         """The same update as ``_single_tensor_step``, one ``torch._foreach_*`` call per operation.
@@ -210,7 +229,9 @@ class Lamb(torch.optim.Optimizer):
         denominators = torch._foreach_sqrt(exp_avg_sqs)
         if group["bias_correction"]:
             # 1 - beta^t of every tensor at once, in float64 like the reference's Python floats.
-            step_vector = torch.stack(steps).double()
+            # At least 1: a skipped first update leaves t at 0, where 1 - beta^0 = 0 would make the
+            # (discarded) update 0/0 = NaN and NaN * 0 would reach the weights; otherwise t >= 1.
+            step_vector = torch.stack(steps).double().clamp(min=1.0)
             bc1 = (1.0 - torch.pow(beta1, step_vector)).float().unbind()
             sqrt_bc2 = (1.0 - torch.pow(beta2, step_vector)).sqrt().float().unbind()
             torch._foreach_div_(denominators, list(sqrt_bc2))
@@ -309,8 +330,9 @@ def build_optimizer(
     published LAMB for them too.
 
     ``implementation``: ``"auto"`` (default) picks the fastest path: LAMB's multi-tensor
-    (foreach) update, AdamW fused where available (see ``adamw``), else foreach;
-    ``"single_tensor"`` is the per-tensor reference of either; ``"foreach"``/``"fused"`` force one.
+    (foreach) update off the CPU and its per-tensor one on the CPU (``Lamb(foreach=None)``),
+    AdamW fused where available (see ``adamw``), else foreach; ``"single_tensor"`` is the
+    per-tensor reference of either; ``"foreach"``/``"fused"`` force one.
     """
     if implementation not in IMPLEMENTATIONS:
         raise OptimConfigError(f"unknown optimizer implementation {implementation!r}; choose one of: "
@@ -320,7 +342,8 @@ def build_optimizer(
             raise OptimConfigError("LAMB has no fused implementation; use auto, foreach or single_tensor")
         groups = parameter_groups(model, weight_decay, bias_max_weight_norm=bias_max_weight_norm)
         return Lamb(groups, lr=lr, betas=tuple(betas), eps=eps, bias_correction=bias_correction,
-                    max_weight_norm=max_weight_norm, foreach=implementation != "single_tensor")
+                    max_weight_norm=max_weight_norm,
+                    foreach={"auto": None, "foreach": True, "single_tensor": False}[implementation])
     if name == "adamw":
         return adamw(parameter_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, implementation=implementation)
     raise OptimConfigError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}")

@@ -245,7 +245,7 @@ class _Run:
                 self.scheduler.load_state_dict(state["scheduler"])
             self.source.load_state_dict(state["data"][self.rank])
             task.load_state_dict(state.get("task") or {})
-            backend_state = {"optimizer": state["optimizer"], **state.get("backend_state", {})}
+            backend_state = self.checkpointer.backend_state(state, self.rank)
         backend.prepare(self.model, self.optimizer, plan, scheduler=self.scheduler, state=backend_state)
         # Held-out data, built once before the first step; evaluated every eval_every steps and at
         # the end (a task that must report validation metrics evaluates at the end regardless).
@@ -306,7 +306,8 @@ class _Run:
         read, all pending steps at once, only where a step must be looked at (``_read_due``), and
         every step is checked for divergence then, in order."""
         plan, launched = self.plan, self.start_step
-        self.feed = feed = Prefetcher(self.source, self.config.train.prefetch_micro_batches)
+        self.feed = feed = Prefetcher(self.source, self.config.train.prefetch_micro_batches,
+                                      transform=self.backend.stage_batch)
         try:
             with StopSignals(self.logger.write) as stop:
                 while launched < plan.steps:

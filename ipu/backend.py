@@ -20,7 +20,6 @@ tuned for. The reported metrics are the unscaled shares, summed over micro-batch
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import re
@@ -30,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from bert_packed import attention as attention_registry
+from bert_packed.attention import no_profiler_scopes  # noqa: F401  (PopTorch traces the model: no host markers)
 from bert_packed.backend import Backend
 from bert_packed.build import build_model
 from bert_packed.config import Config, ConfigError, check_section
@@ -123,17 +122,6 @@ def estimate_run_memory(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return memory.estimate_memory(config, layout)
 
 
-@contextlib.contextmanager
-def no_profiler_scopes():
-    """Run without the model's "packing/..." record_function scopes: PopTorch traces the model on
-    the first call, and host profiler markers have no place in the IPU graph."""
-    previous = getattr(attention_registry, "_PROFILER_SCOPES", True)
-    attention_registry.set_profiler_scopes(False)
-    try:
-        yield
-    finally:
-        attention_registry.set_profiler_scopes(previous)
-
 
 def stack_host_batch(micro_batches: List[Dict[str, np.ndarray]], *, num_steps: int, gradient_accumulation: int,
                      num_replicas: int) -> Dict[str, torch.Tensor]:
@@ -186,6 +174,7 @@ class PopTorchBackend(Backend):
         self.model = self.settings = self.scheduler = None
         self.host_optimizer = self.optimizer = None
         self.training_model = self.inference_model = None
+        self._pending_rng_state = None  # a checkpoint's device RNG state, set after the compile
         self.predict_models = {}  # predict_step's executables, one per tuple of output names
 
     # -- before anything is built -------------------------------------------------------------
@@ -230,8 +219,11 @@ class PopTorchBackend(Backend):
                 report_dir: Optional[str] = None) -> None:
         """Annotate, cast and wrap ``model`` for PopTorch; replace ``optimizer`` by PopTorch's.
 
-        ``state`` (a checkpoint's ``state_dict()``) is loaded into PopTorch's optimizer before the
-        training executable is created: PopTorch compiles the optimizer as it is then.
+        ``state`` (a checkpoint's ``state_dict()``): its optimizer state is loaded into PopTorch's
+        optimizer before the training executable is created (PopTorch compiles the optimizer's
+        hyperparameters as they are at ``trainingModel()``, and writes a loaded ``ipu_state`` to
+        the device when it attaches); its device RNG state is set on the executable once it is
+        compiled, before its first run (PopTorch's ``rng_state`` needs a compiled executable).
         ``offline``: compile for a GC200 without attaching to one (``compile_offline``);
         ``report_dir``: Poplar writes its reports (memory, even when out of memory) there.
 
@@ -245,8 +237,10 @@ class PopTorchBackend(Backend):
         ga = plan.gradient_accumulation
         self.model = _annotate(model, ipu, poptorch)
         self.optimizer = pipeline.build_optimizer(optimizer, poptorch, ipu)
+        self._pending_rng_state = None
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+            self._pending_rng_state = state.get("rng_state")
         num_total = ipu_options.num_total_replicas(ipu, self.popdist)
         wrapper = pipeline.TrainingWrapper(self.model, poptorch, loss_multiplier=ga * num_total)
         opts = ipu_options.build_options(poptorch, ipu, seed=plan.seed, gradient_accumulation=ga, training=True,
@@ -281,8 +275,29 @@ class PopTorchBackend(Backend):
                                       pipeline.heads_ipu(ipu.layers_per_ipu, layout.head_tied_to_embeddings))
 
     def state_dict(self) -> Dict[str, Any]:
-        """PopTorch's optimizer state (the device's, for real IPUs)."""
-        return {"optimizer": self.optimizer.state_dict()}
+        """PopTorch's optimizer state (read from the device) and the training executable's random
+        seed and RNG state (``rng_state``: dropout, stochastic rounding), once it has compiled."""
+        state = {"optimizer": self.optimizer.state_dict()}
+        executor = self.training_model
+        if executor is not None and executor.isCompiled():
+            state["rng_state"] = executor.rng_state
+        elif self._pending_rng_state is not None:  # resumed, not run yet: keep the checkpoint's
+            state["rng_state"] = self._pending_rng_state
+        return state
+
+    def _restore_rng_state(self, host) -> None:
+        """A resumed run's device RNG state onto the training executable: compile it (PopTorch
+        sets ``rng_state`` only on a compiled executable), then set it before the first run."""
+        executor = self.training_model
+        if not executor.isCompiled():
+            with no_profiler_scopes():
+                executor.compile(**host)
+        try:
+            executor.rng_state = self._pending_rng_state
+        except self.poptorch.Error as exc:
+            raise ConfigError(f"the checkpoint's device RNG state does not fit this executable ({exc}); resume "
+                              f"with the checkpoint's ipu settings") from None
+        self._pending_rng_state = None
 
     def memory_estimate(self, config) -> Dict[str, Any]:
         """``ipu.memory`` per-IPU estimate of ``config``'s training layout (all replicas counted
@@ -364,6 +379,8 @@ class PopTorchBackend(Backend):
         host = stack_host_batch(batches, num_steps=num_steps, gradient_accumulation=self.plan.gradient_accumulation,
                                 num_replicas=self.plan.replicas_per_process)
         self._switch_to(self.training_model, self.inference_model)
+        if self._pending_rng_state is not None:
+            self._restore_rng_state(host)
         learning_rate = float(self.optimizer.param_groups[0]["lr"])
         with no_profiler_scopes():
             outputs = self.training_model(**host)

@@ -61,13 +61,15 @@ def getNumIpusPerReplica():
 
 
 class _Options(mock_poptorch.Options):
-    """``popdist.poptorch.Options``: replicas and process id from PopRun, IPUs per replica recorded."""
+    """``popdist.poptorch.Options``: replicas and process id from PopRun. The IPUs per replica are
+    kept in a private attribute for the mock's placement check, not as an option value: every
+    option value goes to PopTorch's C++ parser, which knows no ``ipus_per_replica``."""
 
     def __init__(self, ipus_per_replica=None):
         super().__init__()
         self.replicationFactor(getNumLocalReplicas())
         self.Distributed.configureProcessId(getInstanceIndex(), getNumInstances())
-        self.createOrSet(ipus_per_replica=int(ipus_per_replica or getNumIpusPerReplica()))
+        object.__setattr__(self, "_popdist_ipus_per_replica", int(ipus_per_replica or getNumIpusPerReplica()))
 
 
 poptorch = types.SimpleNamespace(Options=_Options)

@@ -32,8 +32,9 @@ class Algorithm:
 
 def _histogram_packer(function):
     def run(histogram, depth, seed, **options):
-        strategies, repeats = function(histogram.counts, histogram.max_sequence_length, depth, **options)
-        return exact_plan(strategies, repeats, histogram.counts, histogram.max_sequence_length), {}
+        counts = histogram.length_counts
+        strategies, repeats = function(counts, histogram.max_sequence_length, depth, **options)
+        return exact_plan(strategies, repeats, counts, histogram.max_sequence_length), {}
     return run
 
 
@@ -44,7 +45,7 @@ def _run_sort(histogram, depth, seed, batch_size=32):
     if int(batch_size) != batch_size or batch_size < 1:
         raise PackingError(f"sort needs a positive integer batch_size, got {batch_size!r}")
     plan, _ = _run_none(histogram, 1, seed)
-    padding = baselines.sorted_batching_padding(histogram.counts, int(batch_size))
+    padding = baselines.sorted_batching_padding(histogram.length_counts, int(batch_size))
     return plan, {"num_padding_tokens": padding, "batch_size": int(batch_size)}
 
 
@@ -78,8 +79,9 @@ def _check_lp_options(options):
 
 def _run_lp(histogram, depth, seed, **options):
     _check_lp_options(options)
-    strategies, repeats, details = lp.pack_lp(histogram.counts, histogram.max_sequence_length, depth, **options)
-    plan = exact_plan(strategies, repeats, histogram.counts, histogram.max_sequence_length)
+    counts = histogram.length_counts
+    strategies, repeats, details = lp.pack_lp(counts, histogram.max_sequence_length, depth, **options)
+    plan = exact_plan(strategies, repeats, counts, histogram.max_sequence_length)
     return plan, details
 
 
@@ -160,7 +162,7 @@ def pack(histogram, algorithm="lpfhp", max_sequences_per_pack=3, seed=0, **optio
         raise
     details = dict(details)
     padding = details.pop("num_padding_tokens", None)
-    components = bounds.lower_bounds(histogram.counts, histogram.max_sequence_length, depth)
+    components = bounds.lower_bounds(histogram.length_counts, histogram.max_sequence_length, depth)
     lp_bound = details.pop("lp_bound_packs", None)
     if lp_bound is not None:
         components["lp"] = int(lp_bound)
@@ -171,5 +173,6 @@ def pack(histogram, algorithm="lpfhp", max_sequences_per_pack=3, seed=0, **optio
 
 
 def residual(histogram, plan):
-    """np.int64 [L]: counts minus the plan's slots (zero everywhere for an exact plan)."""
+    """np.int64 [L]: counts minus the plan's slots (zero everywhere for an exact plan).
+    Dense, O(L)."""
     return np.asarray(histogram.counts) - plan.slot_counts()

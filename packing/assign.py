@@ -9,7 +9,7 @@ with no Python loop over sequences or packs.
 """
 import numpy as np
 
-from .histogram import PackingError, check_lengths
+from .histogram import PackingError, check_lengths, count_lengths
 
 
 class Assignment:
@@ -57,7 +57,8 @@ class Assignment:
 
 def _group_by_length(lengths, max_sequence_length):
     """Indices that sort ``lengths`` ascending, stably: a radix sort when lengths fit 16 bits."""
-    key = lengths.astype(np.uint16) if max_sequence_length < 2**16 else lengths
+    short = max_sequence_length < 2**16 or (lengths.size and int(lengths.max()) < 2**16)
+    key = lengths.astype(np.uint16) if short else lengths
     return np.argsort(key, kind="stable")
 
 
@@ -76,7 +77,7 @@ def assign(plan, lengths, seed=0, shuffle_packs=False):
     most L and it has at most ``plan.max_depth`` sequences; the packs follow the plan's
     strategies (pack order = strategy order, unless ``shuffle_packs`` shuffles it); the
     result is a pure function of (plan, lengths, seed). Within a pack, sequences follow
-    the strategy (ascending length). Time and memory O(n + L + plan size).
+    the strategy (ascending length). Time and memory O(n + plan size), whatever L is.
     """
     L = plan.max_sequence_length
     try:
@@ -88,22 +89,19 @@ def assign(plan, lengths, seed=0, shuffle_packs=False):
                            f"and dtype {lengths.dtype}")
     check_lengths(lengths, L)
     num_sequences = lengths.size
-    counts = np.bincount(lengths, minlength=L + 1)[1:]
-    slots = plan.slot_counts()
-    if not np.array_equal(counts, slots):
-        first = int(np.flatnonzero(counts != slots)[0]) + 1
-        raise PackingError(
-            f"the plan has {slots[first - 1]} slots of length {first} but the data has {counts[first - 1]} "
-            "such sequences; build the plan from the histogram of these same lengths")
+    counts = count_lengths(lengths)  # the data's non-empty bins: O(n), not O(L)
+    _check_same_bins(counts, plan.slot_length_counts())
     index_dtype = _index_dtype(num_sequences)
     rng = np.random.default_rng(seed)
 
     # Sequences grouped by length (radix sort), then each length's bin shuffled in place.
     by_length = _group_by_length(lengths, L).astype(index_dtype, copy=False)
-    bin_starts = np.zeros(L + 1, dtype=np.int64)
-    np.cumsum(counts, out=bin_starts[1:])
-    for length in np.flatnonzero(counts > 1) + 1:
-        rng.shuffle(by_length[bin_starts[length - 1]:bin_starts[length]])
+    ends = np.cumsum(counts.counts)
+    starts = ends - counts.counts
+    for start, end in zip(starts.tolist(), ends.tolist()):  # ascending lengths, as the dense loop was
+        if end - start > 1:
+            rng.shuffle(by_length[start:end])
+    bin_starts = dict(zip((counts.lengths - 1).tolist(), starts.tolist()))  # bin of length l at key l - 1
 
     sizes = plan.strategy_sizes
     pack_offsets = np.zeros(plan.num_packs + 1, dtype=np.int64)
@@ -117,12 +115,26 @@ def assign(plan, lengths, seed=0, shuffle_packs=False):
     return _shuffled(assignment, rng) if shuffle_packs else assignment
 
 
+def _check_same_bins(counts, slots):
+    """PackingError naming the shortest length where the data's bins and the plan's slots differ."""
+    if np.array_equal(counts.lengths, slots.lengths) and np.array_equal(counts.counts, slots.counts):
+        return
+    data = dict(zip(counts.lengths.tolist(), counts.counts.tolist()))
+    plan = dict(zip(slots.lengths.tolist(), slots.counts.tolist()))
+    first = min(length for length in set(data) | set(plan) if data.get(length, 0) != plan.get(length, 0))
+    raise PackingError(
+        f"the plan has {plan.get(first, 0)} slots of length {first} but the data has {data.get(first, 0)} "
+        "such sequences; build the plan from the histogram of these same lengths")
+
+
 def _fill_by_strategy(plan, by_length, bin_starts, sequence_indices):
     """Strategy s occupies a block of ``repeats[s] * size`` slots (its packs, one after
     another). The copy c of slot j (length l, the t-th l in the strategy, m l's in all)
     takes the next free sequence of length l: rank ``used[l] + c * m + t`` in l's bin.
-    One strided numpy write per (strategy, slot): no sort of the slots needed."""
-    used = np.zeros(plan.max_sequence_length + 1, dtype=np.int64)
+    One strided numpy write per (strategy, slot): no sort of the slots needed.
+    ``bin_starts[l - 1]``: where length l's bin starts in ``by_length`` (an array over
+    1..L, or a dict over the lengths that occur)."""
+    used = {}
     block_start = 0
     offsets, lengths_flat = plan.strategy_offsets, plan.strategy_lengths
     for s, repeat in enumerate(plan.repeats.tolist()):
@@ -132,10 +144,10 @@ def _fill_by_strategy(plan, by_length, bin_starts, sequence_indices):
         for length in set(members):
             positions = [j for j, member in enumerate(members) if member == length]
             multiplicity = len(positions)
-            first = bin_starts[length - 1] + used[length]
+            first = int(bin_starts[length - 1]) + used.get(length, 0)
             for t, j in enumerate(positions):
                 block[j::size] = by_length[first + t:first + repeat * multiplicity:multiplicity]
-            used[length] += repeat * multiplicity
+            used[length] = used.get(length, 0) + repeat * multiplicity
         block_start += repeat * size
 
 

@@ -9,15 +9,46 @@ different shape.
 """
 import numpy as np
 
+from .histogram import as_length_counts
+
 # Random 64-bit values per length; a pack's strategy is identified by the sum of the
 # values of its lengths (a multiset hash, independent of order). Two independent hashes
 # make a collision between two different strategies (~ n^2 / 2^128) negligible.
 _HASH_SEED = 20210707
 
 
-def _multiset_hashes(max_sequence_length):
+def _draws(positions):
+    """np.uint64 [k]: draws number ``positions`` (ascending) of ``integers(0, 2**63)`` from the
+    hash generator, jumping over the others (PCG64 advances in O(log) steps; every value of
+    this range takes exactly one 64-bit output)."""
     rng = np.random.default_rng(_HASH_SEED)
-    return rng.integers(0, 2**63, size=(2, max_sequence_length + 1), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    out = np.empty(len(positions), dtype=np.uint64)
+    done = 0
+    for index, position in enumerate(positions):
+        rng.bit_generator.advance(position - done)
+        out[index] = rng.integers(0, 2**63, size=1, dtype=np.uint64)[0]
+        done = position + 1
+    return out
+
+
+def _length_hashes(lengths, max_sequence_length):
+    """(h0, h1), np.uint64 [n] each: the two multiset-hash values of each length, i.e. entry
+    ``lengths`` of the rows of ``default_rng(_HASH_SEED).integers(0, 2**63, size=(2, L + 1))
+    * 2 + 1``, without building that O(L) table: a prefix up to the longest length when that
+    is small next to n, else one jump of the generator per distinct length."""
+    L = int(max_sequence_length)
+    longest = int(lengths.max()) if lengths.size else 0
+    if longest <= 4 * lengths.size + 2**16:
+        rng = np.random.default_rng(_HASH_SEED)
+        first = rng.integers(0, 2**63, size=longest + 1, dtype=np.uint64)
+        rng.bit_generator.advance(L - longest)  # row 1 starts at draw L + 1
+        second = rng.integers(0, 2**63, size=longest + 1, dtype=np.uint64)
+        table, index = (first, second), lengths
+    else:
+        distinct, index = np.unique(lengths, return_inverse=True)
+        positions = distinct.tolist()
+        table = (_draws(positions), _draws([L + 1 + position for position in positions]))
+    return tuple((values * np.uint64(2) + np.uint64(1))[index] for values in table)
 
 
 def _next_pointers(lengths, max_sequence_length, depth):
@@ -88,9 +119,9 @@ def next_fit_pack_starts(lengths, max_sequence_length, depth, block_size=2048):
 def plan_arrays_from_packs(lengths, starts, max_sequence_length):
     """Group concrete packs (consecutive runs of ``lengths`` beginning at ``starts``) into
     distinct strategies. Returns CSR arrays (offsets, ascending lengths, repeats)."""
-    table = _multiset_hashes(max_sequence_length)
-    key = np.add.reduceat(table[0][lengths], starts)
-    check = np.add.reduceat(table[1][lengths], starts)
+    first, second = _length_hashes(lengths, max_sequence_length)
+    key = np.add.reduceat(first, starts)
+    check = np.add.reduceat(second, starts)
     _, first, inverse, repeats = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
     if not np.array_equal(check[first][inverse], check):  # a 64-bit collision: group exactly by both
         _, first, repeats = np.unique(np.stack([key, check], axis=1), axis=0, return_index=True, return_counts=True)
@@ -112,13 +143,13 @@ def pack_greedy(lengths, max_sequence_length, depth):
 
 def sorted_batching_padding(counts, batch_size):
     """Padding tokens of sorted batching: sequences sorted by length, cut into batches of
-    ``batch_size``, each batch padded to its longest sequence."""
-    lengths = np.arange(1, counts.size + 1, dtype=np.int64)
-    descending_counts = counts[::-1]
+    ``batch_size``, each batch padded to its longest sequence. ``counts``: LengthCounts (or
+    dense); O(distinct lengths + batches)."""
+    lengths, counts = as_length_counts(counts)
     num_sequences = int(counts.sum())
     first_ranks = np.arange(0, num_sequences, batch_size, dtype=np.int64)
     # Length at a rank (0 = longest): the bin whose cumulative count first exceeds the rank.
-    bins = np.searchsorted(np.cumsum(descending_counts), first_ranks, side="right")
+    bins = np.searchsorted(np.cumsum(counts[::-1]), first_ranks, side="right")
     batch_max = lengths[::-1][bins]
     batch_sizes = np.minimum(batch_size, num_sequences - first_ranks)
     return int((batch_max * batch_sizes).sum() - (counts * lengths).sum())

@@ -255,7 +255,8 @@ def command_plot(args):
     written = []
 
     figure, axis = plt.subplots(figsize=(8, 4))
-    axis.bar(histogram.lengths, histogram.counts, width=1.0)
+    axis.bar(histogram.distinct_lengths, histogram.distinct_counts, width=1.0)  # the lengths that occur
+    axis.set_xlim(0.5, histogram.max_sequence_length + 0.5)
     axis.set_yscale("log")
     axis.set_xlabel("sequence length")
     axis.set_ylabel("sequences (log)")
@@ -271,10 +272,11 @@ def command_plot(args):
     result = pack(histogram, algorithm, depth, seed=args.seed)
     plan = result.plan
     sums = np.add.reduceat(plan.strategy_lengths, plan.strategy_offsets[:-1])
-    unused = np.bincount(histogram.max_sequence_length - sums, weights=plan.repeats,
-                         minlength=histogram.max_sequence_length)
+    padding, slot = np.unique(histogram.max_sequence_length - sums, return_inverse=True)  # no per-L array
+    unused = np.bincount(slot.ravel(), weights=plan.repeats, minlength=padding.size)
     figure, axis = plt.subplots(figsize=(8, 4))
-    axis.bar(np.arange(unused.size), unused, width=1.0)
+    axis.bar(padding, unused, width=1.0)
+    axis.set_xlim(-0.5, histogram.max_sequence_length - 0.5)
     axis.set_yscale("symlog")
     axis.set_xlabel("padding tokens in the pack")
     axis.set_ylabel("packs")
@@ -286,11 +288,13 @@ def command_plot(args):
     written.append(path)
     plt.close(figure)
 
-    # The papers' Figures 7/8: residual b - A round(x) of NNLS, unweighted and weighted.
-    if depth is not None and depth <= nnls.MAX_NNLS_DEPTH:
+    # The papers' Figures 7/8: residual b - A round(x) of NNLS, unweighted and weighted
+    # (not where nnlshp itself refuses the size: its dense matrix would not fit).
+    if depth is not None and depth <= nnls.MAX_NNLS_DEPTH and nnls.fits_dense("nnlshp", histogram.max_sequence_length,
+                                                                                depth):
         figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for axis, weight, title in ((axes[0], 1.0, "unweighted"), (axes[1], 0.09, "weight 0.09 for lengths <= 8")):
-            residual = nnls.nnls_residual(histogram.counts, histogram.max_sequence_length, depth,
+            residual = nnls.nnls_residual(histogram.length_counts, histogram.max_sequence_length, depth,
                                           short_weight=weight)
             axis.bar(histogram.lengths, residual, width=1.0)
             axis.set_yscale("symlog")

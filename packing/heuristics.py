@@ -1,9 +1,11 @@
 """Histogram packers from the papers and the per-sequence baselines people actually run.
 
-Every function here takes a histogram's ``counts`` (np.int64 [L], counts[i] = sequences of
-length i+1), ``max_sequence_length`` L and ``depth`` (max sequences per pack; ``None`` is
-unlimited) and returns ``(strategies, repeats)`` that cover the histogram (every length has
-at least as many slots as sequences); :func:`packing.plan.exact_plan` makes them exact.
+Every function here takes a histogram's ``counts`` (a :class:`packing.histogram.LengthCounts`,
+or dense np.int64 [L] with counts[i] = sequences of length i+1), ``max_sequence_length`` L and
+``depth`` (max sequences per pack; ``None`` is unlimited) and returns ``(strategies,
+repeats)`` that cover the histogram (every length has at least as many slots as sequences);
+:func:`packing.plan.exact_plan` makes them exact. They visit the lengths that occur, never
+every length up to L.
 
 Invariants of every packer (property-tested in tests/test_packing_properties.py):
 each strategy sums to at most L, has at most ``depth`` entries, and the repeats are
@@ -11,13 +13,13 @@ positive integers; with exact_plan the slots equal the histogram.
 """
 import bisect
 
-import numpy as np
+from .histogram import as_length_counts
 
 
 def _descending_lengths(counts):
     """(length, count) pairs for the non-empty bins, longest first."""
-    lengths = np.flatnonzero(counts)[::-1] + 1
-    return [(int(length), int(counts[length - 1])) for length in lengths]
+    lengths, counts = as_length_counts(counts)
+    return list(zip(lengths[::-1].tolist(), counts[::-1].tolist()))
 
 
 def pack_none(counts, max_sequence_length, depth):
@@ -95,7 +97,7 @@ def pack_spfhp(counts, max_sequence_length, depth):
     with the most space left (a group of identical packs is split if it has more packs
     than there are sequences); when none fits, the rest open new packs, as many copies of
     the length per pack as fit (so 100 sequences of 171 tokens at L = 512 take 34 packs,
-    not 100). O(L^2) at most.
+    not 100). O(distinct lengths^2) at most.
     """
     packs = _OpenPacks(max_sequence_length, depth)
     for length, remaining in _descending_lengths(counts):
@@ -150,7 +152,7 @@ def _fit_decreasing(counts, max_sequence_length, depth, best):
     pieces keeping its place in the order (keys are tuples: the pieces of ``key`` are
     ``key + (0,)``, ``key + (1,)``, ``key + (2,)``).
 
-    O((L + bins touched) log): groups that can take the current length sit in a sorted
+    O((distinct lengths + bins touched) log): groups that can take the current length sit in a sorted
     list (by order for FFD, by (space, order) for BFD) and every group visited for a
     length leaves it (it is full for that length) except the last; the others wait in a
     heap by space until the lengths come down to what they can take.

@@ -93,7 +93,7 @@ class PackedRows:
         padded with ``label_pad_id``, the others with ``pad_token_id``), ``position_ids``
         (0 on padding) and ``sequence_ids`` (1..k = which sequence of the row, 0 = padding),
         from which a block-diagonal attention mask is ``ids[:, :, None] == ids[:, None, :]``
-        (and ids > 0)."""
+        (and ids > 0). Dense by request: O(rows x L) memory (everything else here is O(tokens))."""
         for name, value in (("pad_token_id", pad_token_id), ("label_pad_id", label_pad_id)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise PackingError(f"{name} must be an integer token id, got {value!r}")

@@ -46,9 +46,11 @@ import time
 import numpy as np
 
 from .heuristics import pack_bfd, pack_lpfhp, pack_spfhp
+from .histogram import LengthCounts, as_length_counts
 
 _PRICE_TOLERANCE = 1e-9
 _DP_CHUNK_ELEMENTS = 2_000_000  # items x capacities evaluated per numpy step in the DP
+_MAX_BOUND_CELLS = 2**16  # the certificate's pricing grid, at most (see _Pricer)
 
 
 def _scipy():
@@ -296,10 +298,13 @@ def dominant_columns(weights, max_sequence_length, depth, max_pairs=4_000_000, m
     more per solve than the generation rounds it saves."""
     num_items = weights.size
     capacity = max_sequence_length
-    longest_fitting = np.searchsorted(weights, np.arange(capacity + 1), side="right") - 1
+
+    def longest_fitting(room):  # the longest item that fits in ``room`` tokens (-1: none)
+        return np.searchsorted(weights, room, side="right") - 1
+
     found = [np.arange(num_items)[:, None]]
     if depth is None or depth >= 2:
-        b = longest_fitting[capacity - weights]
+        b = longest_fitting(capacity - weights)
         a = np.flatnonzero(b >= np.arange(num_items))
         found.append(np.stack([a, b[a]], axis=1))
     if (depth is None or depth >= 3) and num_items * num_items <= max_pairs:
@@ -307,7 +312,7 @@ def dominant_columns(weights, max_sequence_length, depth, max_pairs=4_000_000, m
         room = capacity - weights[a] - weights[b]
         fits = room >= 0
         a, b, room = a[fits], b[fits], room[fits]
-        c = longest_fitting[room]
+        c = longest_fitting(room)
         triple = c >= b
         if np.count_nonzero(triple) <= max_triples:
             found.append(np.stack([a[triple], b[triple], c[triple]], axis=1))
@@ -323,24 +328,57 @@ class _Pricer:
     strategy found fits in L for real (a few tight ones are missed). ``rounding="down"``
     (certification): each weight is rounded down, so every real strategy still fits on the
     grid and the value found is at least the true best: Farley's bound stays valid.
+    The certification grid is made fine enough that every weight is at least one cell,
+    unless that takes more than ``_MAX_BOUND_CELLS`` cells (short items at a huge L: 3
+    tokens at L = 10**8 would be 3.3e7 cells); then it has that many cells and the items
+    shorter than one cell weigh nothing on it (*light* items): at a finite depth the
+    cardinality limit still holds them, at unlimited depth :meth:`best_value` bounds them by
+    their value per token. Memory and time stay O(cells), never O(L).
     """
 
     def __init__(self, weights, max_sequence_length, depth, quantum=1, rounding="up"):
         quantum = max(1, int(quantum))
         if rounding == "down":
-            quantum = min(quantum, int(weights[0]))  # keep every weight >= 1 cell
+            fine = min(quantum, int(weights[0]))  # every weight >= 1 cell
+            quantum = fine if max_sequence_length // fine <= _MAX_BOUND_CELLS else \
+                -(-max_sequence_length // _MAX_BOUND_CELLS)
             self.grid = weights // quantum
         else:
             self.grid = -(-weights // quantum)
+        self.weights, self.quantum, self.max_sequence_length = weights, quantum, max_sequence_length
         self.capacity = max_sequence_length // quantum
+        self.num_light = int(np.count_nonzero(self.grid == 0))  # a prefix: weights ascend
         # Depth only binds if that many of the shortest item can share a pack.
-        binding = depth is not None and depth < self.capacity // int(self.grid[0])
+        binding = depth is not None and (self.num_light > 0 or depth < self.capacity // int(self.grid[0]))
         self.depth = depth if binding else None
+
+    def best_value(self, values, deadline=None):
+        """An upper bound on the value of every strategy that fits in L (the best value of
+        :meth:`candidates` when no item is light or the depth is finite). With light items
+        at unlimited depth: a strategy whose other items take c cells (so at least
+        c * quantum tokens) holds at most L - c * quantum tokens of light items, worth at
+        most that times their best value per token, so the bound is
+        max_c (best value of the others in c cells + rate * (L - c * quantum))."""
+        if not self.num_light or self.depth is not None:
+            return self.candidates(values, deadline)[0]
+        light = self.num_light
+        rate = float(np.max(values[:light] / self.weights[:light]))
+        heavy = values[light:]
+        levels = light + np.flatnonzero(heavy > np.concatenate([[0.0], heavy[:-1]]))
+        levels = levels[self.grid[levels] <= self.capacity]
+        if levels.size:
+            table, _ = self._unbounded(self.grid[levels], values[levels], deadline)
+        else:
+            table = np.zeros(self.capacity + 1)
+        room = self.max_sequence_length - self.quantum * np.arange(self.capacity + 1, dtype=np.float64)
+        return float(np.max(table + rate * room))
 
     def candidates(self, values, deadline=None):
         """Best value V over all strategies, and for each item k the best strategy that
         contains k (as (value, items)), best first. ``values`` must be non-decreasing.
-        Raises _OutOfTime if ``deadline`` passes during the dynamic program."""
+        Raises _OutOfTime if ``deadline`` passes during the dynamic program. Not for light
+        items at unlimited depth (see :meth:`best_value`)."""
+        assert not (self.num_light and self.depth is None), "light items at unlimited depth: use best_value"
         # With values non-decreasing in length, an item is as good as the shortest item of
         # equal value (same value, less room), so the DP needs only the first item of
         # each value level; LP duals have few levels, which makes pricing much cheaper.
@@ -622,7 +660,7 @@ def _price(pricer, bound_pricer, duals, center, smoothing, rounds, demand, max_n
         if value > info["value"]:
             info["point"], info["value"] = priced, value
         if exact:
-            bound_value = best_value if bound_pricer is pricer else bound_pricer.candidates(point, deadline)[0]
+            bound_value = best_value if bound_pricer is pricer else bound_pricer.best_value(point, deadline)
             bound = float(demand @ point) / max(1.0, bound_value)
             if bound > info["bound"]:
                 info["bound"], info["bound_duals"] = bound, point / max(1.0, bound_value)
@@ -684,7 +722,7 @@ def _milp(columns, demand, time_limit, lower_bound=0):
 
 def _best_heuristic(counts, max_sequence_length, depth):
     options = [pack_lpfhp(counts, max_sequence_length, depth), pack_spfhp(counts, max_sequence_length, depth)]
-    if np.count_nonzero(counts) <= 2048:
+    if counts.lengths.size <= 2048:
         options.append(pack_bfd(counts, max_sequence_length, depth))
     return min(options, key=lambda option: sum(option[1]))
 
@@ -762,11 +800,8 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
 
     started = time.perf_counter()
     deadline = None if time_limit is None else started + float(time_limit)
-    counts = np.asarray(counts, dtype=np.int64)
-    weights = np.flatnonzero(counts) + 1
-    demand = counts[weights - 1]
-    item_of_length = np.full(max_sequence_length + 1, -1, dtype=np.int64)
-    item_of_length[weights] = np.arange(weights.size)
+    counts = as_length_counts(counts)
+    weights, demand = counts  # the lengths that occur (ascending) and their counts: no per-L array
 
     best_strategies, best_repeats = _best_heuristic(counts, max_sequence_length, depth)
     best_strategies, best_repeats = list(best_strategies), list(best_repeats)
@@ -815,7 +850,7 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
                 for items in block.tolist():
                     columns.add(items)
             for strategy in best_strategies:
-                members = group[item_of_length[np.asarray(strategy)]]
+                members = group[np.searchsorted(weights, np.asarray(strategy))]  # item of each length
                 if top[members].sum() <= max_sequence_length:  # with each length raised to its group's longest
                     columns.add(members.tolist())
         else:
@@ -871,8 +906,8 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
                 timed_out = True
                 break
         if remaining.any():
-            left_counts = np.zeros(max_sequence_length, dtype=np.int64)
-            left_counts[weights - 1] = remaining
+            left = remaining > 0
+            left_counts = LengthCounts(weights[left], remaining[left])
             extra_strategies, extra_repeats = pack_lpfhp(left_counts, max_sequence_length, depth)
             strategies += list(extra_strategies)
             repeats += list(extra_repeats)

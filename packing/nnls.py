@@ -11,6 +11,8 @@ the papers (and we) define these two for depth <= 3 only; use ``lp`` beyond that
 """
 import numpy as np
 
+from .histogram import dense_counts
+
 MAX_NNLS_DEPTH = 3
 
 
@@ -76,13 +78,33 @@ MAX_DENSE_BYTES = 2**30
 
 
 def num_exact_sum_strategies(max_sequence_length, depth):
-    """How many rows :func:`exact_sum_strategies` has, without building them."""
+    """How many rows :func:`exact_sum_strategies` has, without building them (closed form,
+    O(1) whatever L is)."""
     L = int(max_sequence_length)
     total = 1 + (L // 2 if depth >= 2 else 0)
     if depth >= 3:
-        a = np.arange(1, L // 3 + 1, dtype=np.int64)
-        total += int(np.maximum((L - a) // 2 - a + 1, 0).sum())  # b in [a, (L - a) / 2]
+        # triples a <= b <= c = L - a - b: for each a in 1..L//3, b in [a, (L - a) // 2], which
+        # is never empty there; sum over a of ((L - a) // 2 - a + 1), in integers.
+        A = L // 3
+        odd = A // 2 if L % 2 else (A + 1) // 2  # how many a make L - a odd
+        halves = (A * L - A * (A + 1) // 2 - odd) // 2  # sum of (L - a) // 2
+        total += halves - A * (A + 1) // 2 + A
     return total
+
+
+def _dense_shape(name, max_sequence_length, depth):
+    """(rows, columns) of ``name``'s dense matrix."""
+    L = int(max_sequence_length)
+    columns = num_exact_sum_strategies(L, depth)
+    if name == "ennlshp":
+        return 2 * L, columns + L
+    return L, columns
+
+
+def fits_dense(name, max_sequence_length, depth, max_bytes=MAX_DENSE_BYTES):
+    """Whether ``name``'s dense matrix at this length and depth stays within ``max_bytes``."""
+    rows, columns = _dense_shape(name, max_sequence_length, depth)
+    return 8 * rows * columns <= max_bytes
 
 
 def check_dense_size(name, max_sequence_length, depth, max_bytes=MAX_DENSE_BYTES):
@@ -91,10 +113,7 @@ def check_dense_size(name, max_sequence_length, depth, max_bytes=MAX_DENSE_BYTES
     from .histogram import PackingError
 
     L = int(max_sequence_length)
-    columns = num_exact_sum_strategies(L, depth)
-    rows = L
-    if name == "ennlshp":
-        rows, columns = 2 * L, columns + L
+    rows, columns = _dense_shape(name, L, depth)
     needed = 8 * rows * columns
     if needed > max_bytes:
         raise PackingError(
@@ -105,6 +124,7 @@ def check_dense_size(name, max_sequence_length, depth, max_bytes=MAX_DENSE_BYTES
 
 def _nnls_mixture(counts, max_sequence_length, depth, short_length, short_weight):
     check_dense_size("nnlshp", max_sequence_length, depth)
+    counts = dense_counts(counts, max_sequence_length)  # dense by nature; small L only (checked above)
     strategies = exact_sum_strategies(max_sequence_length, depth)
     A = packing_matrix(strategies, max_sequence_length)
     weights = np.ones(max_sequence_length)
@@ -122,14 +142,14 @@ def pack_nnlshp(counts, max_sequence_length, depth, short_length=8, short_weight
     elsewhere, so a deficit of very short sequences (cheap padding) is penalised less.
     """
     x, A, strategies = _nnls_mixture(counts, max_sequence_length, depth, short_length, short_weight)
-    return _round_and_complete(x, A, strategies, counts, depth)
+    return _round_and_complete(x, A, strategies, dense_counts(counts, max_sequence_length), depth)
 
 
 def nnls_residual(counts, max_sequence_length, depth, short_length=8, short_weight=0.09):
     """np.int64 [L]: ``b - A rint(x)`` of NNLSHP before left-overs are handled (the
     papers' Figures 7/8): positive = sequences left out, negative = padding slots."""
     x, A, _ = _nnls_mixture(counts, max_sequence_length, depth, short_length, short_weight)
-    return counts - A.astype(np.int64) @ np.rint(x).astype(np.int64)
+    return dense_counts(counts, max_sequence_length) - A.astype(np.int64) @ np.rint(x).astype(np.int64)
 
 
 def pack_ennlshp(counts, max_sequence_length, depth, penalty=1e6):
@@ -141,6 +161,7 @@ def pack_ennlshp(counts, max_sequence_length, depth, penalty=1e6):
     ``A_bar = [[w A, 0], [p A, -p I]]``, ``b_bar = [w b, p b]``, unknowns ``[x, r]``.
     """
     check_dense_size("ennlshp", max_sequence_length, depth)
+    counts = dense_counts(counts, max_sequence_length)  # dense by nature; small L only (checked above)
     strategies = exact_sum_strategies(max_sequence_length, depth)
     A = packing_matrix(strategies, max_sequence_length)
     L, num_strategies = A.shape

@@ -9,7 +9,7 @@ length (NNLSHP's "explicit padding") are normalised by :func:`exact_plan`.
 """
 import numpy as np
 
-from .histogram import PackingError
+from .histogram import LengthCounts, PackingError, as_length_counts
 
 
 class Plan:
@@ -70,19 +70,33 @@ class Plan:
         """The largest number of sequences in any pack of the plan."""
         return int(self.strategy_sizes.max()) if self.num_strategies else 0
 
-    def slot_counts(self):
-        """np.int64 [L]: how many slots of each length 1..L the plan has (A @ repeats)."""
+    def slot_length_counts(self):
+        """:class:`LengthCounts` of the plan's slots (A @ repeats over the lengths that occur):
+        O(plan size), whatever L is."""
         per_slot = np.repeat(self.repeats, self.strategy_sizes)
-        return np.bincount(self.strategy_lengths, weights=per_slot,
-                           minlength=self.max_sequence_length + 1)[1:].astype(np.int64)
+        order = np.argsort(self.strategy_lengths, kind="stable")
+        lengths = self.strategy_lengths[order]
+        starts = np.flatnonzero(np.diff(lengths, prepend=-1))
+        if starts.size == 0:
+            return LengthCounts(lengths, per_slot[:0])
+        return LengthCounts(lengths[starts], np.add.reduceat(per_slot[order], starts))
+
+    def slot_counts(self):
+        """np.int64 [L]: how many slots of each length 1..L the plan has (A @ repeats). Dense,
+        O(L): ``slot_length_counts`` is the same without the empty lengths."""
+        lengths, counts = self.slot_length_counts()
+        dense = np.zeros(self.max_sequence_length, dtype=np.int64)
+        dense[lengths - 1] = counts
+        return dense
 
     def num_tokens(self):
         return int((self.strategy_lengths * np.repeat(self.repeats, self.strategy_sizes)).sum())
 
     def validate(self, counts, max_sequences_per_pack=None):
-        """Check the plan's invariants against a histogram; raise AssertionError if broken.
+        """Check the plan's invariants against a histogram (a Histogram, its LengthCounts or
+        dense counts); raise AssertionError if broken.
 
-        Exact cover (slot_counts == counts), capacity (sum <= L), depth, positive repeats.
+        Exact cover (slots == counts), capacity (sum <= L), depth, positive repeats.
         """
         sums = np.add.reduceat(self.strategy_lengths, self.strategy_offsets[:-1]) if self.num_strategies else []
         assert np.all(self.repeats >= 1), "plan has a non-positive repeat count"
@@ -91,7 +105,9 @@ class Plan:
         if max_sequences_per_pack is not None:
             assert self.max_depth <= max_sequences_per_pack, (
                 f"plan uses depth {self.max_depth} > max_sequences_per_pack {max_sequences_per_pack}")
-        assert np.array_equal(self.slot_counts(), np.asarray(counts)), "plan does not cover the histogram exactly"
+        expected, slots = as_length_counts(counts), self.slot_length_counts()
+        assert np.array_equal(slots.lengths, expected.lengths) and np.array_equal(slots.counts, expected.counts), \
+            "plan does not cover the histogram exactly"
 
     def __repr__(self):
         return f"Plan(num_strategies={self.num_strategies}, num_packs={self.num_packs}, max_depth={self.max_depth})"
@@ -119,19 +135,22 @@ def exact_plan(strategies, repeats, counts, max_sequence_length):
 
     Deterministic: surplus slots are taken from the strategies using that length most.
     Raises RuntimeError if some length has fewer slots than sequences (an algorithm bug).
+    ``counts``: a LengthCounts (or dense counts); O(plan size + distinct lengths).
     """
-    counts = np.asarray(counts, dtype=np.int64)
+    needed = as_length_counts(counts)
     table = _merged(strategies, repeats)
-    slots = np.zeros(max_sequence_length + 1, dtype=np.int64)
+    surplus = {}  # length -> slots minus sequences, for every length with either
     for key, repeat in table.items():
         for length in key:
-            slots[length] += repeat
-    surplus = slots[1:] - counts
-    if np.any(surplus < 0):
-        short = int(np.flatnonzero(surplus < 0)[0]) + 1
-        raise RuntimeError(f"plan leaves {-surplus[short - 1]} sequences of length {short} unpacked")
-    for length in (np.flatnonzero(surplus) + 1).tolist():
-        excess = int(surplus[length - 1])
+            surplus[length] = surplus.get(length, 0) + repeat
+    for length, count in zip(needed.lengths.tolist(), needed.counts.tolist()):
+        surplus[length] = surplus.get(length, 0) - count
+    short = [length for length, excess in surplus.items() if excess < 0]
+    if short:
+        short = min(short)
+        raise RuntimeError(f"plan leaves {-surplus[short]} sequences of length {short} unpacked")
+    for length in sorted(length for length, excess in surplus.items() if excess):
+        excess = surplus[length]
         users = [(key, key.count(length)) for key in table if length in key]
         users.sort(key=lambda item: (-item[1] * table[item[0]], item[0]))
         for key, multiplicity in users:

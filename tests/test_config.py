@@ -153,7 +153,7 @@ NUMERIC = _numeric_fields()
 
 def test_the_sections_checked_include_every_owner():
     sections = {name for name, _, _ in NUMERIC}
-    assert {"model", "data", "optimizer", "train", "finetune", "ipu", "cuda"} <= sections
+    assert {"model", "data", "optimizer", "train", "finetune", "ipu", "cpu", "cuda"} <= sections
     keys = {f"{name}.{f.name}" for name, f, _ in NUMERIC}
     # The tasks' own keys are in the finetune section: classification's, SQuAD's.
     assert {"finetune.num_labels", "finetune.n_best_size", "finetune.doc_stride", "finetune.epochs"} <= keys

@@ -8,17 +8,23 @@ backward) is in the ``cuda``-marked tests at the bottom.
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from backends import get_backend_class
+import backends.cuda as cuda_module
+from backends import get_backend, get_backend_class
 from backends.cpu import CPUBackend
 from backends.cuda import CUDABackend, RecompileError, num_compiled_graphs
+from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from bert_packed.config import ConfigError, load_config
+from bert_packed.loop.logger import to_host
+from bert_packed.train import Interrupted, train
 from bert_packed.data import build_data_source
 from bert_packed.build import build_model, build_optimizer
 from bert_packed.loop.plan import make_plan
@@ -204,6 +210,366 @@ def test_training_loop_runs_through_the_backend_and_logs_its_metrics(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in rows)
 
 
+# ----------------------------------------------------------------------------- cuda.device=cpu (CI)
+
+
+CPU_FP32 = ["cuda.device=cpu", "cuda.precision=fp32"]
+
+
+def test_cuda_device_cpu_builds_the_backend_without_a_gpu():
+    config = load_config("tiny", ["cuda.device=cpu"])
+    assert CUDABackend.is_available(config) and CUDABackend.unavailable_reason(config) is None
+    backend = get_backend("cuda", config=config)
+    assert type(backend) is CUDABackend
+    assert backend.device == torch.device("cpu") and backend.dist_backend == "gloo"
+    default = load_config("tiny")
+    assert default.cuda.device == "cuda"
+    if not torch.cuda.is_available():
+        assert not CUDABackend.is_available(default)
+        with pytest.raises(ConfigError, match="cuda.device=cpu"):
+            get_backend("cuda", config=default)
+
+
+def test_a_bad_cuda_device_is_refused_by_the_config():
+    with pytest.raises(ConfigError, match="device must be one of"):
+        load_config("tiny", ["cuda.device=tpu"])
+
+
+@pytest.mark.parametrize("attention,missing", [("flex", "FlexAttention backward"), ("varlen", "varlen_attn")])
+def test_gpu_only_attention_is_refused_on_cuda_device_cpu_with_one_line(tmp_path, capsys, attention, missing):
+    import run
+
+    out = tmp_path / "run"
+    code = run.main(["--backend", "cuda", "--config", "tiny", "--no-progress", "--output-dir", str(out),
+                     "--set", "cuda.device=cpu", "--set", f"model.attention_implementation={attention}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: cuda.device=cpu cannot train model.attention_implementation={attention}")
+    assert missing in err[0] and not out.exists()
+
+
+def _rows(directory):
+    with open(os.path.join(directory, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_cuda_device_cpu_trains_the_tiny_config_like_the_cpu_backend(tmp_path):
+    """CI's check of the cuda backend's own code: run.py --backend cuda on cuda.device=cpu (fp32,
+    sdpa, gradient accumulation, evaluation through the inner model) against the cpu backend's
+    dense reference: every logged number and the final weights within 1e-5."""
+    import run
+
+    common = ["--config", "tiny", "--no-progress", "--set", "train.steps=6", "--set", "train.gradient_accumulation=2",
+              "--set", "train.eval_every=3", "--set", "train.eval_batches=1", "--set", "train.checkpoint_every=6"]
+    reference, cuda = tmp_path / "cpu", tmp_path / "cuda"
+    assert run.main(common + ["--backend", "cpu", "--output-dir", str(reference)]) == 0
+    assert run.main(common + ["--backend", "cuda", "--output-dir", str(cuda), "--set", "cuda.device=cpu",
+                              "--set", "cuda.precision=fp32", "--set", "model.attention_implementation=sdpa"]) == 0
+    expected, got = _rows(reference), _rows(cuda)
+    assert [r["step"] for r in got] == list(range(1, 7)) and "eval_loss" in got[2] and "eval_loss" in got[5]
+    for a, b in zip(expected, got):
+        for key in ("loss", "mlm_loss", "nsp_loss", "grad_norm", "learning_rate", "eval_loss", "eval_mlm_accuracy"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+    weights_a = load_checkpoint(str(reference / CHECKPOINT_NAME))["model"]
+    weights_b = load_checkpoint(str(cuda / CHECKPOINT_NAME))["model"]
+    assert max((t - weights_b[name]).abs().max().item() for name, t in weights_a.items()) <= 1e-5
+
+
+def test_flex_evaluates_on_cuda_device_cpu_like_the_cpu_backend():
+    """flex cannot train on a CPU (torch refuses its backward there); its forward can: the
+    backend's eval on cuda.device=cpu with flex equals the cpu backend's dense eval within 1e-5
+    on trained weights."""
+    reference = CPUBackend()
+    config, batches, model = setup(reference, [])
+    for step in micro_batches(batches, 3):
+        reference.train_step(step)
+    overrides = CPU_FP32 + ["model.attention_implementation=flex"]
+    backend = get_backend("cuda", config=load_config("tiny", overrides))
+    _, _, flex_model = setup(backend, overrides)
+    flex_model.load_state_dict(model.state_dict())
+    for batch in batches[3:6]:
+        expected, got = reference.eval_step(batch), backend.eval_step(batch)
+        assert set(got) == set(expected)
+        for key in expected:
+            assert abs(got[key] - expected[key]) <= 1e-5, (key, got[key], expected[key])
+
+
+# ----------------------------------------------------------------------------- no host synchronisation
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_cuda_step_never_reads_a_number_on_the_host(precision, monkeypatch):
+    """Nothing in CUDABackend.train_step turns a tensor into a python number (as the cpu step's
+    test): the metric sums, gradient norm, fp16 skip flag and loss scale come back as tensors.
+    fp16's one host read is the previous step's skip flag from its host copy (the schedule
+    hold-back), never in the first step."""
+    overrides = ["cuda.device=cpu", f"cuda.precision={precision}", "optimizer.max_grad_norm=1.0",
+                 "train.gradient_accumulation=2"]
+    backend = get_backend("cuda", config=load_config("tiny", overrides))
+    config, batches, model = setup(backend, overrides)
+    steps = micro_batches(batches, 3, per_step=2)
+    reads = []
+
+    def guarded(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if backend.schedule is not None and self is backend.schedule.flag:
+                reads.append(len(results))
+                return original(self, *args, **kwargs)
+            raise AssertionError(f"a tensor was read on the host inside train_step ({name})")
+
+        return read
+
+    results = []
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+            patch.setattr(torch.Tensor, name, guarded(name))
+        for step in steps:
+            results.append(backend.train_step(step))
+    assert all(isinstance(m.raw[key], torch.Tensor) for m in results for key in ("loss", "grad_norm"))
+    if precision == "fp16":
+        assert all(isinstance(m.raw[k], torch.Tensor) for m in results for k in ("loss_scale", "skipped_step"))
+        assert reads == [1, 2]  # steps 2 and 3 read steps 1 and 2's flags
+    else:
+        assert reads == []
+    read = to_host(results)
+    assert all(np.isfinite(value) for step in read for value in step.values())
+
+
+def test_an_fp16_skipped_step_does_not_advance_the_schedule(monkeypatch):
+    """The update after a skipped one gets the learning rate the skipped one was meant to have,
+    and the schedule ends one step short: the rates the optimizer used are recorded at each
+    update (without the hold-back they would be lr(0), lr(1), lr(2))."""
+    overrides = ["cuda.device=cpu", "cuda.precision=fp16", "cuda.loss_scale_init=1.0e+38",
+                 "optimizer.schedule=linear", "optimizer.warmup_fraction=0.5", "train.steps=6"]
+    backend = get_backend("cuda", config=load_config("tiny", overrides))
+    config, batches, model = setup(backend, overrides)
+    used = []
+    real_step = cuda_module.step_unless_non_finite
+
+    def recording_step(optimizer, found_inf):
+        used.append(optimizer.param_groups[0]["lr"])
+        return real_step(optimizer, found_inf)
+
+    monkeypatch.setattr(cuda_module, "step_unless_non_finite", recording_step)
+    steps = micro_batches(batches, 3)
+    first = backend.train_step(steps[0])  # every scaled gradient overflows: skipped
+    backend.scaler.update(1024.0)  # a scale that does not overflow for the next two
+    results = [first] + [backend.train_step(step) for step in steps[1:]]
+    read = to_host(results)
+    assert [r["skipped_step"] for r in read] == [1.0, 0.0, 0.0]
+    schedule = backend.scheduler.lr_lambdas[0]
+    base = backend.scheduler.base_lrs[0]
+    assert used == [base * schedule(0), base * schedule(0), base * schedule(1)]
+    assert [r["learning_rate"] for r in read] == [base * schedule(0), base * schedule(1), base * schedule(2)]
+    backend.sync_to_host()
+    assert backend.scheduler.last_epoch == 2
+
+
+# ----------------------------------------------------------------------------- checkpoints: device state
+
+
+class FakeCUDAGenerator:
+    """torch.cuda's generator functions on a machine without one: a state that only
+    ``set_rng_state`` changes, and a record of every call that sets it."""
+
+    def __init__(self, state):
+        self.state, self.set_calls = state.clone(), []
+
+    def get_rng_state(self, device="cuda"):
+        return self.state.clone()
+
+    def set_rng_state(self, state, device="cuda"):
+        self.set_calls.append((state.clone(), str(device)))
+        self.state = state.clone()
+
+
+def _stop_after(backend, num_steps):
+    """Make ``backend`` send this process SIGTERM after its ``num_steps``-th step, as a kill would:
+    the loop checkpoints that step and raises Interrupted."""
+    train_step, calls = backend.train_step, []
+
+    def step_then_stop(micro_batches):
+        result = train_step(micro_batches)
+        calls.append(1)
+        if len(calls) == num_steps:
+            signal.raise_signal(signal.SIGTERM)
+        return result
+
+    backend.train_step = step_then_stop
+    return backend
+
+
+def test_the_checkpoint_carries_the_cuda_generator_and_a_resume_restores_it(tmp_path, monkeypatch):
+    fake = FakeCUDAGenerator(torch.arange(16, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
+    monkeypatch.setattr(CUDABackend, "rng_device", property(lambda self: torch.device("cuda", 0)))
+    config = load_config("tiny", CPU_FP32 + ["train.steps=4", "train.checkpoint_every=2"])
+    with pytest.raises(Interrupted):
+        train(config, _stop_after(get_backend("cuda", config=config), 2), output_dir=str(tmp_path),
+              show_progress=False)
+    saved = load_checkpoint(str(tmp_path / CHECKPOINT_NAME))
+    assert saved["step"] == 2 and fake.set_calls == []  # a fresh run restores nothing
+    assert [rank["cuda_rng"].tolist() for rank in saved["backend_state"]] == [list(range(16))]  # one per rank
+    fake.state = torch.zeros(16, dtype=torch.uint8)
+    train(config, get_backend("cuda", config=config), output_dir=str(tmp_path), resume=True, show_progress=False)
+    assert [(state.tolist(), device) for state, device in fake.set_calls] == [(list(range(16)), "cuda:0")]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_resumed_run_with_dropout_reproduces_the_uninterrupted_one(tmp_path, precision):
+    """cuda.device=cpu, hidden and attention dropout (sdpa), a warm-up + linear schedule; fp16 with a
+    loss scale that overflows now and then, so the scaler's state and the schedule hold-back are in
+    play. A run stopped at step 4 and resumed logs steps 5-8 and ends with weights bit-identical to
+    the uninterrupted run."""
+    overrides = ["cuda.device=cpu", f"cuda.precision={precision}", "cuda.loss_scale_init=1.0e+6",
+                 "model.hidden_dropout_prob=0.1", "model.attention_probs_dropout_prob=0.1",
+                 "model.attention_implementation=sdpa", "train.steps=8", "train.checkpoint_every=4"]
+    config = load_config("tiny", overrides)
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    train(config, get_backend("cuda", config=config), output_dir=str(full), show_progress=False)
+    with pytest.raises(Interrupted):
+        train(config, _stop_after(get_backend("cuda", config=config), 3), output_dir=str(stopped),
+              show_progress=False)
+    assert load_checkpoint(str(stopped / CHECKPOINT_NAME))["step"] == 3
+    train(config, get_backend("cuda", config=config), output_dir=str(stopped), resume=True, show_progress=False)
+    expected, got = _rows(full), _rows(stopped)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    keys = ["loss", "mlm_loss", "nsp_loss", "grad_norm", "learning_rate"]
+    if precision == "fp16":
+        keys += ["loss_scale", "skipped_step"]
+        assert 0 < sum(r["skipped_step"] for r in expected) < 8
+    for a, b in zip(expected[3:], got[3:]):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+    weights_a = load_checkpoint(str(full / CHECKPOINT_NAME))
+    weights_b = load_checkpoint(str(stopped / CHECKPOINT_NAME))
+    assert "cuda_rng" not in weights_a["backend_state"]  # on the CPU the generator is the loop's
+    for name, tensor in weights_a["model"].items():
+        assert torch.equal(tensor, weights_b["model"][name]), name
+
+
+# ----------------------------------------------------------------------------- data parallel (2 CPU processes)
+
+
+DRIVER = os.path.join(ROOT, "tests", "ddp_driver.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+# 2 ranks x micro-batch 4 x 2 accumulation = the 1-process run's 4 x 4.
+DDP_ARGS = ["cuda.precision=fp32", "train.global_batch_size=16", "train.micro_batch_size=4", "train.steps=6"]
+
+
+def _torchrun_driver(output_dir, record, mode, stop_at, overrides):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                           DRIVER, str(output_dir), str(record), mode, str(stop_at), *overrides],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = []
+    for rank in range(2):
+        with open(f"{record}.{rank}") as f:
+            records.append(json.load(f))
+    return records
+
+
+@pytest.mark.slow
+def test_compiled_ddp_on_two_processes_equals_one_process(tmp_path):
+    """The cuda backend under torchrun (2 CPU processes, gloo) trains through a compiled
+    DistributedDataParallel (dynamo splits the graph at the 1 MiB buckets of a model made big
+    enough to have several): ``no_sync`` on the accumulation micro-batch (every bucket all-reduced
+    once per step, by the summing hook), no recompiles, and the same steps as one eager process
+    over the same global batch (within 1e-5: the micro-batches' gradients are added in another
+    order). DDP's averaging would be 2x off."""
+    overrides = DDP_ARGS + ["train.checkpoint_every=3", "model.hidden_size=256", "model.intermediate_size=1024",
+                            "model.num_attention_heads=4", "cuda.ddp_bucket_cap_mb=1"]
+    records = _torchrun_driver(tmp_path / "two", tmp_path / "record", "fresh", 0, overrides + ["cuda.compile=true"])
+    config = load_config("tiny", CPU_FP32 + overrides)
+    train(config, get_backend("cuda", config=config), output_dir=str(tmp_path / "one"), show_progress=False)
+    for record in records:
+        assert record["ddp"] and record["compiled_graphs"] >= 1 and len(record["buckets"]) == 6
+        assert len(record["buckets"][0]) > 1
+        assert all(sorted(step) == list(range(len(record["buckets"][0]))) for step in record["buckets"])
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert len(one) == len(two) == 6 and all(r["recompiles_after_warmup"] == 0 for r in two)
+    for a, b in zip(one, two):
+        assert (a["sequences"], a["tokens"]) == (b["sequences"], b["tokens"])
+        for key in ("loss", "mlm_loss", "nsp_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+    weights_a = load_checkpoint(str(tmp_path / "one" / CHECKPOINT_NAME))["model"]
+    weights_b = load_checkpoint(str(tmp_path / "two" / CHECKPOINT_NAME))["model"]
+    assert max((t - weights_b[name]).abs().max().item() for name, t in weights_a.items()) <= 1e-5
+
+
+@pytest.mark.slow
+def test_ddp_resume_under_torchrun_is_bit_exact_and_restores_each_ranks_generator(tmp_path):
+    """2 processes with dropout: stopped at step 2 (every rank SIGTERMs itself) and resumed, the
+    run logs steps 3-6 and ends with weights bit-identical to the uninterrupted one; the checkpoint
+    holds each rank's (fake) CUDA generator and each rank gets its own back."""
+    overrides = DDP_ARGS + ["model.hidden_dropout_prob=0.1", "train.checkpoint_every=2"]
+    _torchrun_driver(tmp_path / "full", tmp_path / "full_record", "fresh", 0, overrides)
+    _torchrun_driver(tmp_path / "stopped", tmp_path / "stop_record", "fresh", 2, overrides)
+    saved = load_checkpoint(str(tmp_path / "stopped" / CHECKPOINT_NAME))
+    assert saved["step"] == 2 and saved["world_size"] == 2
+    assert [rank["cuda_rng"].tolist() for rank in saved["backend_state"]] == [[10] * 16, [11] * 16]
+    records = _torchrun_driver(tmp_path / "stopped", tmp_path / "resume_record", "resume", 0, overrides)
+    for rank, record in enumerate(records):
+        assert record["restored"] == [[10 + rank] * 16] and record["devices"] == [f"cuda:{rank}"]
+    expected, got = _rows(tmp_path / "full"), _rows(tmp_path / "stopped")
+    assert [r["step"] for r in got] == list(range(1, 7))
+    keys = ("loss", "mlm_loss", "nsp_loss", "grad_norm", "learning_rate", "sequences")
+    for a, b in zip(expected[2:], got[2:]):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+    weights_a = load_checkpoint(str(tmp_path / "full" / CHECKPOINT_NAME))["model"]
+    weights_b = load_checkpoint(str(tmp_path / "stopped" / CHECKPOINT_NAME))["model"]
+    for name, tensor in weights_a.items():
+        assert torch.equal(tensor, weights_b[name]), name
+
+
+# ----------------------------------------------------------------------------- page-locked micro-batches
+
+
+def test_staged_arrays_carry_their_page_locked_tensor_to_the_copy(monkeypatch):
+    """The staging mechanics on a machine without page-locked memory (pin_memory faked by a copy):
+    a staged array holds the same values in new memory, and the copy to the device starts from the
+    page-locked tensor itself (so CUDA's host allocator keeps that block until the copy is done);
+    an unstaged array is copied from its own memory."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self.clone())
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: True)
+    batch = {"input_ids": np.arange(12, dtype=np.int32).reshape(3, 4), "weights": np.ones(3, np.float32)}
+    staged = {key: cuda_module._pinned(value) for key, value in batch.items()}
+    for key, value in batch.items():
+        assert isinstance(staged[key], np.ndarray) and np.array_equal(staged[key], value)
+        assert not np.shares_memory(staged[key], value)
+        source = cuda_module._host_tensor(staged[key])
+        assert source is staged[key].base and source.data_ptr() == staged[key].ctypes.data
+        plain = cuda_module._host_tensor(value)
+        assert plain.data_ptr() == value.ctypes.data
+
+
+def test_the_loop_stages_micro_batches_in_its_prefetch_thread(tmp_path):
+    """``stage_batch`` runs on every training micro-batch in the prefetch worker, and
+    ``train_step`` gets the staged batches."""
+    class Staging(CUDABackend):
+        def __init__(self):
+            super().__init__(device="cpu")
+            self.threads, self.staged, self.seen = set(), [], []
+
+        def stage_batch(self, batch):  # copies, all kept (so no id is reused)
+            self.threads.add(threading.current_thread().name)
+            self.staged.append({key: value.copy() for key, value in batch.items()})
+            return self.staged[-1]
+
+        def train_step(self, micro_batches):
+            staged = {id(b["input_ids"]) for b in self.staged}
+            self.seen.extend(id(b["input_ids"]) in staged for b in micro_batches)
+            return super().train_step(micro_batches)
+
+    backend = Staging()
+    config = load_config("tiny", CPU_FP32 + ["train.steps=3", "train.gradient_accumulation=2"])
+    train(config, backend, output_dir=str(tmp_path), show_progress=False)
+    assert backend.threads == {"packed-bert-prefetch"} and backend.seen == [True] * 6
+
+
 # ----------------------------------------------------------------------------- configuration errors
 
 
@@ -218,6 +584,7 @@ def test_flex_with_attention_dropout_is_refused_at_prepare():
 @pytest.mark.parametrize("override,expected", [
     ("cuda.num_warmup_steps=-1", "must be >= 0"),
     ("cuda.loss_scale_init=0", "loss_scale_init"),
+    ("cuda.ddp_bucket_cap_mb=0.5", "ddp_bucket_cap_mb"),
 ])
 def test_bad_cuda_settings_are_refused(override, expected):
     with pytest.raises(ConfigError, match=expected):

@@ -608,7 +608,7 @@ def test_a_timed_out_collective_is_one_line_naming_the_setting(tmp_path, monkeyp
             raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 150000ms "
                                "for recv operation to complete")
 
-    monkeypatch.setattr(run, "get_backend", lambda name: HungPeer())
+    monkeypatch.setattr(run, "get_backend", lambda name, **kwargs: HungPeer())
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
@@ -654,7 +654,7 @@ def test_checkpoints_of_multi_step_calls_resume_exactly(tmp_path, capsys, monkey
             return super().train_step(micro_batches)
 
     with monkeypatch.context() as patch:
-        patch.setattr(run, "get_backend", lambda name: CrashOnThirdCall())
+        patch.setattr(run, "get_backend", lambda name, **kwargs: CrashOnThirdCall())
         assert main_error(capsys, mock + ["--output-dir", str(tmp_path / "split")])[0] == 130
     assert load_checkpoint(str(tmp_path / "split" / CHECKPOINT_NAME))["step"] == 4
     run_ok(capsys, mock + ["--resume", "--output-dir", str(tmp_path / "split")])

@@ -172,6 +172,9 @@ def test_run_py_mock_phase2_with_size_overrides_only(tmp_path):
 
 
 def test_loop_optimizer_checkpoints_carry_poptorch_state():
+    """The checkpoint holds PopTorch's optimizer state dict: the device's state in ``ipu_state``
+    (torch's own ``state`` stays empty: the host never steps); loaded before the compile it is
+    written to the device at attach, so the next step equals the uninterrupted one."""
     config = fp32_config([2], ga=2, extra=["ipu.replication_factor=1", "ipu.device_iterations=1"])
     torch.manual_seed(0)
     model = build_model(config)
@@ -180,15 +183,32 @@ def test_loop_optimizer_checkpoints_carry_poptorch_state():
     mock.prepare(model, optimizer, make_plan(config, mock), scheduler=scheduler)
     mock.train_step(random_micro_batches(0, 2, config))
     saved = mock.state_dict()["optimizer"]  # what the loop writes into its checkpoint
-    assert saved["state"] and all(s["step"] == 1 for s in saved["state"].values())
+    steps = {k: v for k, v in saved["ipu_state"].items() if k.startswith("step___")}
+    assert not saved["state"] and len(steps) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert all(int(v) == 1 for v in steps.values())
+    mock.sync_to_host()
     torch.manual_seed(0)
     restored_model = build_model(config)
+    restored_model.load_state_dict(model.state_dict())
     restored_optimizer, _ = build_optimizer(config, restored_model, (0.9, 0.999))
     restored = MockBackend()
     restored.prepare(restored_model, restored_optimizer, make_plan(config, restored), state={"optimizer": saved})
-    moments = [s["exp_avg"] for s in restored.optimizer.state_dict()["state"].values()]
-    expected = [s["exp_avg"] for s in saved["state"].values()]
-    assert all(torch.equal(a, b) for a, b in zip(moments, expected))
+    batches = random_micro_batches(1, 2, config)
+    assert restored.train_step([dict(b) for b in batches])["loss"] == mock.train_step([dict(b) for b in batches])["loss"]
+    after = [backend.state_dict()["optimizer"]["ipu_state"] for backend in (mock, restored)]
+    assert after[0].keys() == after[1].keys()
+    assert all(torch.equal(after[0][k], after[1][k]) for k in after[0]), "the moments went on from the checkpoint's"
+    assert all(int(after[1][k]) == 2 for k in steps)
+
+
+def test_poptorch_refuses_an_optimizer_state_without_its_ipu_part():
+    """python/optim.py set_state_dict: a torch optimizer's state dict (e.g. the cpu backend's)
+    is refused, before anything compiles."""
+    config = fp32_config([2], ga=2, extra=["ipu.replication_factor=1", "ipu.device_iterations=1"])
+    model = build_model(config)
+    optimizer, _ = build_optimizer(config, model, (0.9, 0.999))
+    with pytest.raises(RuntimeError, match="Only IPU optimizer states can be loaded onto the IPU."):
+        MockBackend().prepare(model, optimizer, make_plan(config, MockBackend), state={"optimizer": optimizer.state_dict()})
 
 
 def test_steps_must_fill_whole_calls():

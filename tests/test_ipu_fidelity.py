@@ -30,6 +30,7 @@ from bert_packed.loop.plan import make_plan
 from bert_packed.optim import build_optimizer as build_host_optimizer
 from bert_packed.task import get_task
 from ipu import memory, offline
+from ipu.backend import stack_host_batch
 from ipu import options as ipu_options
 from ipu.mock_popart import extract_session_options as extract
 from ipu.mock_popart import session_options
@@ -401,6 +402,57 @@ def test_the_configs_of_the_check_are_the_shipped_ones():
     assert {"phase1", "phase2", "finetune_squad", "finetune_squad_large", "demo"} <= set(_shipped_ipu_configs())
 
 
+# The fields of each task's batch, from a packed pre-training batch (same packs and [CLS] slots).
+TASK_FIELDS = {
+    "pretraining": lambda b: b,
+    "classification": lambda b: {**{k: b[k] for k in ("input_ids", "segment_ids", "position_ids", "sequence_ids",
+                                                      "cls_positions")},
+                                 "labels": b["nsp_labels"], "label_weights": b["nsp_weights"]},
+    "squad": lambda b: {**{k: b[k] for k in ("input_ids", "segment_ids", "position_ids", "sequence_ids",
+                                             "cls_positions")},
+                        "start_positions": b["cls_positions"], "end_positions": b["cls_positions"] + 1,
+                        "label_weights": b["nsp_weights"]},
+}
+
+
+@pytest.mark.parametrize("name, task, heads", [
+    ("phase2", "pretraining", 0),                 # Graphcore: "Pooler --> IPU 0", "Classifier --> IPU 0"
+    ("finetune_squad", "squad", 3),               # Graphcore: "QA Outputs --> IPU {ipu}" (the last layer's)
+    ("finetune_squad_large", "squad", 7),
+    ("finetune_glue_base", "classification", 3),  # optimum-graphcore: "Classifier Output --> IPU {ipu}"
+])
+def test_the_compiled_pipeline_puts_the_heads_where_graphcore_does(name, task, heads):
+    """What the mock recorded when it compiled the training executable of a shipped config's
+    layout (tiny widths): the embeddings on IPU 0, each encoder layer on its IPU, and the heads
+    block on IPU 0 when it holds the MLM decoder tied to the embeddings (pre-training), else
+    after the last layer on the last IPU (graphcore/examples nlp/bert/pytorch modeling.py,
+    optimum-graphcore models/bert/modeling_bert.py)."""
+    layers = load_config(name).ipu.layers_per_ipu
+    config = load_config(name, TINY_MODEL + [
+        f"model.num_hidden_layers={sum(layers)}", "ipu.replication_factor=1", "ipu.device_iterations=1",
+        "train.global_batch_size=null", "train.gradient_accumulation=15", "train.micro_batch_size=1",
+        "ipu.executable_cache_dir=null", "ipu.half_precision=false", "data.max_sequences_per_pack=3",
+        "ipu.embedding_serialization_factor=1", "ipu.available_memory_proportion=[0.6]"])
+    assert get_task(config).name == task
+    torch.manual_seed(0)
+    model = get_task(config).model_class()(bert_config(config))
+    optimizer, _ = build_optimizer(config, model)
+    backend = MockBackend()
+    plan = make_plan(config, backend)
+    backend.prepare(model, optimizer, plan)
+    batch = TASK_FIELDS[task](random_micro_batches(0, 1, config)[0])
+    host = stack_host_batch(backend._normalise([batch] * plan.micro_batches_per_step), num_steps=1,
+                            gradient_accumulation=plan.gradient_accumulation, num_replicas=1)
+    backend.training_model.compile(**host)
+    blocks = {block: ipu for block, ipu, _ in backend.training_model.pipeline["blocks"]}
+    assert blocks["Embedding"] == 0
+    assert [blocks[f"Encoder{i}"] for i in range(sum(layers))] == [i for i, n in enumerate(layers) for _ in range(n)]
+    assert blocks["Heads"] == heads
+    stages = backend.training_model.pipeline["stage_ipus"]
+    assert stages == forward_stage_ipus(layers, heads)
+    assert stages[-1] == heads and (heads != 0 or stages.count(0) == 2)  # pre-training: a last stage on IPU 0
+
+
 # -- 2. --compile-only fills the cache the real run loads -------------------------------------------
 
 CACHED = TINY_MODEL + ["model.num_hidden_layers=4", "ipu.layers_per_ipu=[1,1,1,1]", "ipu.replication_factor=2",
@@ -490,7 +542,7 @@ def test_run_py_compile_only_report_mode(tmp_path, capsys):
                                               "not 'cpu'"
 
 
-# -- 4. evaluation leaves the training RNG untouched ---------------------------------------------
+# -- 4. evaluation and prediction leave the training RNG untouched (host and device) ---------------------------------------------
 
 def _train_eval_train(evaluate):
     config = load_config("phase2", TINY_MODEL + [
@@ -503,10 +555,12 @@ def _train_eval_train(evaluate):
     backend.prepare(model, build_host_optimizer(model, "lamb", lr=1e-3), make_plan(config, backend))
     batches = random_micro_batches(3, 5, config)
     first = backend.train_step([dict(b) for b in batches[:2]])
-    state = torch.get_rng_state()
+    state, device = torch.get_rng_state(), list(backend.training_model.rng_state)
     if evaluate:
         backend.eval_step(dict(batches[4]))  # builds its inference options: randomSeed
-    unchanged = torch.equal(torch.get_rng_state(), state)
+        backend.predict_step(dict(batches[4]), names=("nsp_logits",))  # another executable
+    # Neither the host's generator nor the training executable's (read back at its detach) moved.
+    unchanged = torch.equal(torch.get_rng_state(), state) and backend.training_model.rng_state == device
     second = backend.train_step([dict(b) for b in batches[2:4]])
     backend.sync_to_host()
     return first["loss"], second["loss"], [p.detach().clone() for p in model.parameters()], unchanged
@@ -531,6 +585,228 @@ def test_poptorchs_random_seed_still_seeds_the_host_but_build_options_does_not()
     opts = ipu_options.build_options(poptorch, config.ipu, seed=config.train.seed, training=False, device_iterations=1,
                                      replication_factor=1)
     assert opts.random_seed == config.train.seed and torch.equal(torch.get_rng_state(), before)
+
+
+# -- issue item 1: PopTorch's optimizer state, before and after the compile ------------------------
+# (the whole resume, stopped by SIGTERM: tests/test_ipu_resume.py)
+
+def test_a_poptorch_optimizers_state_lives_in_ipu_state():
+    """python/optim.py ``Optimizer``: ``state_dict()`` is torch's plus ``ipu_state``/``ipu_param``;
+    after runs the state is read from the device (torch's own ``state`` stays empty)."""
+    model = Toy()
+    optimizer = lamb(model)
+    fresh = optimizer.state_dict()
+    assert fresh["ipu_state"] is None and fresh["ipu_param"] is None and fresh["state"] == {}
+    wrapped = poptorch.trainingModel(model, poptorch.Options(), optimizer=optimizer)
+    wrapped(*data(1))
+    saved = optimizer.state_dict()
+    assert saved["state"] == {} and set(saved["ipu_state"]) == {"step___lin.weight", "exp_avg___lin.weight",
+                                                                "exp_avg_sq___lin.weight"}
+    assert int(saved["ipu_state"]["step___lin.weight"]) == 1 and float(saved["ipu_param"]["lr___group0"]) == pytest.approx(0.1)
+    wrapped(*data(1))
+    assert int(optimizer.state_dict()["ipu_state"]["step___lin.weight"]) == 2  # read again: the device ran
+
+
+@pytest.mark.parametrize("state, message", [
+    (lambda optimizer: torch.optim.Optimizer.state_dict(optimizer), "Only IPU optimizer states can be loaded"),
+    (lambda optimizer: {"state": {}, "param_groups": optimizer.param_groups, "ipu_state": {}},
+     "Only IPU optimizer states can be loaded"),
+])
+def test_poptorch_refuses_to_load_a_state_without_its_ipu_part(state, message):
+    optimizer = lamb(Toy())
+    with pytest.raises(RuntimeError, match=message):
+        optimizer.load_state_dict(state(optimizer))
+
+
+def test_a_state_loaded_before_the_compile_continues_the_saved_run():
+    """Loaded before ``trainingModel()`` (what the backend's prepare does with a checkpoint), the
+    state reaches the device when the executable attaches, and the learning rate compiled is the
+    loaded one: the next run equals the one the saved run would have made."""
+    model = Toy()
+    optimizer = lamb(model)
+    wrapped = poptorch.trainingModel(model, poptorch.Options(), optimizer=optimizer)
+    wrapped(*data(1, seed=1))
+    optimizer.param_groups[0]["lr"] = 0.05
+    wrapped.setOptimizer(optimizer)
+    saved, weights = optimizer.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    expected = wrapped(*data(1, seed=2))[0]
+    expected_weights = model.lin.weight.detach().clone()
+
+    other = Toy()
+    other.load_state_dict(weights)
+    restored = lamb(other)  # built with lr 0.1, as a resumed run builds it
+    restored.load_state_dict(saved)
+    assert restored.param_groups[0]["lr"] == 0.05
+    again = poptorch.trainingModel(other, poptorch.Options(), optimizer=restored)
+    assert torch.equal(again(*data(1, seed=2))[0], expected)
+    assert torch.equal(other.lin.weight.detach(), expected_weights)
+    assert int(restored.state_dict()["ipu_state"]["step___lin.weight"]) == 2
+
+
+# -- issue item 5: the executable's random numbers (PopTorch rng_state) ---------------------------
+
+class Noisy(nn.Module):
+    """Dropout in training: a graph with random operations."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(64, 1, bias=False)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, y):
+        out = self.lin(self.drop(x)).squeeze(-1)
+        return out, F.mse_loss(out, y)
+
+
+def noisy_data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 64, generator=g), torch.randn(n, generator=g)
+
+
+def noisy(opts):
+    """A training executable whose runs change nothing but the RNG (SGD with lr 0)."""
+    model = Noisy()
+    return poptorch.trainingModel(model, opts, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.0))
+
+
+def test_rng_state_needs_a_compiled_executable():
+    wrapped = noisy(poptorch.Options().randomSeed(7))
+    with pytest.raises(poptorch.Error, match=re.escape(poptorch.executor.NO_EXECUTABLE_ERR)):
+        wrapped.rng_state
+    with pytest.raises(poptorch.Error, match=re.escape(poptorch.executor.NO_EXECUTABLE_ERR)):
+        wrapped.rng_state = [7]
+    wrapped.compile(*noisy_data(1))
+    assert wrapped.rng_state == [7]  # the cached Options.randomSeed until the first run
+    unseeded = noisy(poptorch.Options())
+    unseeded.compile(*noisy_data(1))
+    assert unseeded.rng_state is None  # no seed given: PopART took the clock's
+
+
+def test_the_device_draws_its_own_random_numbers_and_rng_state_replays_them():
+    host = torch.manual_seed(123).get_state()
+    wrapped = noisy(poptorch.Options().randomSeed(7))
+    torch.set_rng_state(host)
+    first = wrapped(*noisy_data(4))[0]
+    assert torch.equal(torch.get_rng_state(), host)  # the run drew from the device's generator
+    state = wrapped.rng_state
+    assert state[0] == 7 and len(state) > 1 and all(0 <= word < 2**32 for word in state[1:])
+    second = wrapped(*noisy_data(4))[0]
+    assert not torch.equal(first, second)  # the stream moved on: other dropout masks
+    wrapped.rng_state = state
+    assert torch.equal(wrapped(*noisy_data(4))[0], second)
+    # Another executable with the same seed draws the same numbers; with another seed, others.
+    assert torch.equal(noisy(poptorch.Options().randomSeed(7))(*noisy_data(4))[0], first)
+    assert not torch.equal(noisy(poptorch.Options().randomSeed(8))(*noisy_data(4))[0], first)
+
+
+def test_rng_state_survives_detach_and_attach():
+    wrapped = noisy(poptorch.Options().randomSeed(7))
+    wrapped(*noisy_data(4))
+    state = list(wrapped.rng_state)
+    expected = wrapped(*noisy_data(4))[0]
+    wrapped.rng_state = state
+    wrapped.detachFromDevice()  # PopTorch reads the state back before detaching ...
+    wrapped.attachToDevice()    # ... and sets it again when it attaches
+    assert torch.equal(wrapped(*noisy_data(4))[0], expected)
+
+
+def test_rng_state_needs_popart_offload_and_the_right_size():
+    opts = poptorch.Options().randomSeed(7)
+    opts._Popart.set("enableLoadAndOffloadRNGState", False)  # PopTorch turns it on unless set
+    wrapped = noisy(opts)
+    wrapped(*noisy_data(4))
+    message = "Trying to get the RNG state, but the session option enableLoadAndOffloadRNGState must be set to True."
+    with pytest.raises(poptorch.Error, match=re.escape(message)) as info:
+        wrapped.detachFromDevice()  # it reads the RNG state first
+    assert info.value.type == "popart_exception"
+    wrapped = noisy(poptorch.Options().randomSeed(7))
+    wrapped(*noisy_data(4))
+    size = len(wrapped.rng_state) - 1
+    with pytest.raises(poptorch.Error, match=re.escape(
+            f"Devicex::setRngStateValue received rngState of size 3; was expecting size {size}")):
+        wrapped.rng_state = [7, 1, 2, 3]
+
+
+def test_a_graph_without_random_operations_has_seed_0():
+    """Compiler::getRandomSeed: 0 when PopART's RandomSetup found nothing random (no dropout in
+    eval mode, no stochastic rounding)."""
+    model = Noisy().eval()
+    wrapped = poptorch.inferenceModel(model, poptorch.Options().randomSeed(7))
+    wrapped(noisy_data(1)[0], noisy_data(1)[1])
+    assert wrapped.rng_state[0] == 0
+    opts = poptorch.Options().randomSeed(7)
+    opts.Precision.enableStochasticRounding(True)
+    wrapped = poptorch.inferenceModel(model, opts)
+    wrapped(noisy_data(1)[0], noisy_data(1)[1])
+    assert wrapped.rng_state[0] == 7
+
+
+def _dropout_steps(config, state=None, weights=None, count=2):
+    torch.manual_seed(0)
+    model = build_model(config)
+    if weights is not None:
+        model.load_state_dict(weights)
+    optimizer, scheduler = build_optimizer(config, model)
+    backend = MockBackend()
+    backend.prepare(model, optimizer, make_plan(config, backend), scheduler=scheduler, state=state)
+    losses = [backend.train_step(random_micro_batches(step, 2, config))["loss"] for step in range(count)]
+    return backend, model, losses
+
+
+def test_the_backend_checkpoints_the_device_rng_and_restores_it_after_the_compile():
+    """PopTorchBackend.state_dict() holds the training executable's rng_state; prepare(state=)
+    sets it on the compiled executable before its first run, so dropout goes on as it would have."""
+    config = load_config("phase2", TINY_MODEL + [
+        "model.num_hidden_layers=2", "ipu.layers_per_ipu=[2]", "ipu.replication_factor=1",
+        "train.gradient_accumulation=2", "model.hidden_dropout_prob=0.2", "ipu.half_precision=false",
+        "ipu.executable_cache_dir=null", "train.steps=4", "optimizer.schedule=constant",
+        "optimizer.warmup_fraction=0"])
+    backend, model, _ = _dropout_steps(config, count=1)
+    backend.sync_to_host()
+    state, weights = backend.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    assert state["rng_state"] == backend.training_model.rng_state and len(state["rng_state"]) > 1
+    expected = backend.train_step(random_micro_batches(0, 2, config))["loss"]
+    _, _, resumed = _dropout_steps(config, state=state, weights=weights, count=1)
+    assert resumed == [expected]
+    without = {k: v for k, v in state.items() if k != "rng_state"}
+    _, _, fresh = _dropout_steps(config, state=without, weights=weights, count=1)
+    assert fresh != [expected]  # without it, dropout starts over from the seed
+    with pytest.raises(ConfigError, match="the checkpoint's device RNG state does not fit this executable"):
+        _dropout_steps(config, state={**state, "rng_state": [7, 1, 2]}, weights=weights, count=1)
+
+
+def test_every_process_resumes_its_own_device_rng_state(tmp_path, monkeypatch):
+    """Under PopRun each instance's executable has its own RNG state (its replicas' hardware
+    generators): the checkpoint keeps one per process and each resumes its own."""
+    from bert_packed.loop import checkpointer as module
+
+    class Backend:
+        name = "mock"
+
+        def sync_to_host(self):
+            pass
+
+        def state_dict(self):
+            return {"optimizer": {"ipu_state": {}}, "rng_state": [7, 1, 2]}
+
+    class Stateful:
+        def state_dict(self):
+            return {}
+
+    def two_processes(obj):  # what gather returns with a second process whose device differs
+        other = {**obj, "rng_state": [7, 3, 4]} if isinstance(obj, dict) and "rng_state" in obj else obj
+        return [obj, other]
+
+    monkeypatch.setattr(module, "gather", two_processes)
+    writer = module.Checkpointer(str(tmp_path), Backend(), world_size=2, is_main=True, given={})
+    assert writer.write(3, model=Toy(), scheduler=None, source=Stateful(), task=Stateful(), totals={}, config={},
+                        plan={}) == []
+    state = module.load_checkpoint(writer.path)
+    assert [module.Checkpointer.backend_state(state, rank)["rng_state"] for rank in (0, 1)] == [[7, 1, 2], [7, 3, 4]]
+    assert module.Checkpointer.backend_state(state, 1)["optimizer"] == {"ipu_state": {}}
+    older = {"optimizer": {}, "backend_state": {"rng_state": [5]}}  # one dict for all processes
+    assert module.Checkpointer.backend_state(older, 1) == {"optimizer": {}, "rng_state": [5]}
 
 
 # -- 5. memory per tile -----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ TORCH_2_0 = {
     "torch.stack": {"dim"}, "torch.device": set(), "torch.tanh": set(), "torch.tensor": {"dtype", "device"},
     "torch.zeros": {"device", "dtype"}, "torch.zeros_like": {"dtype", "device"}, "torch.full": {"dtype", "device"},
     "torch.arange": {"device", "dtype"}, "torch.where": set(), "torch.cat": {"dim"}, "torch.ones": {"dtype", "device"},
+    "torch.equal": set(),
     "torch.nn.functional.gelu": {"approximate"}, "torch.nn.functional.linear": set(),
     "torch.nn.functional.dropout": {"p", "training", "inplace"},
     "torch.nn.functional.embedding": {"padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"},

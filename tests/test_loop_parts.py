@@ -43,6 +43,41 @@ def test_the_prefetcher_serves_the_sources_stream_and_its_consumed_position(dept
     assert not any(t.name == "packed-bert-prefetch" and t.is_alive() for t in threading.enumerate())
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_the_prefetcher_applies_the_transform_in_its_worker(depth):
+    """The backend's ``stage_batch`` hook: applied to every micro-batch handed out, in the worker
+    thread when there is one; the position is still the source's."""
+    threads = []
+
+    def stage(batch):
+        threads.append(threading.current_thread().name)
+        return {**batch, "staged": True}
+
+    plain = iter(_source())
+    expected = [next(plain) for _ in range(3)]
+    feed = Prefetcher(_source(), depth, transform=stage)
+    try:
+        got = [next(feed) for _ in range(3)]
+        position = feed.state_dict()
+    finally:
+        feed.close()
+    assert all(b["staged"] and all((b[k] == e[k]).all() for k in e) for b, e in zip(got, expected))
+    resumed = _source()
+    resumed.load_state_dict(position)
+    assert all((next(iter(resumed))[k] == next(plain)[k]).all() for k in expected[0])
+    assert set(threads) == {"packed-bert-prefetch" if depth else threading.current_thread().name}
+
+
+def test_to_host_works_out_deferred_numbers_once():
+    from bert_packed.backend import Deferred, StepMetrics
+
+    calls = []
+    seconds = Deferred(lambda: calls.append(1) or 2.5)
+    read = to_host([StepMetrics({"loss": torch.tensor(1.5), "device_seconds": seconds}), {"lr": 0.1}])
+    assert read == [{"loss": 1.5, "device_seconds": 2.5}, {"lr": 0.1}]
+    assert float(seconds) == 2.5 and StepMetrics({"x": seconds})["x"] == 2.5 and calls == [1]
+
+
 def test_a_data_error_in_the_worker_reaches_the_loop():
     class Broken:
         packing_factor = 1.0

@@ -345,9 +345,21 @@ def test_no_more_ipus_than_the_system_or_a_replica_has(monkeypatch):
     monkeypatch.setenv("MOCK_POPTORCH_NUM_IPUS", "4")
     with pytest.raises(poptorch.Error, match="Failed to acquire 8 IPUs"):
         poptorch.trainingModel(Staged([0, 1, 2, 3]), pipelined(ga=7, rf=2))(*data(14))
-    opts = pipelined(ga=3)
-    opts.createOrSet(ipus_per_replica=1)  # what popdist.poptorch.Options(ipus_per_replica=1) records
+    import ipu.mock_popdist as mock_popdist
+
+    mock_popdist.configure(num_instances=1, instance_index=0, num_local_replicas=1, ipus_per_replica=1)
+    try:
+        opts = mock_popdist.poptorch.Options()  # PopRun's view: one IPU per replica
+    finally:
+        mock_popdist.reset()
+    opts.Training.gradientAccumulation(3)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.SameAsIpu))
     with pytest.raises(poptorch.Error, match="each replica has only 1 IPUs"):
+        poptorch.trainingModel(Staged([0, 1]), opts)(*data(3))
+    # As an option value it would reach PopTorch's C++ parser, which has no such option.
+    opts = pipelined(ga=3)
+    opts.createOrSet(ipus_per_replica=1)
+    with pytest.raises(poptorch.Error, match="Unknown uint64 option ipus_per_replica"):
         poptorch.trainingModel(Staged([0, 1]), opts)(*data(3))
 
 

@@ -107,12 +107,12 @@ def test_foreach_lamb_equals_the_per_tensor_reference_over_5_steps(bias_correcti
 
     model, grads = _model_and_gradients(5)
     results, states = [], []
-    for implementation in ("single_tensor", "auto"):
+    for implementation in ("single_tensor", "foreach"):
         copied = copy.deepcopy(model)
         optimizer = build_optimizer(copied, "lamb", lr=0.01, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01,
                                     bias_correction=bias_correction, max_weight_norm=max_weight_norm,
                                     implementation=implementation)
-        assert optimizer.defaults["foreach"] is (implementation == "auto")
+        assert optimizer.defaults["foreach"] is (implementation == "foreach")
         assert [g.get("max_weight_norm") for g in optimizer.param_groups] == [max_weight_norm, 0.0]
         results.append(_train(copied, optimizer, grads))
         states.append([optimizer.state[p] for p in copied.parameters()])
@@ -146,15 +146,18 @@ def test_fast_adamw_equals_the_per_tensor_reference_over_5_steps(implementation)
     assert {"lr", "betas", "eps", "weight_decay"} <= set(fast.defaults)
 
 
-@pytest.mark.parametrize("name,implementation", [("lamb", "auto"), ("lamb", "single_tensor"), ("adamw", "auto"),
+@pytest.mark.parametrize("name,implementation", [("lamb", "foreach"), ("lamb", "single_tensor"), ("adamw", "auto"),
                                                  ("adamw", "foreach")])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_non_finite_gradient_leaves_weights_moments_and_step_unchanged(name, implementation, bad):
+@pytest.mark.parametrize("steps_before", [2, 0])
+def test_a_non_finite_gradient_leaves_weights_moments_and_step_unchanged(name, implementation, bad, steps_before):
+    # steps_before 0: the very first update is skipped (fp16 loss scaling typically skips its
+    # first steps), when the step counts are 0 and a bias correction 1 - beta^0 would divide by 0.
     import copy
 
     model, grads = _model_and_gradients(3)
     optimizer = build_optimizer(model, name, lr=0.01, implementation=implementation)
-    _train(model, optimizer, grads[:2])
+    _train(model, optimizer, grads[:steps_before])
     weights = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(optimizer.state_dict()["state"])
     poisoned = [g.clone() for g in grads[2]]
@@ -172,7 +175,7 @@ def test_a_non_finite_gradient_leaves_weights_moments_and_step_unchanged(name, i
     # A finite step after the skipped one is the step that would have been taken without it.
     clean_model, clean_grads = _model_and_gradients(3)
     clean = build_optimizer(clean_model, name, lr=0.01, implementation=implementation)
-    expected = _train(clean_model, clean, clean_grads)
+    expected = _train(clean_model, clean, clean_grads[:steps_before] + clean_grads[2:])
     for param, grad in zip(model.parameters(), grads[2]):
         param.grad = grad.clone()
     _, found_inf = grad_norm_(model.parameters())
@@ -301,3 +304,35 @@ def test_bad_lamb_settings_are_one_line_errors():
         Lamb([nn.Parameter(torch.zeros(1))], betas=(1.0, 0.9))
     with pytest.raises(OptimConfigError, match="eps"):
         Lamb([nn.Parameter(torch.zeros(1))], eps=0.0)
+
+
+def test_foreach_lamb_on_bfloat16_parameters_equals_the_reference():
+    # The update is computed in float32 and written back in the parameters' dtype on both paths.
+    generator = torch.Generator().manual_seed(3)
+    initial = [torch.randn(6, 4, generator=generator), torch.randn(4, generator=generator)]
+    grads = [[torch.randn(t.shape, generator=generator) for t in initial] for _ in range(5)]
+    results = []
+    for foreach in (False, True):
+        params = [nn.Parameter(t.clone().to(torch.bfloat16)) for t in initial]
+        optimizer = Lamb(params, lr=0.05, foreach=foreach)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.to(torch.bfloat16)
+            optimizer.step()
+        assert all(p.dtype == torch.bfloat16 for p in params)
+        assert optimizer.state[params[0]]["exp_avg"].dtype == torch.float32
+        results.append([p.detach().float() for p in params])
+    assert max((a - b).abs().max().item() for a, b in zip(*results)) <= 1e-2  # one bf16 ulp at |w| ~ 1
+    assert max((a - p).abs().max().item() for a, p in zip(results[1], initial)) > 0.05
+
+
+def test_lamb_default_is_per_tensor_on_the_cpu_and_foreach_when_asked(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the multi-tensor path ran")
+
+    monkeypatch.setattr(Lamb, "_multi_tensor_step", refuse)
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    Lamb([param], lr=0.1).step()  # foreach=None on CPU parameters: the per-tensor path
+    with pytest.raises(AssertionError, match="multi-tensor"):
+        Lamb([param], lr=0.1, foreach=True).step()

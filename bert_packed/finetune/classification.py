@@ -464,17 +464,6 @@ def prediction_lines(logits: np.ndarray, problem_type: str, id2label: Dict[int, 
 def _split_rows(table: Dict[str, List[Any]], fraction: float, seed: int, where: str) -> Tuple[Dict, Dict]:
     """(train, validation): a seeded random ``fraction`` of the rows held out."""
     num_rows = len(next(iter(table.values())))
-    if not 0.0 < fraction < 1.0:
-        raise ConfigError(f"finetune.validation_fraction must be in (0, 1) without a validation_file, got {fraction}")
-    num_validation = int(round(num_rows * fraction))
-    if num_validation < 1 or num_validation >= num_rows:
-        raise DataError(f"{where}: {num_rows} rows are too few to hold out {fraction:.0%} for validation; "
-                        f"give finetune.validation_file")
-    order = np.random.default_rng(seed).permutation(num_rows)
-    held = set(order[:num_validation].tolist())
-    def pick(keep: bool) -> Dict[str, List[Any]]:
-        indices = [i for i in range(num_rows) if (i in held) != keep]
-        return {k: v.take(indices) if isinstance(v, ft_data.Column) else [v[i] for i in indices]
-                for k, v in table.items()}
-
-    return pick(True), pick(False)
+    parts = ft_data.held_out(num_rows, fraction, seed, what="rows", where=where)
+    return tuple({k: v.take(indices) if isinstance(v, ft_data.Column) else [v[i] for i in indices]
+                  for k, v in table.items()} for indices in parts)

@@ -493,6 +493,20 @@ class PackedSource:
         self.next_global = int(state["next_global"])
 
 
+def held_out(num_items: int, fraction: float, seed: int, *, what: str, where: str) -> Tuple[List[int], List[int]]:
+    """(kept, held out) item indices, each ascending: a seeded random ``fraction`` of ``num_items``
+    held out for validation (``finetune.validation_fraction`` without a ``validation_file``);
+    ``what`` names the items in the message (rows, sentences, contexts)."""
+    if not 0.0 < fraction < 1.0:
+        raise ConfigError(f"finetune.validation_fraction must be in (0, 1) without a validation_file, got {fraction}")
+    num_held = int(round(num_items * fraction))
+    if num_held < 1 or num_held >= num_items:
+        raise DataError(f"{where}: {num_items} {what} are too few to hold out {fraction:.0%} for validation; "
+                        f"give finetune.validation_file")
+    order = np.random.default_rng(seed).permutation(num_items)
+    return np.sort(order[num_held:]).tolist(), np.sort(order[:num_held]).tolist()
+
+
 def epochs_to_steps(epochs: float, num_packs: int, packs_per_step: int) -> int:
     """Optimizer steps that cover ``epochs`` passes over ``num_packs`` packs (at least 1)."""
     return max(1, math.ceil(epochs * num_packs / packs_per_step))

@@ -23,9 +23,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from bert_packed.data import DataError
 from bert_packed.errors import ConfigError
-from bert_packed.finetune.data import PackedTask
+from bert_packed.finetune.data import PackedTask, held_out
 from bert_packed.finetune.squad_collate import collate_question_answering
 from bert_packed.finetune.squad_data import Moved, SquadExample, read_squad, squad_version
 from bert_packed.finetune.squad_features import SquadFeatures, build_features
@@ -66,15 +65,8 @@ def split_examples(examples: Sequence[SquadExample], fraction: float, seed: int,
                    where: str) -> Tuple[List[SquadExample], List[SquadExample]]:
     """(train, validation) with a seeded ``fraction`` of the *contexts* held out, so no
     paragraph is seen in both (its questions would leak the answers' positions)."""
-    if not 0.0 < fraction < 1.0:
-        raise DataError(f"finetune.validation_fraction must be in (0, 1) without a validation_file, got {fraction}")
     contexts = list(dict.fromkeys(example.context for example in examples))
-    num_held = int(round(len(contexts) * fraction))
-    if num_held < 1 or num_held >= len(contexts):
-        raise DataError(f"{where}: {len(contexts)} contexts are too few to hold out {fraction:.0%} for validation; "
-                        f"give finetune.validation_file")
-    order = np.random.default_rng(seed).permutation(len(contexts))
-    held = {contexts[i] for i in order[:num_held]}
+    held = {contexts[i] for i in held_out(len(contexts), fraction, seed, what="contexts", where=where)[1]}
     return [ex for ex in examples if ex.context not in held], [ex for ex in examples if ex.context in held]
 
 

@@ -618,15 +618,7 @@ def scored_token_loss(logits: List[np.ndarray], labels: np.ndarray) -> float:
 def _split(sentences: Sentences, tags: List[List[str]], fraction: float,
            seed: int) -> Tuple[Sentences, List[List[str]], Sentences, List[List[str]]]:
     """(train, its tags, validation, its tags): a seeded random ``fraction`` of the sentences held out."""
-    n = len(sentences)
-    if not 0.0 < fraction < 1.0:
-        raise ConfigError(f"finetune.validation_fraction must be in (0, 1) without a validation_file, got {fraction}")
-    held = int(round(n * fraction))
-    if held < 1 or held >= n:
-        raise DataError(f"{sentences.path}: {n} sentences are too few to hold out {fraction:.0%} for validation; "
-                        f"give finetune.validation_file")
-    order = np.random.default_rng(seed).permutation(n)
     parts = []
-    for indices in (np.sort(order[held:]).tolist(), np.sort(order[:held]).tolist()):
+    for indices in ft_data.held_out(len(sentences), fraction, seed, what="sentences", where=sentences.path):
         parts += [sentences.subset(indices), [tags[i] for i in indices]]
     return tuple(parts)

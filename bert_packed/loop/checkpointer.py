@@ -1,6 +1,7 @@
 """The checkpointer: where a run's checkpoint lives, whether a run may resume from it, and
-writing it (every rank's data position and RNG state, the backend's optimizer state, the
-task's state; never from non-finite weights). The file format is ``bert_packed.checkpoint``'s."""
+writing it (every rank's data position, host RNG state and backend device state such as an
+IPU executable's RNG, the backend's optimizer state, the task's state; never from non-finite
+weights). The file format is ``bert_packed.checkpoint``'s."""
 from __future__ import annotations
 
 import os
@@ -65,6 +66,15 @@ class Checkpointer:
                 print(f"note: resuming with {key} changed from {saved.get(section, {}).get(field)!r} to "
                       f"{self.given.get(section, {}).get(field)!r}{note}", file=sys.stderr)
 
+    @staticmethod
+    def backend_state(state: Dict[str, Any], rank: int) -> Dict[str, Any]:
+        """What ``backend.prepare(state=)`` gets on resume in process ``rank``: the optimizer state
+        and that process's device state (a checkpoint written before device states were kept
+        per process holds one dict for all)."""
+        saved = state.get("backend_state") or {}
+        own = saved[rank] if isinstance(saved, list) else saved
+        return {"optimizer": state["optimizer"], **own}
+
     def write(self, step: int, *, model, scheduler, source, task, totals: Dict[str, float],
               config: Dict[str, Any], plan: Dict[str, Any]) -> List[str]:
         """Write the checkpoint of ``step``; returns the names of non-finite weights instead (and
@@ -77,11 +87,14 @@ class Checkpointer:
         data_states = gather(source.state_dict())
         rng_states = gather(rng_state())
         backend_state = dict(self.backend.state_dict())
+        optimizer_state = backend_state.pop("optimizer")
+        # The rest is each process's own device state (e.g. the RNG state of its IPUs' replicas).
+        backend_states = gather(backend_state)
         if self.is_main:
             save_checkpoint(self.path, {
                 "step": step, "world_size": self.world_size, "backend": self.backend.name,
-                "model": model.state_dict(), "optimizer": backend_state.pop("optimizer"),
-                "backend_state": backend_state,
+                "model": model.state_dict(), "optimizer": optimizer_state,
+                "backend_state": backend_states,
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "data": data_states, "rng": rng_states, "totals": dict(totals), "config": config, "plan": plan,
                 "config_given": self.given, "task": task.state_dict(),

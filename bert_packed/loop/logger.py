@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from bert_packed.backend import StepMetrics
+from bert_packed.backend import Deferred, StepMetrics
 from bert_packed.io import write_text_atomic
 
 METRICS_NAME = "metrics.jsonl"
@@ -21,7 +21,8 @@ METRICS_NAME = "metrics.jsonl"
 def to_host(steps: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The steps' metrics with every tensor value read as a python float, all in one transfer
     per device (a backend may leave a step's numbers on the device: no synchronisation inside
-    the step; they are read here, where the loop must look at them)."""
+    the step; they are read here, where the loop must look at them), then every ``Deferred``
+    value worked out (by then the device is past them)."""
     import torch
 
     steps = [metrics.raw if isinstance(metrics, StepMetrics) else metrics for metrics in steps]  # unread values
@@ -35,6 +36,10 @@ def to_host(steps: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         read = torch.stack([value.detach().reshape(()).double() for _, _, value in entries]).cpu().tolist()
         for (i, key, _), number in zip(entries, read):
             out[i][key] = number
+    for step in out:
+        for key, value in step.items():
+            if isinstance(value, Deferred):
+                step[key] = value.item()
     return out
 
 

@@ -6,22 +6,26 @@ produce in the loop's own thread (sources draw from their own seeded generators,
 global ones). After every micro-batch the worker records the source's ``state_dict()``;
 ``state_dict()`` here is the position after the last micro-batch HANDED OUT, so a checkpoint
 resumes exactly where the training steps were, not where the worker had got to.
+
+``transform`` (the backend's ``stage_batch``) is applied to every micro-batch in the worker
+too, e.g. copying it into page-locked memory for a non-blocking copy to a GPU.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 
 class Prefetcher:
     """An iterator over ``source``'s micro-batches, ``depth`` of them made ahead (0: made in the
-    caller's thread, as without a prefetcher)."""
+    caller's thread, as without a prefetcher), each passed through ``transform`` when given."""
 
     _POLL_SECONDS = 0.1
 
-    def __init__(self, source, depth: int = 2):
+    def __init__(self, source, depth: int = 2, transform: Optional[Callable[[Any], Any]] = None):
         self.source, self.depth = source, int(depth)
+        self.transform = transform if transform is not None else (lambda batch: batch)
         self._state = source.state_dict()
         self._iterator = iter(source)
         self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, self.depth))
@@ -34,7 +38,8 @@ class Prefetcher:
     def _work(self) -> None:
         try:
             while not self._stop.is_set():
-                item = (next(self._iterator), self.source.state_dict(), None)
+                batch = next(self._iterator)
+                item = (self.transform(batch), self.source.state_dict(), None)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=self._POLL_SECONDS)
@@ -51,7 +56,7 @@ class Prefetcher:
         if self._thread is None:
             batch = next(self._iterator)
             self._state = self.source.state_dict()
-            return batch
+            return self.transform(batch)
         batch, state, error = self._queue.get()
         if error is not None:
             self._stop.set()

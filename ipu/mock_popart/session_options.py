@@ -21,10 +21,6 @@ from typing import Any, Callable, Dict
 
 DATA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "session_options.json")
 
-# Keys the mock's own stand-ins record in Options that never reach PopTorch's parser (they are
-# not PopTorch options): ipu/mock_popdist.py notes ``ipus_per_replica`` there for the mock's
-# placement check.
-MOCK_PRIVATE_KEYS = frozenset({"ipus_per_replica"})
 # Handled by PopTorch before the tables (SessionOptionsParser.cpp): skipped or special.
 _SKIPPED = ("patterns_level", "anchored_tensors", "compilation_progress_bar_fn")
 _TYPE_NAMES = {"bool": "bool", "uint64": "uint64", "double": "floating point", "string": "string"}
@@ -82,7 +78,7 @@ def parse(options: Dict[str, Any], *, error: Callable[..., Exception]) -> Dict[s
     data = tables()
     session, poptorch_only, locations, proportions, patterns = {}, {}, {}, {}, None
     for name, value in options.items():
-        if name in _SKIPPED or name in MOCK_PRIVATE_KEYS:
+        if name in _SKIPPED:
             continue
         if isinstance(value, bool):
             table = "bool"

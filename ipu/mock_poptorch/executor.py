@@ -26,6 +26,12 @@ micro_batch, ...]`` (PopART's order). The mock then does what the device does:
   (``ipu/mock_popart/session_options.py``); ``useOfflineIpuTarget`` executables compile, never run.
 * ``setOptimizer`` after compiling refuses a change to a value compiled as a constant, as
   PopART's ``Optimizer::validReplacement`` does (``poptorch.optim.describe``/``check_replacement``).
+* the optimizer state lives on the device, as PopTorch's ``ipu_state``: a PopTorch optimizer's
+  ``state_dict()`` reads it back when the device has run, a loaded one is written when the
+  executable attaches (PopTorch's ``_read/_write_optim_state_dict_if_needed``).
+* random numbers: a run draws them (dropout) from the executable's own seed and generator, never
+  from the host's; ``rng_state`` reads and sets them as PopTorch 3.4 does (compiled executables
+  only, read back at detach and set again at attach, PopART's ``enableLoadAndOffloadRNGState``).
 * the executable cache: with ``enableExecutableCaching`` a compile computes the key from what
   PopART hashes (``cache_key``: the hashed session options, patterns, data flow, device, the
   traced graph's structure and the optimizer's constants) and "loads" a cached executable when
@@ -41,6 +47,8 @@ import gc
 import hashlib
 import json
 import os
+import time
+import types
 import warnings
 import weakref
 
@@ -65,6 +73,15 @@ _memory_estimator = None  # fn(info dict) -> {"per_ipu_bytes": [...], "limit_byt
 # <cachePath>/<hash>.popef (popx/executablex.cpp); the mock only remembers, in this process.
 _EXECUTABLE_CACHE = {}
 TILES_PER_IPU = 1472  # GC200
+# The mock device's RNG state: torch's CPU generator state, as PopART's vector of uint32 words.
+_RNG_WORDS = torch.get_rng_state().numel() // 4
+
+
+def _derived_generator_state(seed):
+    """The generator state ``setRandomSeed(seed)`` derives on the (mock) device: torch's generator
+    seeded from a hash of ``seed``, so it never equals the host's ``torch.manual_seed(seed)``."""
+    digest = hashlib.sha256(f"mock-ipu-random-seed:{int(seed)}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little")).get_state()
 
 
 def clear_executable_cache():
@@ -244,6 +261,15 @@ class PoplarExecutor:
         self._pending_optimizer = None    # set while detached: pushed at attach or the next run
         self.cache_key = None             # what PopART hashes into the executable-cache key
         self.loaded_from_cache = False
+        # The optimizer's state on the device: parameter name -> that parameter's state (the
+        # host optimizer's torch ``state`` stays empty, as in PopTorch; see ``rng_state`` too).
+        self._device_optimizer_state = {}
+        # The executable's random numbers (PopTorch's names): the host's cached [seed, *state],
+        # read back lazily after a run; the device's own seed and generator (see _DeviceRng).
+        self._host_rng_state_is_dirty = False
+        self._cached_rng_state = [options.random_seed] if options.exists("random_seed") else None
+        self._device_rng = None            # [seed, torch generator state]: the device's, from compile on
+        self._requires_random_seed = False
         if training:
             self.setOptimizer(optimizer)
         options._freeze()
@@ -302,8 +328,10 @@ class PoplarExecutor:
             raise Error(NO_EXECUTABLE_ERR)
         if not self._attached:
             raise Error("Device is not attached")
+        _ = self.rng_state  # PopTorch reads every state back before detaching
         if self._training:
             self.copyWeightsToHostIfNeeded()
+            self._read_optim_state_dict_if_needed()
         self._attached = False
 
     def attachToDevice(self):
@@ -316,8 +344,25 @@ class PoplarExecutor:
             raise Error("Device is already attached")
         _acquire(self)
         self._attached = True
-        self.copyWeightsToDevice()
+        self._on_device_attach()
+
+    def _on_device_attach(self, upload_weights=True):
+        """PopTorch's ``_on_device_attach``: upload the weights, the optimizer's hyperparameters,
+        the optimizer state the host holds (a loaded checkpoint, or the copy read at detach),
+        and the cached random seed and RNG state."""
+        if upload_weights:
+            self.copyWeightsToDevice()
         self._push_optimizer()
+        optimizer = self._optimizer
+        if isinstance(optimizer, _optim.Optimizer):
+            if optimizer.has_state():
+                optimizer.ipu_state_is_dirty = True
+                self._write_optim_state_dict_if_needed()
+            else:
+                optimizer.host_state_is_dirty = True
+                optimizer.ipu_state_is_dirty = False
+        if self._cached_rng_state is not None:
+            self._copy_rng_state_to_device()
 
     def copyWeightsToHostIfNeeded(self):
         """True if the host weights were out of date and have been updated."""
@@ -337,6 +382,8 @@ class PoplarExecutor:
     def copyWeightsToDevice(self):
         self._require_attached("copyWeightsToDevice")
         self._dirty_host_weights = False
+        if self._optimizer is not None:
+            self._optimizer.state_dict()  # as PopTorch: the device's optimizer state to the host first
         self._device_state = {name: tensor.detach().clone() for name, tensor in self._state_tensors()}
 
     def destroy(self):
@@ -345,6 +392,7 @@ class PoplarExecutor:
             return
         if self._training and self._attached:
             self.copyWeightsToHostIfNeeded()
+            self._optimizer.state_dict()  # the optimizer state back to the host
         self._compiled = False
         self._attached = False
         self._device_state = None
@@ -357,6 +405,71 @@ class PoplarExecutor:
         base = getattr(type(self._user_model), "_poptorch_base_class", None)
         if self._training and base is not None:
             self._user_model.__class__ = base
+
+    # -- random numbers: the executable's own seed and RNG state (PopTorch ``rng_state``) ----
+    @property
+    def rng_state(self):
+        """``[seed, *rng_state]`` of the executable (PopTorch 3.4 ``PoplarExecutor.rng_state``):
+        read from the device after a run, else the cached value (``[Options.randomSeed]`` until
+        the first run, None without one)."""
+        if not self._compiled:
+            raise Error(NO_EXECUTABLE_ERR)
+        if self._host_rng_state_is_dirty:
+            self._host_rng_state_is_dirty = False
+            self._cached_rng_state = [self._get_random_seed()] + self._get_rng_words()
+        return self._cached_rng_state
+
+    @rng_state.setter
+    def rng_state(self, state):
+        """Set the seed and RNG state, e.g. a checkpoint's; needs a compiled executable (PopTorch
+        keeps it and sets it on the device now if attached, else at the next attach)."""
+        if not self._compiled:
+            raise Error(NO_EXECUTABLE_ERR)
+        self._host_rng_state_is_dirty = False
+        self._cached_rng_state = list(state)
+        if self.isAttachedToDevice():
+            self._copy_rng_state_to_device()
+
+    def _check_rng_offload(self, verb):
+        # PopTorch turns PopART's enableLoadAndOffloadRNGState on unless the user set it.
+        if not self._session["session"].get("enableLoadAndOffloadRNGState", True):
+            raise Error(f"Trying to {verb} the RNG state, but the session option enableLoadAndOffloadRNGState must "
+                        f"be set to True.", type="popart_exception")
+
+    def _get_random_seed(self):
+        """``Compiler::getRandomSeed``: 0 for a graph without random behaviour."""
+        return self._device_rng[0] if self._requires_random_seed else 0
+
+    def _get_rng_words(self):
+        """``Session::getRNGState``: the generator state as unsigned 32-bit words."""
+        self._check_rng_offload("get")
+        return [word & 0xFFFFFFFF for word in self._device_rng[1].view(torch.int32).tolist()]
+
+    def _copy_rng_state_to_device(self):
+        """``Compiler::setRngState(seed, state)``: the seed (a graph without random behaviour
+        ignores it), which derives a new generator state; then the state, if given."""
+        seed, words = self._cached_rng_state[0], self._cached_rng_state[1:]
+        if self._requires_random_seed:
+            self._device_rng = [int(seed), _derived_generator_state(int(seed))]
+        if words:
+            self._check_rng_offload("set")
+            if len(words) != _RNG_WORDS:
+                raise Error(f"Devicex::setRngStateValue received rngState of size {len(words)}; was expecting size "
+                            f"{_RNG_WORDS}", type="popart_exception")
+            signed = [word - (1 << 32) if word >= (1 << 31) else word for word in words]
+            self._device_rng[1] = torch.tensor(signed, dtype=torch.int32).view(torch.uint8)
+
+    @contextlib.contextmanager
+    def _device_random_numbers(self):
+        """A run draws its random numbers (dropout) from the executable's generator, never from
+        the host's torch generator, which it leaves as it was."""
+        host = torch.get_rng_state()
+        torch.set_rng_state(self._device_rng[1])
+        try:
+            yield
+        finally:
+            self._device_rng[1] = torch.get_rng_state()
+            torch.set_rng_state(host)
 
     # -- optimizer: the device only sees hyperparameters pushed by setOptimizer -------------
     @staticmethod
@@ -387,12 +500,93 @@ class PoplarExecutor:
                 raise ValueError("Invalid optimizer: the new optimizer would require changing options.Training."
                                  "meanAccumulationAndReplicationReductionStrategy to poptorch.MeanReductionStrategy."
                                  "Running but the executable is already compiled.")
+        if self._compiled and optimizer is not self._optimizer:
+            # As PopTorch: the old optimizer keeps the state read back from the device and stops
+            # reading; a brand-new optimizer's state (if it has one) goes to the device.
+            if isinstance(self._optimizer, _optim.Optimizer):
+                self._read_optim_state_dict_if_needed()
+                self._optimizer.state_dict = self._optimizer.get_state_dict
+            if isinstance(optimizer, _optim.Optimizer):
+                optimizer.ipu_state_is_dirty = True
+        if isinstance(optimizer, _optim.Optimizer):
+            # PopTorch instruments state_dict() to read the device's state back when it is newer.
+            optimizer.state_dict = types.MethodType(PoplarExecutor._get_optim_state_dict, self)
         self._optimizer = optimizer
         auto_loss_scaling = bool(self._options._Popart.options.get("automaticLossScalingSettings.enabled", False))
         self._optimizer_description = _optim.describe(optimizer, auto_loss_scaling=auto_loss_scaling)
         self._pending_optimizer = (self._read_hyperparameters(optimizer), self._optimizer_description)
         if not self._compiled or self._attached:
             self._push_optimizer()
+        if self._compiled and self._attached:
+            self._write_optim_state_dict_if_needed()
+
+    # -- the optimizer state: on the device, read and written as PopTorch does -----------------
+    def _get_optim_state_dict(self):
+        self._read_optim_state_dict_if_needed()
+        return self._optimizer.get_state_dict()
+
+    def _read_optim_state_dict_if_needed(self):
+        """PopTorch's: when the device has run since the host's copy was read, read it."""
+        optimizer = self._optimizer
+        if not isinstance(optimizer, _optim.Optimizer) or not optimizer.host_state_is_dirty:
+            return
+        if not self._compiled:
+            raise Error(NO_EXECUTABLE_ERR)
+        assert not optimizer.ipu_state_is_dirty, "Both host and ipu states cannot be dirty at the same time."
+        optimizer.set_state_dict({**self._read_optimizer_state(), **torch.optim.Optimizer.state_dict(optimizer)})
+        optimizer.ipu_state_is_dirty = False
+
+    def _write_optim_state_dict_if_needed(self):
+        """PopTorch's: a state loaded on the host (``load_state_dict``) goes to the device."""
+        if not self._compiled:
+            raise Error(NO_EXECUTABLE_ERR)
+        optimizer = self._optimizer
+        if isinstance(optimizer, _optim.Optimizer) and optimizer.ipu_state_is_dirty:
+            assert not optimizer.host_state_is_dirty, "Both host and ipu states cannot be dirty at the same time."
+            if optimizer.has_state():
+                self.copyWeightsToHostIfNeeded()
+                self._write_optimizer_state(optimizer.state_dict())
+            optimizer.ipu_state_is_dirty = False
+
+    def _read_optimizer_state(self):
+        """``poptorch_core.readOptimizerState``: ``ipu_state`` (the optimizer's state tensors,
+        ``<key>___<parameter>``) and ``ipu_param`` (the hyperparameters the device holds,
+        ``<name>___group<i>``). Copies: the device keeps its own. (A None entry, torch's SGD
+        without momentum, is no tensor: nothing to read.)"""
+        state = {f"{key}___{name}": value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+                 for name, entries in self._device_optimizer_state.items() for key, value in entries.items()
+                 if value is not None}
+        params = {}
+        for i, group in enumerate(self._device_hyperparameters or []):
+            for key, value in group.items():
+                if key == "betas":
+                    params[f"beta1___group{i}"], params[f"beta2___group{i}"] = (torch.tensor(float(v)) for v in value)
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    params[f"{key}___group{i}"] = torch.tensor(float(value))
+        params["loss_scaling"] = torch.tensor(self._loss_scaling())
+        return {"ipu_state": state, "ipu_param": params}
+
+    def _write_optimizer_state(self, state_dict):
+        """``poptorch_core.writeOptimizerState``: every state tensor of the executable from
+        ``ipu_state`` (a missing one is kept, with PopTorch's warning; unknown ones are ignored).
+        The mock allocates a parameter's state at its first update, not at compile time, so
+        before one the tensors expected are those of the trainable parameters named in
+        ``ipu_state``. ``ipu_param`` is not applied: the hyperparameters come from setOptimizer."""
+        names = {name for name, _ in self._trainable()}
+        given = {}
+        for key, value in state_dict["ipu_state"].items():
+            entry, _, name = key.partition("___")
+            if name in names:
+                # An integer scalar was a Python number on the device (LAMB's step count).
+                restored = value.item() if value.dim() == 0 and not value.is_floating_point() else value.clone()
+                given.setdefault(name, {})[entry] = restored
+        for name, entries in self._device_optimizer_state.items():
+            for entry, value in entries.items():
+                if entry not in given.get(name, {}):
+                    if value is not None:
+                        warnings.warn(f"writeOptimizerState: ignoring missing state {entry}___{name}")
+                    given.setdefault(name, {})[entry] = value
+        self._device_optimizer_state = given
 
     def _push_optimizer(self):
         """The last ``setOptimizer``'s values to the device (PopTorch: at once when attached, else at
@@ -410,14 +604,23 @@ class PoplarExecutor:
         self._pending_optimizer = None
 
     def _optimizer_step(self):
-        host_values = self._read_hyperparameters(self._optimizer)
-        for group, values in zip(self._optimizer.param_groups, self._device_hyperparameters):
+        """The update with the DEVICE's hyperparameters and optimizer state (torch's ``step``
+        reads both from the optimizer: they are swapped in and back out)."""
+        optimizer = self._optimizer
+        host_values = self._read_hyperparameters(optimizer)
+        for group, values in zip(optimizer.param_groups, self._device_hyperparameters):
             group.update(values)
+        for name, param in self._trainable():
+            if name in self._device_optimizer_state:
+                optimizer.state[param] = self._device_optimizer_state[name]
         try:
-            self._optimizer.step()
+            optimizer.step()
         finally:
-            for group, values in zip(self._optimizer.param_groups, host_values):
+            for group, values in zip(optimizer.param_groups, host_values):
                 group.update(values)
+            for name, param in self._trainable():
+                if param in optimizer.state:
+                    self._device_optimizer_state[name] = optimizer.state.pop(param)
 
     # -- batching ---------------------------------------------------------------------------
     def _check_batch(self, args, kwargs):
@@ -492,6 +695,11 @@ class PoplarExecutor:
         try:
             with self._on_device(), ops.recording(recorder), torch.set_grad_enabled(self._training):
                 outputs = self._user_model(*micro_args, **micro_kwargs)
+            # PopART's RandomSetup: the graph needs a random seed when it has random operations
+            # (the trace drew random numbers: dropout in training) or stochastic rounding is on.
+            random_ops = not torch.equal(torch.get_rng_state(), rng_state)
+            self._requires_random_seed = random_ops or bool(
+                self._session["session"].get("enableStochasticRounding", False))
             if self._training:
                 self._final_loss_index = self._find_final_loss(recorder, outputs)
                 self._num_loss_calls = len(recorder.losses)
@@ -508,10 +716,16 @@ class PoplarExecutor:
             self._compiled_optimizer = self._optimizer_description  # PopTorch compiles the last setOptimizer's
             self._pending_optimizer = None
         self._use_executable_cache(named, outputs)
+        # PopART seeds a new executable from the clock (Executablex); PopTorch then sets the
+        # Options.randomSeed value, if there is one, when it attaches.
+        seed = time.time_ns() & 0xFFFFFFFFFFFFFFFF
+        self._device_rng = [seed, _derived_generator_state(seed)]
+        self._host_rng_state_is_dirty = False
+        self._compiled = True
         if self._options.connection_type != ConnectionType.Never:
             _acquire(self)
             self._attached = True  # the compiled engine is loaded with the weights uploaded above
-        self._compiled = True
+            self._on_device_attach(upload_weights=False)
 
     def _use_executable_cache(self, named, outputs):
         """PopART's executable cache (ir.cpp ``std::hash<IrBundle>``, executablex.cpp): with caching
@@ -670,7 +884,7 @@ class PoplarExecutor:
             if not merged or merged[-1] != ipu_id:
                 merged.append(ipu_id)
         num_ipus_per_replica = max([ipu for _, ipu, _ in blocks], default=0) + 1
-        limit = o._values.get("ipus_per_replica")  # set by popdist.poptorch.Options under PopRun
+        limit = getattr(o, "_popdist_ipus_per_replica", None)  # popdist.poptorch.Options under PopRun
         if limit is not None and num_ipus_per_replica > limit:
             raise Error(f"The model is placed on {num_ipus_per_replica} IPUs but each replica has only "
                         f"{limit} IPUs (ipus_per_replica)")
@@ -740,6 +954,8 @@ class PoplarExecutor:
         if not self._attached:
             self.attachToDevice()
         self._push_optimizer()  # a setOptimizer made while detached (attaching pushed it already)
+        if self._training:
+            self._write_optim_state_dict_if_needed()
         if not self._training:
             # As PopTorch: an inference model of a module that a trainingModel also wraps picks up
             # the trained weights (implicit copyWeightsToHost on the training side, then upload).
@@ -759,7 +975,7 @@ class PoplarExecutor:
         num_iterations, num_accumulations = o.device_iterations, o.Training.gradient_accumulation
         num_replicas = o.replication_factor
         outputs = []  # one nested structure per micro-batch, in [iteration, accumulation, replica] order
-        with self._on_device():
+        with self._on_device(), self._device_random_numbers():
             for iteration in range(num_iterations):
                 self._accumulators = {}
                 for accumulation in range(num_accumulations):
@@ -773,8 +989,11 @@ class PoplarExecutor:
                     self._round_weights()
                     for _, param in self._trainable():
                         param.grad = None
+        self._host_rng_state_is_dirty = True
         if self._training:
             self._dirty_host_weights = True
+            if isinstance(self._optimizer, _optim.Optimizer):
+                self._optimizer.host_state_is_dirty = True  # the device's optimizer state moved on
         self._has_run = True
         self._last_run_info = {"signature": self._signature, "pipeline": self.pipeline, "training": self._training,
                                "device_iterations": num_iterations, "gradient_accumulation": num_accumulations,

@@ -11,6 +11,11 @@ is variable; ``variable_attrs.markAsConstant`` / ``markAsVariable`` override). `
 an optimizer into what PopTorch sends PopART (``_optimizer_attributes.convertOptimizerToDict``:
 each value with its const-ness), and ``check_replacement`` refuses a ``setOptimizer`` that
 changes a compiled constant, with PopART's messages (``OptimizerValue::validReplacement``).
+
+Every optimizer here is also PopTorch's ``Optimizer`` (``optim.py``): its ``state_dict()`` is
+``{"ipu_state", "ipu_param", "state", "param_groups"}``, where the optimizer state lives in
+``ipu_state`` (read from the device by the executor; the host's torch ``state`` stays empty, as
+the host never steps), and ``load_state_dict`` refuses a state without the two ``ipu_*`` keys.
 """
 import inspect
 import math
@@ -42,7 +47,43 @@ class VariableAttributes:
 _ACCUM_TYPES_ERROR = "Accumulation types must be either torch.float32 or torch.float16"
 
 
-class LAMB(torch.optim.Optimizer):
+class Optimizer:
+    """PopTorch's optimizer base (``optim.py`` ``Optimizer``), literally: the IPU's optimizer
+    state travels in ``ipu_state`` / ``ipu_param`` next to torch's own state dict (which keeps
+    ``param_groups`` for LR schedulers). ``ipu_state_is_dirty``: the host holds a state the device
+    must receive (a loaded checkpoint); ``host_state_is_dirty``: the device has run since the
+    host's copy was read. A ``PoplarExecutor`` replaces ``state_dict`` by its own reader."""
+
+    def __init__(self):
+        self._state_dict = {"ipu_state": None, "ipu_param": None}
+        self.ipu_state_is_dirty = False
+        self.host_state_is_dirty = False
+
+    def state_dict(self):
+        return self.get_state_dict()
+
+    def load_state_dict(self, state):
+        # torch's first (param_groups: the learning rates schedulers see), then the IPU's.
+        torch.optim.Optimizer.load_state_dict(self, state)
+        self.set_state_dict(state)
+
+    def get_state_dict(self):
+        return {**self._state_dict, **torch.optim.Optimizer.state_dict(self)}
+
+    def set_state_dict(self, state):
+        if not state:
+            raise RuntimeError("Cannot load optimizer state dictionary because it is empty.")
+        if not ("ipu_state" in state and "ipu_param" in state):
+            raise RuntimeError("Only IPU optimizer states can be loaded onto the IPU.")
+        self._state_dict = state
+        self.ipu_state_is_dirty = True
+        self.host_state_is_dirty = False
+
+    def has_state(self):
+        return self._state_dict.get("ipu_state") is not None and self._state_dict.get("ipu_param") is not None
+
+
+class LAMB(Optimizer, torch.optim.Optimizer):
     """Layer-wise Adaptive Moments (PopART ``AdamMode::Lamb``; ``LambNoBias`` without bias correction).
 
     Per parameter ``w`` with (already loss-scale-corrected) gradient ``g`` at step ``t``::
@@ -70,7 +111,8 @@ class LAMB(torch.optim.Optimizer):
                         eps=1e-8 if eps is None else eps,
                         weight_decay=1e-2 if weight_decay is None else weight_decay,
                         max_weight_norm=65500.0 if max_weight_norm is None else max_weight_norm)
-        super().__init__(params, defaults)
+        Optimizer.__init__(self)
+        torch.optim.Optimizer.__init__(self, params, defaults)
         self.bias_correction = True if bias_correction is None else bias_correction
         self.loss_scaling = 1.0 if loss_scaling is None else loss_scaling
         self.max_weight_norm = defaults["max_weight_norm"]
@@ -117,7 +159,7 @@ def _torch_optimizer(base, extra_defaults, group_vars, extra_group_vars=()):
     """A PopTorch optimizer class: the torch one plus PopTorch-only keyword arguments."""
     torch_names = list(inspect.signature(base.__init__).parameters)[2:]  # after self, params
 
-    class _Optimizer(base):
+    class _Optimizer(Optimizer, base):
         _child_vars = ["loss_scaling"]
         _group_vars = list(group_vars)
 
@@ -126,7 +168,8 @@ def _torch_optimizer(base, extra_defaults, group_vars, extra_group_vars=()):
             # PopTorch's _parseArgs(locals()): every argument given (not None) is variable.
             variables = ["params"] + [name for name, value in given.items() if value is not None]
             extras = {name: given.pop(name, None) for name in extra_defaults}
-            super().__init__(params, **{k: v for k, v in given.items() if v is not None})
+            Optimizer.__init__(self)
+            base.__init__(self, params, **{k: v for k, v in given.items() if v is not None})
             for name, default in extra_defaults.items():
                 setattr(self, name, default if extras[name] is None else extras[name])
             for name in extra_group_vars:  # SGD's velocity_scaling with the combined variant

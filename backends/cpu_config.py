@@ -1,0 +1,30 @@
+"""The ``cpu`` config section (backend ``cpu``), registered by ``backends/__init__.py``: compiling
+the fixed-shape packed step. The ``cuda`` section extends it (the cuda backend is the cpu
+backend's step with GPU hooks)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bert_packed.config import HARMLESS, bounded
+from bert_packed.limits import STEPS, at_most
+
+
+@dataclass
+class CPUConfig:
+    """Settings of the cpu backend's step (and, extended, the cuda backend's)."""
+
+    # torch.compile the model once: packs have one fixed [B, S] shape, so one static graph
+    # serves every step (no recompiles after warm-up; a run errs if there are any). The first
+    # step pays the compile time (seconds to minutes: summary.json's first line shows it).
+    compile: bool = field(default=False, metadata=HARMLESS)
+    # torch.compile mode: "default", "reduce-overhead" (CUDA graphs on a GPU) or "max-autotune".
+    compile_mode: str = field(default="default", metadata={
+        "choices": ("default", "reduce-overhead", "max-autotune"), **HARMLESS})
+    # Optimizer steps that may compile (the first forward/backward compiles; eval compiles
+    # its own graph on first use). After them, graphs compiled are counted as recompiles.
+    num_warmup_steps: int = bounded(2, ge=0, **STEPS, **HARMLESS)
+    # Recompiles tolerated after warm-up; more is an error (a shape or guard changed: with
+    # fixed [B, S] packs that is a bug, and it silently costs seconds per step). Each takes
+    # seconds to minutes, so 10^6 would be weeks of compiling.
+    max_recompiles_after_warmup: int = bounded(0, ge=0, **at_most(10**6, "each recompile takes seconds to minutes"),
+                                               **HARMLESS)

