@@ -16,17 +16,26 @@ writing a checkpoint.
 """
 import json
 import os
+import signal
 import sys
+import threading
 
-from backends import get_backend, get_backend_class, offline_compilers
-from packing.entry import ArgumentParser, run_cli
-from bert_packed.config import ConfigError, dump, load_config, validate
+INTERRUPTED = "interrupted (nothing half-written was kept)"  # run_cli's line for Ctrl-C
+
+try:  # torch loads for seconds: Ctrl-C meanwhile gets the same line as later, not a traceback
+    from backends import get_backend, get_backend_class, offline_compilers
+    from packing.entry import ArgumentParser, run_cli
+    from bert_packed.config import ConfigError, dump, input_paths, load_config, validate
+    from bert_packed.io import check_output_dir
+except KeyboardInterrupt:
+    print(INTERRUPTED, file=sys.stderr)
+    sys.exit(130)
 
 
 def parse_args(argv=None):
     p = ArgumentParser(description="Packed BERT pre-training (see README).")
     p.add_argument("--backend", default="cpu", help="cpu | cuda | ipu | mock (default: cpu)")
-    p.add_argument("--config", default="demo", help="configs/NAME[.yaml] or a YAML path (default: demo)")
+    p.add_argument("--config", help="configs/NAME[.yaml] or a YAML path (default: demo)")
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     p.add_argument("--init-checkpoint", metavar="DIR", help="start from a Hugging Face BERT directory or a checkpoint "
                    "of this project (shorthand for --set model.init_checkpoint=DIR)")
@@ -36,27 +45,58 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in the output dir")
     p.add_argument("--resume-force", action="store_true",
                    help="--resume even if settings that change the computation differ from the checkpoint's")
-    p.add_argument("--profile", action="store_true", help="write the packing-overhead report instead of training")
-    p.add_argument("--compile-only", nargs="?", const="cache", choices=("cache", "report"), metavar="MODE",
+    modes = p.add_mutually_exclusive_group()  # each replaces training: one at a time
+    modes.add_argument("--profile", action="store_true", help="write the packing-overhead report instead of training")
+    modes.add_argument("--compile-only", nargs="?", const="cache", choices=("cache", "report"), metavar="MODE",
                    help="ipu/mock: print the per-IPU memory estimate and compile offline: 'cache' (default) with "
                         "the real run's options, filling the executable cache it loads; 'report' with Poplar's "
                         "memory report instead (not cached)")
-    p.add_argument("--print-config", nargs="?", const=True, metavar="NAME",
+    modes.add_argument("--print-config", nargs="?", const=True, metavar="NAME",
                    help="print the resolved config (of NAME, else --config) for --backend and exit")
-    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+    p.add_argument("--world-size", type=int,
                    help="data-parallel processes to validate for (default: $WORLD_SIZE or 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _check_args(p, args) -> None:
+    """What argparse cannot say: the world size, an empty path, and modes that contradict."""
+    if args.world_size is None:  # torchrun sets WORLD_SIZE
+        text = os.environ.get("WORLD_SIZE", "1")
+        try:
+            args.world_size = int(text)
+        except ValueError:
+            p.error(f"$WORLD_SIZE={text!r} is not a number of processes")
+    if args.world_size < 1:
+        p.error(f"--world-size counts processes: give 1 or more, got {args.world_size}")
     if args.init_checkpoint is not None and not args.init_checkpoint.strip():
         p.error("--init-checkpoint needs a Hugging Face directory or a checkpoint path, got an empty one")
+    if args.output_dir is not None and not args.output_dir.strip():
+        p.error("--output-dir needs a directory, got an empty one")
+    mode = next((flag for flag, on in (("--profile", args.profile), ("--compile-only", args.compile_only),
+                                       ("--print-config", args.print_config)) if on), None)
+    if mode and (args.resume or args.resume_force):
+        p.error(f"--resume continues a training run; {mode} does not train")
     if isinstance(args.print_config, str):
+        if args.config is not None and args.config != args.print_config:
+            p.error(f"--print-config {args.print_config} and --config {args.config} name two configs; give one")
         args.config = args.print_config
-    return args
+    args.config = args.config or "demo"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return run_cli(lambda: _main(args))
+    return run_cli(lambda: _done(_main(args)), interrupted=INTERRUPTED)
+
+
+def _done(status: int) -> int:
+    """The work is done and ``status`` known: from here on Ctrl-C is ignored (in the main thread
+    of ``python run.py``), so a completed run (every output written) is not reported killed."""
+    if __name__ == "__main__" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return status
 
 
 def _main(args) -> int:
@@ -77,8 +117,9 @@ def _main(args) -> int:
             raise ConfigError(f"--compile-only compiles ahead of time: use --backend "
                               f"{' or '.join(offline_compilers())}, not {args.backend!r}")
         backend = get_backend(args.backend, config=config, check_available=False)
-        backend.compile_only(config, args.output_dir or os.path.join("runs", config.name, "compile"),
-                             mode=args.compile_only)
+        output_dir = args.output_dir or os.path.join("runs", config.name, "compile")
+        check_output_dir(output_dir, input_paths(config))
+        backend.compile_only(config, output_dir, mode=args.compile_only)
         return 0
     backend = get_backend(args.backend, config=config)
     if args.profile:
@@ -87,6 +128,7 @@ def _main(args) -> int:
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
         output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
+        check_output_dir(output_dir, input_paths(config))
         run_profile(config, backend, output_dir)
         backend.memory_report(config, output_dir)
         return 0

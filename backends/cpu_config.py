@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bert_packed.config import HARMLESS, bounded
+from bert_packed.limits import STEPS, at_most
 
 
 @dataclass
@@ -21,7 +22,9 @@ class CPUConfig:
         "choices": ("default", "reduce-overhead", "max-autotune"), **HARMLESS})
     # Optimizer steps that may compile (the first forward/backward compiles; eval compiles
     # its own graph on first use). After them, graphs compiled are counted as recompiles.
-    num_warmup_steps: int = bounded(2, ge=0, **HARMLESS)
+    num_warmup_steps: int = bounded(2, ge=0, **STEPS, **HARMLESS)
     # Recompiles tolerated after warm-up; more is an error (a shape or guard changed: with
-    # fixed [B, S] packs that is a bug, and it silently costs seconds per step).
-    max_recompiles_after_warmup: int = bounded(0, ge=0, **HARMLESS)
+    # fixed [B, S] packs that is a bug, and it silently costs seconds per step). Each takes
+    # seconds to minutes, so 10^6 would be weeks of compiling.
+    max_recompiles_after_warmup: int = bounded(0, ge=0, **at_most(10**6, "each recompile takes seconds to minutes"),
+                                               **HARMLESS)

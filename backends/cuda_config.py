@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from backends.cpu_config import CPUConfig
 from bert_packed.config import bounded
+from bert_packed.limits import at_most
 
 
 @dataclass
@@ -15,12 +18,18 @@ class CUDAConfig(CPUConfig):
     # "cpu" (this backend's own code on the CPU: no GPU needed, gloo between processes; CI).
     device: str = field(default="cuda", metadata={"choices": ("cuda", "cpu")})
     precision: str = field(default="bf16", metadata={"choices": ("bf16", "fp16", "fp32")})
-    # fp16 only: GradScaler's initial loss scale (dynamic afterwards).
-    loss_scale_init: float = bounded(65536.0, gt=0.0)
+    # fp16 only: GradScaler's initial loss scale (dynamic afterwards; each overflowing step is
+    # skipped and halves it). GradScaler keeps it in fp32: above fp32's largest value it is inf,
+    # and halving inf never recovers.
+    loss_scale_init: float = bounded(65536.0, gt=0.0, **at_most(float(torch.finfo(torch.float32).max),
+                                                                "GradScaler keeps it in fp32, whose largest value "
+                                                                "that is"))
     # Let fp32 matmuls use TF32 tensor cores (Ampere and newer).
     allow_tf32: bool = True
     # Data parallel: MiB of gradients per DDP all-reduce bucket (torch's default 25). Smaller
     # buckets start communicating earlier in the backward, larger ones make fewer calls. At
     # least DDP's 1 MiB first bucket: torch.compile splits a DDP model at bucket boundaries and
-    # refuses smaller ones.
-    ddp_bucket_cap_mb: float = bounded(25.0, ge=1.0)
+    # refuses smaller ones. At most 16 GiB, more than any GPU's whole gradient of BERT-Large
+    # (1.3 GB): one bucket then holds every gradient, and larger caps change nothing.
+    ddp_bucket_cap_mb: float = bounded(25.0, ge=1.0, **at_most(16384.0, "one bucket already holds every "
+                                                                        "gradient; larger caps change nothing"))

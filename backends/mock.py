@@ -25,6 +25,13 @@ class MockBackend(PopTorchBackend):
     def is_available(config=None) -> bool:
         return True
 
+    def ipus_present(self, num_ipus: int) -> bool:
+        return num_ipus <= mock_poptorch.num_available_ipus()
+
+    def missing_ipus_hint(self) -> str:
+        return (f"the mock system has {mock_poptorch.num_available_ipus()}; set MOCK_POPTORCH_NUM_IPUS to model a "
+                f"larger one")
+
     def __init__(self) -> None:
         install_mock_estimators(mock_poptorch)
         super().__init__(poptorch=mock_poptorch, popart=mock_popart, popdist=ipu_options.import_popdist())

@@ -47,6 +47,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import yaml
 
 from bert_packed.errors import ConfigError
+from bert_packed import limits
+from bert_packed.limits import BOUND_KEYS, at_most, bound_message, bounded
 from bert_packed.yaml_io import YamlError, YamlSyntaxError, load_yaml, loads_yaml
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,46 +56,52 @@ CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 
 __all__ = ["ConfigError", "Config", "ModelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "FinetuneConfig",
            "register_section", "section_names", "bounded", "load_config", "config_from_dict", "resolve_config_path",
-           "validate", "num_replicas", "gradient_accumulation", "resume_harmless_keys", "dump", "CONFIG_DIR"]
+           "validate", "num_replicas", "gradient_accumulation", "resume_harmless_keys", "input_paths", "dump",
+           "CONFIG_DIR"]
 
 
 def _choices(*values: Any) -> Dict[str, Any]:
     return {"choices": values}
 
 
-def bounded(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None, lt: Optional[float] = None,
-            le: Optional[float] = None, **metadata: Any):
-    """A dataclass field whose value :func:`validate` keeps within the given bounds (None is
-    always allowed for an Optional field: it means "not set")."""
-    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("lt", lt), ("le", le)) if v is not None}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={**metadata, **bounds})
-    return field(default=default, metadata={**metadata, **bounds})
-
-
 HARMLESS = {"resume_harmless": True}  # a resumed run may change this key without changing its steps
+# "Every N steps": N beyond train.steps' maximum is never reached.
+_EVERY = at_most(limits.STEPS["le"], "train.steps is at most that")
+_CLAMP = "a clamp: any positive value means something, a large one never acts"
+_GENERATED = at_most(10**8, "generated sequences are drawn and packed in host memory at the start; use data.path")
 
 
 # ---------------------------------------------------------------------------------------
-# The core sections. Every field has a default so a YAML file only states what differs.
+# The core sections. Every field has a default so a YAML file only states what differs, and
+# every number a maximum (bert_packed.limits: the shared ones and the rules) or the reason it
+# has none (``unbounded``).
 
 
 @dataclass
 class ModelConfig:
     """The BERT architecture (Hugging Face ``BertConfig`` field names)."""
 
-    vocab_size: int = bounded(30522, ge=1)
-    hidden_size: int = bounded(1024, ge=1)
-    num_hidden_layers: int = bounded(24, ge=1)
-    num_attention_heads: int = bounded(16, ge=1)
-    intermediate_size: int = bounded(4096, ge=1)
-    max_position_embeddings: int = bounded(512, ge=1)
-    type_vocab_size: int = 2
+    vocab_size: int = bounded(30522, ge=1, **limits.VOCABULARY)
+    hidden_size: int = bounded(1024, ge=1, **limits.HIDDEN)
+    num_hidden_layers: int = bounded(24, ge=1, **limits.LAYERS)
+    # It divides hidden_size, so hidden_size's maximum is its own.
+    num_attention_heads: int = bounded(16, ge=1, **at_most(limits.HIDDEN["le"], "it divides model.hidden_size"))
+    # 4 x hidden_size in BERT: four times hidden_size's maximum.
+    intermediate_size: int = bounded(4096, ge=1, **at_most(4 * limits.HIDDEN["le"], "4 x model.hidden_size's maximum"))
+    # Rows of the position table; no sequence is longer than data.max_sequence_length's maximum,
+    # so a larger table only holds weights no token reads (a checkpoint's is kept up to 2^20).
+    max_position_embeddings: int = bounded(512, ge=1, **at_most(2**20, "16 times the longest sequence a run takes"))
+    # Segment (token type) table: ids 0 and 1 (sentences A and B) are used; checkpoints hold 1 to 16.
+    type_vocab_size: int = bounded(2, ge=1, **at_most(1024, "only segment ids 0 and 1 are ever used"))
     hidden_act: str = "gelu"
     hidden_dropout_prob: float = bounded(0.1, ge=0.0, lt=1.0)
     attention_probs_dropout_prob: float = bounded(0.1, ge=0.0, lt=1.0)
-    layer_norm_eps: float = bounded(1e-12, gt=0.0)
-    initializer_range: float = bounded(0.02, ge=0.0)
+    # Added to a variance of order 1 (BERT: 1e-12): above 1 it outweighs it and LayerNorm stops normalising.
+    layer_norm_eps: float = bounded(1e-12, gt=0.0, **at_most(1.0, "it is added to a variance of order 1"))
+    # Std of the initial weights (BERT: 0.02): at 1 every matmul of a 1024-wide layer multiplies
+    # activations by about 32, and fp16 overflows within a few layers.
+    initializer_range: float = bounded(0.02, ge=0.0, **at_most(1.0, "larger initial weights overflow within a few "
+                                                                    "layers (BERT: 0.02)"))
     # Name in bert_packed.attention's registry; "dense" runs everywhere (IPU included).
     attention_implementation: str = "dense"
     # "token": mean over the masked tokens of the step (canonical BERT);
@@ -105,10 +113,11 @@ class ModelConfig:
     # Tokenizer shipped with the Hugging Face export (a tokenizer directory or vocab.txt);
     # null = the init checkpoint's.
     tokenizer: Optional[str] = None
-    pad_token_id: Optional[int] = 0
+    # An id of the vocabulary (checked against model.vocab_size when the model is built).
+    pad_token_id: Optional[int] = bounded(0, ge=0, **at_most(limits.VOCABULARY["le"] - 1, "an id of the vocabulary"))
     tie_word_embeddings: bool = True
     # Dropout before a task head; null = hidden_dropout_prob (Hugging Face's rule).
-    classifier_dropout: Optional[float] = None
+    classifier_dropout: Optional[float] = bounded(None, ge=0.0, lt=1.0)
 
 
 @dataclass
@@ -124,14 +133,14 @@ class DataConfig:
     path: Optional[str] = None
     # Held-out HDF5 data for evaluation (with path set); generated data makes its own.
     eval_path: Optional[str] = field(default=None, metadata=HARMLESS)
-    max_sequence_length: int = bounded(512, ge=1)
+    max_sequence_length: int = bounded(512, ge=1, **limits.SEQUENCE)
     # Packing depth K; 1 = classic padded BERT (one sequence per row).
-    max_sequences_per_pack: int = bounded(3, ge=1)
+    max_sequences_per_pack: int = bounded(3, ge=1, **limits.SEQUENCES_PER_PACK)
     packing_algorithm: str = "lpfhp"
     # Masked-token budget of ONE full-length sequence (76 at S=512, 20 at S=128);
     # a pack gets max_masked_tokens + max_sequences_per_pack - 1 slots because rounding
     # 15 % per sequence can add up to one token per extra sequence.
-    max_masked_tokens: int = bounded(76, ge=1)
+    max_masked_tokens: int = bounded(76, ge=1, **at_most(limits.SEQUENCE_TOKENS, "no sequence has more tokens"))
     mask_probability: float = bounded(0.15, gt=0.0, lt=1.0)
     # Generated data only ------------------------------------------------------------
     histogram: str = "wikipedia-512"
@@ -139,9 +148,11 @@ class DataConfig:
     # "scale" keeps the shape (about 50 % padding at any S, the Wikipedia-512 case),
     # "truncate" clips long sequences to S (what create_pretraining_data does at S=128).
     length_mapping: str = field(default="scale", metadata=_choices("scale", "truncate"))
-    # Sequences per epoch of generated training data (packed once, then cycled).
-    num_sequences: int = bounded(20000, ge=1)
-    num_eval_sequences: int = bounded(2000, ge=1, **HARMLESS)
+    # Sequences per epoch of generated training data (packed once, then cycled). They are drawn
+    # and packed in host memory at the start: about 30 bytes and 0.7 us each (10^7: 0.3 GB, 7 s
+    # on one core), so 10^8 is minutes and gigabytes; real data of that size goes in data.path.
+    num_sequences: int = bounded(20000, ge=1, **_GENERATED)
+    num_eval_sequences: int = bounded(2000, ge=1, **_GENERATED, **HARMLESS)
 
     @property
     def max_masked_tokens_per_pack(self) -> int:
@@ -153,37 +164,44 @@ class OptimizerConfig:
     """Optimizer and learning-rate schedule (bert_packed.optim)."""
 
     name: str = field(default="lamb", metadata=_choices("lamb", "adamw"))
-    learning_rate: float = bounded(0.002828, ge=0.0)
+    learning_rate: float = bounded(0.002828, ge=0.0, unbounded="a rate too large diverges, and the divergence "
+                                   "guard stops the run (exit 3, the last good checkpoint kept)")
     # Fraction of train.steps spent warming up linearly from 0.
     warmup_fraction: float = bounded(0.128, ge=0.0, le=1.0)
     schedule: str = field(default="linear", metadata=_choices("linear", "constant"))
-    weight_decay: float = bounded(0.01, ge=0.0)
+    # Recipes use 0.01 to 0.1; far above, the decay outweighs the update and drives the weights to
+    # zero (AdamW multiplies them by 1 - learning_rate x weight_decay per step).
+    weight_decay: float = bounded(0.01, ge=0.0, **at_most(1.0, "ten times the largest decay recipes use (0.01 to "
+                                                                "0.1)"))
     beta1: float = bounded(0.9, ge=0.0, lt=1.0)
     beta2: float = bounded(0.999, ge=0.0, lt=1.0)
-    eps: float = bounded(1e-6, gt=0.0)
+    # Added to the gradient's RMS (1e-8 to 1e-6): from about 1 on it replaces it, and Adam no longer normalises.
+    eps: float = bounded(1e-6, gt=0.0, **at_most(1.0, "it would replace the gradient's RMS Adam divides by"))
     # Global gradient-norm clip; null = none (LAMB's trust ratio already bounds steps).
-    max_grad_norm: Optional[float] = bounded(None, gt=0.0)
+    max_grad_norm: Optional[float] = bounded(None, gt=0.0, unbounded=_CLAMP)
     # LAMB trust ratio phi(||w||) / ||u|| with phi(z) = min(z, max_weight_norm), for the
     # weight-decayed tensors; null = no clamp (the published LAMB).
-    max_weight_norm: Optional[float] = bounded(None, ge=0.0, hint="(0 = no trust ratio) or null (no clamp)")
+    max_weight_norm: Optional[float] = bounded(None, ge=0.0, hint="(0 = no trust ratio) or null (no clamp)",
+                                               unbounded=_CLAMP)
     # The same for biases and LayerNorm parameters (not decayed). 0 = no trust ratio for them,
     # a plain Adam-style step: Graphcore's BERT choice. With the trust ratio a LayerNorm gain's
     # step grows with its own norm and can run away (norms of 1e17, then NaN); null = unclamped.
-    bias_max_weight_norm: Optional[float] = bounded(0.0, ge=0.0, hint="(0 = no trust ratio) or null (no clamp)")
+    bias_max_weight_norm: Optional[float] = bounded(0.0, ge=0.0, hint="(0 = no trust ratio) or null (no clamp)",
+                                                    unbounded=_CLAMP)
 
 
 @dataclass
 class TrainConfig:
     """The loop: batch layout, length, logging, evaluation and checkpoints."""
 
-    steps: int = bounded(2137, ge=1, **HARMLESS)
+    steps: int = bounded(2137, ge=1, **limits.STEPS, **HARMLESS)
     # Packs per replica per forward pass.
-    micro_batch_size: int = bounded(2, ge=1)
+    micro_batch_size: int = bounded(2, ge=1, **limits.MICRO_BATCH)
     # Micro-batches per replica per optimizer step (used when global_batch_size is null).
-    gradient_accumulation: int = bounded(1024, ge=1)
+    gradient_accumulation: int = bounded(1024, ge=1, **limits.PER_STEP)
     # Packs per optimizer step over all replicas; when set, gradient_accumulation is
     # derived from it (so torchrun with N processes keeps the same step) and must divide.
-    global_batch_size: Optional[int] = bounded(None, ge=1)
+    global_batch_size: Optional[int] = bounded(None, ge=1, **limits.PER_STEP)
     # Adapt the unpacked recipe to packing factor p (sequences per pack), see the paper:
     # "none" (the config is already adjusted), "gradient_accumulation" (divide it by p:
     # same sequences per update), "betas" (keep the batch, LAMB beta := beta ** p).
@@ -191,18 +209,22 @@ class TrainConfig:
         default="none", metadata=_choices("none", "gradient_accumulation", "betas")
     )
     # p for the adjustment; null = measured on the training data (sequences / packs).
-    packing_factor: Optional[float] = bounded(None, ge=1.0, hint="(sequences per pack)")
-    seed: int = bounded(0, ge=0)
+    packing_factor: Optional[float] = bounded(None, ge=1.0, hint="(sequences per pack)", **at_most(
+        limits.SEQUENCES_PER_PACK["le"], "no pack holds more sequences than data.max_sequences_per_pack's maximum"))
+    # numpy's global generator (seeded at the start of every run) takes seeds below 2^32.
+    seed: int = bounded(0, ge=0, **at_most(2**32 - 1, "numpy's random seed is 32 bits"))
     # Write a metrics.jsonl line every N steps. The step's numbers stay on the device between
     # lines (no host synchronisation inside a step); every step is still checked for
     # divergence when they are read, and an evaluated, checkpointed or last step is always read.
-    log_every: int = bounded(1, ge=1, **HARMLESS)
+    log_every: int = bounded(1, ge=1, **_EVERY, **HARMLESS)
     # Evaluate on held-out generated/HDF5 data every N steps (0 = never; always at the end
     # when eval_every > 0).
-    eval_every: int = bounded(0, ge=0, **HARMLESS)
-    eval_batches: int = bounded(4, ge=1, **HARMLESS)
+    eval_every: int = bounded(0, ge=0, **_EVERY, **HARMLESS)
+    # Held-out micro-batches per evaluation (pre-training data), built once and kept in host
+    # memory: 10^4 micro-batches of 16 packs x 512 tokens are already gigabytes.
+    eval_batches: int = bounded(4, ge=1, **at_most(10**4, "they are built once and kept in host memory"), **HARMLESS)
     # Atomic checkpoint every N steps (0 = only with --resume-able end state off).
-    checkpoint_every: int = bounded(0, ge=0, **HARMLESS)
+    checkpoint_every: int = bounded(0, ge=0, **_EVERY, **HARMLESS)
     # null = runs/<config name>
     output_dir: Optional[str] = field(default=None, metadata=HARMLESS)
     tensorboard: bool = field(default=True, metadata=HARMLESS)
@@ -210,16 +232,24 @@ class TrainConfig:
     hf_export: bool = True
     # Micro-batches made ahead in a background thread (packing and collation off the step's
     # critical path); 0 = made between steps.
-    prefetch_micro_batches: int = bounded(2, ge=0, **HARMLESS)
+    # Each is a whole micro-batch in host memory; 2 hide the collation, more only cost memory.
+    prefetch_micro_batches: int = bounded(2, ge=0, **at_most(1024, "each one is a micro-batch held in host memory"),
+                                          **HARMLESS)
     # torch intra-op threads (null = torch's default, one per core). Small models gain
     # nothing from more threads, and on a shared machine spinning threads stall badly.
-    num_threads: Optional[int] = bounded(None, ge=1, **HARMLESS)
+    # The largest CPUs have a few hundred hardware threads; when the system cannot create that
+    # many, libgomp aborts the process (a segfault at 65536 here).
+    num_threads: Optional[int] = bounded(None, ge=1, **at_most(1024, "more threads than any CPU runs; libgomp "
+                                                                       "crashes when it cannot create them"), **HARMLESS)
     # A backend may skip an update by design (fp16 loss scaling after an overflow); this many
     # skipped steps in a row stop the run (the loss scale can no longer recover).
-    max_consecutive_skipped_steps: int = bounded(20, ge=1, **HARMLESS)
+    max_consecutive_skipped_steps: int = bounded(20, ge=1, **limits.STEPS, **HARMLESS)
     # Distributed runs (torchrun): a collective that waits longer than this (a hung or dead
-    # rank) ends the job with an error instead of gloo's/NCCL's 30-minute default.
-    collective_timeout_minutes: float = bounded(10.0, gt=0.0, **HARMLESS)
+    # rank) ends the job with an error instead of gloo's/NCCL's 30-minute default. A week: a
+    # collective waiting longer has hung (and datetime.timedelta overflows near 1.4e12 minutes).
+    collective_timeout_minutes: float = bounded(10.0, gt=0.0, **at_most(7 * 24 * 60.0, "a week; a collective "
+                                                                                         "waiting longer has hung"),
+                                                **HARMLESS)
 
 
 @dataclass
@@ -234,13 +264,14 @@ class FinetuneConfig:
     train_file: Optional[str] = None
     # null = hold out validation_fraction of the training rows (seeded).
     validation_file: Optional[str] = None
-    validation_fraction: float = 0.1
+    validation_fraction: float = bounded(0.1, ge=0.0, lt=1.0)
     # false = one sequence per row (padded), the baseline to compare packing with.
     packing: bool = True
     # A text longer than data.max_sequence_length: "truncate" (with a warning) or "error".
     truncation: str = field(default="truncate", metadata=_choices("truncate", "error"))
     # Passes over the training data; sets train.steps unless --steps / --set train.steps is given.
-    epochs: Optional[float] = bounded(3.0, gt=0.0)
+    # (The steps they come to are held to train.steps' maximum too.)
+    epochs: Optional[float] = bounded(3.0, gt=0.0, **at_most(10**6, "fine-tuning takes 2 to 10 passes"))
     # eval_* key selecting the best model (null = the task's own default).
     metric_for_best_model: Optional[str] = None
     # At the end, export and predict with the best evaluated weights (not the last).
@@ -377,11 +408,11 @@ def resolve_config_path(name: str) -> str:
     for path in candidates:
         if os.path.isfile(path):
             return path
+    if os.path.isdir(name):
+        raise ConfigError(f"config {name} is a directory; give a YAML file (or a name in configs/)")
     available = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml")) if os.path.isdir(CONFIG_DIR) else []
-    raise ConfigError(
-        f"unknown config {name!r}: no file configs/{name}, configs/{name}.yaml or {name}; "
-        f"available: {', '.join(available)}"
-    )
+    tried = name if os.path.isabs(name) else f"configs/{name}, configs/{name}.yaml or {name}"
+    raise ConfigError(f"unknown config {name!r}: no file {tried}; available: {', '.join(available)}")
 
 
 def _type_name(tp: Any) -> str:
@@ -446,6 +477,12 @@ def _set_value(config: Config, section: str, key: str, value: Any, source: str) 
         )
     tp, choices = types[key]
     value = _coerce(value, tp, f"{source}: {section}.{key}")
+    optional = typing.get_origin(tp) is typing.Union
+    if isinstance(value, str) and (value == "" or (optional and not value.strip())):
+        # An unset shell variable ($DATA) would otherwise mean "none" (random init, generated
+        # data, the default output directory) or fail deep inside (an empty separator).
+        raise ConfigError(f"{source}: {section}.{key} is empty; give a value"
+                          f"{' (or null for none)' if optional else ''}")
     if choices is not None and value not in choices:
         names = ", ".join("null" if c is None else str(c) for c in choices)
         raise ConfigError(f"{source}: {section}.{key} must be one of {names}, got {value!r}")
@@ -458,7 +495,7 @@ def _parse_override(text: str) -> tuple:
     dotted, raw = text.split("=", 1)
     section, key = dotted.split(".", 1)
     try:
-        value = loads_yaml(raw, f"--set {dotted}") if raw.strip() else ""
+        value = loads_yaml(raw, f"--set {dotted}") if raw.strip() else raw  # blanks as they are
     except YamlSyntaxError:  # not YAML: the text as it is (e.g. a path with a colon)
         value = raw
     except YamlError as exc:  # YAML, but refused (a repeated key, an alias bomb)
@@ -488,7 +525,10 @@ def _read_yaml(path: str) -> Any:
         data = load_yaml(path)
     except YamlError as exc:
         raise ConfigError(str(exc)) from None
-    return {} if data is None else data
+    if data is None:  # nothing but blanks and comments: a file saved empty by mistake?
+        raise ConfigError(f"{path}: the config file is empty; write its sections (model:, data:, train:, ...), or "
+                          f"{{}} for every default")
+    return data
 
 
 def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
@@ -546,33 +586,17 @@ def gradient_accumulation(config: Config, backend, world_size: int = 1) -> int:
     return t.global_batch_size // per_pass
 
 
-def _bound_message(key: str, value: Any, meta: Dict[str, Any]) -> Optional[str]:
-    ge, gt, lt, le = (meta.get(k) for k in ("ge", "gt", "lt", "le"))
-    low_ok = (ge is None or value >= ge) and (gt is None or value > gt)
-    high_ok = (lt is None or value < lt) and (le is None or value <= le)
-    if low_ok and high_ok:
-        return None
-    low = f"[{ge:g}" if ge is not None else (f"({gt:g}" if gt is not None else None)
-    high = f"{lt:g})" if lt is not None else (f"{le:g}]" if le is not None else None)
-    hint = f" {meta['hint']}" if meta.get("hint") else ""
-    if low and high:
-        return f"{key} must be in {low}, {high}{hint}, got {value}"
-    if low:
-        return f"{key} must be {'>=' if ge is not None else '>'} {ge if ge is not None else gt:g}{hint}, got {value}"
-    return f"{key} must be {'<' if lt is not None else '<='} {lt if lt is not None else le:g}{hint}, got {value}"
-
-
 def check_section(name: str, obj: Any) -> None:
     """Every field of section ``obj`` declared with bounds (``bounded``): one line for the first
     value outside them. (Backends call it on their own section in ``prepare`` too, for callers
     that build a plan without validating the config.)"""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if value is None or not any(k in f.metadata for k in ("ge", "gt", "lt", "le")):
+        if value is None or not any(k in f.metadata for k in BOUND_KEYS):
             continue
         for i, item in enumerate(value if isinstance(value, list) else [value]):
             where = f"{name}.{f.name}" if not isinstance(value, list) else f"{name}.{f.name}[{i}]"
-            message = _bound_message(where, item, f.metadata)
+            message = bound_message(where, item, f.metadata)
             if message is not None:
                 raise ConfigError(message)
 
@@ -619,6 +643,11 @@ def validate(config: Config, backend, world_size: int = 1) -> List[str]:
                 f"{name}.{{{', '.join(changed)}}} do not apply to backend {backend.name!r} "
                 f"(only to {'/'.join(section.readers)}); ignored"
             )
+    f = config.finetune
+    if f.task and f.train_file and f.validation_file and os.path.realpath(f.train_file) == os.path.realpath(
+            f.validation_file):
+        warns.append(f"finetune.validation_file is finetune.train_file ({f.train_file}): the evaluations, and the "
+                     f"best model chosen by them, measure the training data")
     owners = dict(_finetune_section().key_owners)
     task = config.finetune.task
     foreign = sorted(k for k in config.cli_keys.get("finetune", ()) if k in owners and task not in owners[k])
@@ -627,6 +656,16 @@ def validate(config: Config, backend, world_size: int = 1) -> List[str]:
         warns.append(f"finetune.{{{', '.join(foreign)}}} do not apply to task {task!r} (only to {'/'.join(tasks)}); "
                      f"ignored")
     return warns
+
+
+def input_paths(config: Config) -> List[Tuple[str, Optional[str]]]:
+    """(what, path) of every file or directory the run reads (unset ones as None): the init
+    checkpoint and tokenizer, and the data of pre-training or of the fine-tuning task."""
+    m, d, f = config.model, config.data, config.finetune
+    paths = [("the init checkpoint", m.init_checkpoint), ("model.tokenizer", m.tokenizer)]
+    if f.task:
+        return paths + [("finetune.train_file", f.train_file), ("finetune.validation_file", f.validation_file)]
+    return paths + [("data.path", d.path), ("data.eval_path", d.eval_path)]
 
 
 def resume_harmless_keys() -> frozenset:

@@ -18,9 +18,12 @@ import os
 import re
 import socket
 import tempfile
+from typing import Iterable, Optional, Tuple
+
+from bert_packed.errors import ConfigError
 
 __all__ = ["write_text_atomic", "atomic_path", "publish", "make_temp", "make_folder", "remove_orphans",
-           "DirectoryLock", "OutputInUseError", "not_utf8_message"]
+           "DirectoryLock", "OutputInUseError", "not_utf8_message", "check_output_dir"]
 
 TEMP_PREFIX = ".tmp-"
 
@@ -91,6 +94,31 @@ def make_folder(folder):
             blocker = os.path.dirname(blocker)
         raise NotADirectoryError(errno.ENOTDIR, f"is a file, so the folder {folder} cannot be made there",
                                  blocker) from None
+
+
+def check_output_dir(output_dir: str, inputs: Iterable[Tuple[str, Optional[str]]] = (),
+                     flag: str = "--output-dir") -> None:
+    """Refuse, in one line (ConfigError), an output directory that a run must not write to: a
+    file, a folder below a file, or the folder of one of its ``inputs`` ((what, path) pairs: a
+    directory input, or the folder holding a file input), so no output lands on or beside what
+    the run reads (a predictions.jsonl next to a data file of that name, a checkpoint.pt in a
+    datasets directory). A folder inside an input directory is fine (its files stay as they are)."""
+    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+        raise ConfigError(f"output directory {output_dir} is a file; choose another {flag}")
+    above = os.path.dirname(os.path.abspath(output_dir))
+    while not os.path.lexists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ConfigError(f"output directory {output_dir}: Not a directory ({above} is a file); choose another "
+                          f"{flag}")
+    target = os.path.realpath(output_dir)
+    for what, path in inputs:
+        if not path:
+            continue
+        folder = path if os.path.isdir(path) else (os.path.dirname(path) or ".")
+        if os.path.realpath(folder) == target:
+            raise ConfigError(f"{flag} {output_dir} is {what}'s directory ({path}); choose another {flag} so the "
+                              f"input stays as it is")
 
 
 def write_text_atomic(path, text):

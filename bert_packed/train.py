@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from bert_packed.build import build_optimizer
 from bert_packed.checkpoint import set_rng_state
-from bert_packed.config import Config, ConfigError, validate
-from bert_packed.io import DirectoryLock, remove_orphans, write_text_atomic
+from bert_packed.config import Config, ConfigError, input_paths, validate
+from bert_packed.io import DirectoryLock, check_output_dir, remove_orphans, write_text_atomic
 from bert_packed.loop.checkpointer import Checkpointer
 from bert_packed.loop.distributed import all_reduce_sum, setup_distributed
 from bert_packed.loop.guard import DivergenceGuard
@@ -97,16 +97,26 @@ def _collective_timeout(exc: BaseException, config: Config) -> Optional[Collecti
         f"or died (see its log); the last checkpoint is intact")
 
 
+def _missing_folders(path: str) -> List[str]:
+    """The folders of ``path`` that do not exist yet, deepest first (what makedirs creates)."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
 def _prepare_output_dir(output_dir: str, is_main: bool) -> Optional[DirectoryLock]:
     """Create and lock the output directory (rank 0); remove temp files of dead writers. The
-    lock remembers what it created (``created``: the directory and/or its lock file), so a run
+    lock remembers what it created (``created``: its lock file and the folders makedirs made,
+    deepest first), so a run
     refused before writing anything can leave no trace (``_Run.close(undo=True)``)."""
     if not is_main:
         return None
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConfigError(f"output directory {output_dir} is a file; choose another --output-dir")
     try:
-        created = [] if os.path.isdir(output_dir) else [output_dir]
+        created = _missing_folders(output_dir)
         os.makedirs(output_dir, exist_ok=True)
         lock = DirectoryLock(output_dir)
         if not os.path.exists(lock.path):
@@ -121,16 +131,6 @@ def _prepare_output_dir(output_dir: str, is_main: bool) -> Optional[DirectoryLoc
     for prefix in (".checkpoint-", ".tmp-"):
         remove_orphans(output_dir, prefix)
     return lock
-
-
-def _refuse_output_over_input(output_dir: str, init_checkpoint: Optional[str]) -> None:
-    """The run's outputs (checkpoint.pt, OUT/hf, OUT/best, ...) must not land in the checkpoint it starts from."""
-    if not init_checkpoint:
-        return
-    source = init_checkpoint if os.path.isdir(init_checkpoint) else os.path.dirname(init_checkpoint) or "."
-    if os.path.realpath(source) == os.path.realpath(output_dir):
-        raise ConfigError(f"--output-dir {output_dir} is the init checkpoint's directory ({init_checkpoint}); "
-                          f"choose another --output-dir so the checkpoint stays as it is")
 
 
 def resolved_config(config: Config, plan: StepPlan) -> Dict[str, Any]:
@@ -169,7 +169,7 @@ class _Run:
         for line in validate(config, backend, self.world_size) if self.is_main else ():
             print(f"warning: {line}", file=sys.stderr)
         self.output_dir = output_dir or t.output_dir or os.path.join("runs", config.name)
-        _refuse_output_over_input(self.output_dir, config.model.init_checkpoint)
+        check_output_dir(self.output_dir, input_paths(config))  # not a file, not where an input is
         self.summary_path = os.path.join(self.output_dir, SUMMARY_NAME)
         self.logger: Optional[MetricsLogger] = None
         self.pending: List[_Pending] = []  # steps launched whose numbers are not read yet
@@ -207,8 +207,11 @@ class _Run:
             return self._unchanged_summary()
         step = self._loop()
         self.logger.close()
-        self.backend.sync_to_host()  # IPU: the weights live on the device
-        self.task.finish(self.backend, self.model, self.output_dir, self.task_summary)  # eval, predictions, OUT/hf
+        try:
+            self.backend.sync_to_host()  # IPU: the weights live on the device
+            self.task.finish(self.backend, self.model, self.output_dir, self.task_summary)  # eval, predictions, OUT/hf
+        except KeyboardInterrupt:  # Ctrl-C after the last step: say what is left, not "nothing was kept"
+            self._interrupted_finishing(step)
         result = self.summary("completed", step)
         self._closing_line(result)
         return result
@@ -274,9 +277,12 @@ class _Run:
                   f"to do (raise --steps to continue)", file=sys.stderr)
         try:
             with open(self.summary_path) as f:
-                return json.load(f)
+                summary = json.load(f)
         except (OSError, ValueError):
             return {"status": "completed", "last_step": step, "checkpoint_step": step}
+        if self.is_main and summary.get("status") == "interrupted" and summary.get("error"):
+            print(f"note: the run was stopped: {summary['error']}", file=sys.stderr)  # e.g. while exporting
+        return summary
 
     def _opening_line(self) -> None:
         if not (self.is_main and self.show_progress):
@@ -420,6 +426,20 @@ class _Run:
                    f"{self.checkpointer.path} written; continue with --resume")
         self.summary("interrupted", step, message)
         raise Interrupted(message, signum)
+
+    def _interrupted_finishing(self, step: int) -> None:
+        """SIGINT while the end-of-run outputs were being written (the final evaluation's results,
+        predictions, OUT/hf): summary.json says so, and where the trained weights are (the model
+        may hold the best evaluation's weights by then, so no checkpoint is written now)."""
+        if self.checkpointer.last_step == step:
+            kept = (f"the checkpoint {self.checkpointer.path} holds step {step} (python -m bert_packed.finetune "
+                    f"export {self.output_dir} --output DIR writes its Hugging Face export)")
+        else:
+            kept = f"no checkpoint holds step {step} (train.checkpoint_every={self.config.train.checkpoint_every})"
+        message = (f"SIGINT after the last step ({step}), while the end-of-run outputs (final evaluation, "
+                   f"predictions, OUT/hf) were written: they are incomplete; {kept}")
+        self.summary("interrupted", step, message)
+        raise Interrupted(message, signal.SIGINT) from None
 
     def summary(self, status: str, step: int, error: Optional[str] = None) -> Dict[str, Any]:
         """summary.json (written by the main process) and its dict."""

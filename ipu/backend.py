@@ -196,6 +196,24 @@ class PopTorchBackend(Backend):
         popdist = ipu_options.init_popdist(ipu_options.import_popdist())
         return None if popdist is None else ipu_options.data_shard(popdist)
 
+    def ipus_present(self, num_ipus: int) -> bool:
+        """Whether the system has ``num_ipus`` IPUs (PopTorch's check; busy ones count)."""
+        return bool(self.poptorch.ipuHardwareIsAvailable(num_ipus))
+
+    def missing_ipus_hint(self) -> str:
+        return "check `gc-info -l`"
+
+    def _check_ipus_present(self, ipu) -> None:
+        """Refuse a run that needs more IPUs than the system has before anything is written or
+        compiled (PopTorch would only fail when the first step compiles)."""
+        needed = ipu.replication_factor * ipu.ipus_per_replica
+        rounded = 1 << (needed - 1).bit_length() if ipu.auto_round_num_ipus else needed
+        if not self.ipus_present(rounded):
+            counted = f", rounded up to {rounded} (ipu.auto_round_num_ipus)" if rounded != needed else ""
+            raise ConfigError(f"the run needs {needed} IPUs (ipu.replication_factor={ipu.replication_factor} x "
+                              f"{ipu.ipus_per_replica} per replica, ipu.layers_per_ipu){counted}, more than this system "
+                              f"has ({self.missing_ipus_hint()}); lower ipu.replication_factor")
+
     # -- setup --------------------------------------------------------------------------------
     def prepare(self, model, optimizer, plan, *, scheduler=None, state=None, offline: bool = False,
                 report_dir: Optional[str] = None) -> None:
@@ -214,25 +232,9 @@ class PopTorchBackend(Backend):
         hyperparameter changes pushed that way, and only between calls).
         """
         poptorch, ipu = self.poptorch, plan.settings
-        check_section(self.config_section, ipu)
-        if ipu.output_mode in ("final", "default"):
-            raise ConfigError(f"ipu.output_mode={ipu.output_mode} returns only the last micro-batch per replica "
-                              f"in training, so the step's loss can't be reported; use sum or all")
-        if self.popdist is not None and self.popdist.getNumInstances() > 1 and not (
-                torch.distributed.is_available() and torch.distributed.is_initialized()):
-            # The loss normalisers are the step's counts over ALL instances; without a process
-            # group they would be per instance and the step num_instances times too large.
-            raise ConfigError("PopRun with several instances needs torch.distributed initialised (for the "
-                              "step's global counts); see docs/ipu.md, or run one instance")
+        self.check_plan(model, plan, offline=offline)
         self.plan, self.settings, self.scheduler, self.host_optimizer = plan, ipu, scheduler, optimizer
         ga = plan.gradient_accumulation
-        layout = model.pipeline_layout()
-        pipeline.layer_ipus(ipu.layers_per_ipu, len(layout.layers))
-        if plan.steps % plan.steps_per_call:
-            raise ConfigError(f"train.steps={plan.steps} is not a multiple of ipu.device_iterations="
-                              f"{plan.steps_per_call} (one PopTorch call runs that many steps); change either")
-        pipeline.check_pipeline_depth(ipu.layers_per_ipu, ga, plan.steps_per_call,
-                                      pipeline.heads_ipu(ipu.layers_per_ipu, layout.head_tied_to_embeddings))
         self.model = _annotate(model, ipu, poptorch)
         self.optimizer = pipeline.build_optimizer(optimizer, poptorch, ipu)
         self._pending_rng_state = None
@@ -245,6 +247,32 @@ class PopTorchBackend(Backend):
                                          popdist=self.popdist, popart=self.popart, offline=offline,
                                          profile_dir=report_dir)
         self.training_model = poptorch.trainingModel(wrapper, opts, optimizer=self.optimizer)
+
+    def check_plan(self, model, plan, *, offline: bool = False) -> None:
+        """Every mistake ``prepare`` would refuse, found without building anything (``compile_only``
+        calls it before it writes its estimate): the section's bounds, the IPUs present (unless
+        ``offline``), the output mode, PopRun's process group, the pipeline layout against the
+        model, steps per call and pipeline depth."""
+        ipu = plan.settings
+        check_section(self.config_section, ipu)
+        if not offline:
+            self._check_ipus_present(ipu)
+        if ipu.output_mode in ("final", "default"):
+            raise ConfigError(f"ipu.output_mode={ipu.output_mode} returns only the last micro-batch per replica "
+                              f"in training, so the step's loss can't be reported; use sum or all")
+        if self.popdist is not None and self.popdist.getNumInstances() > 1 and not (
+                torch.distributed.is_available() and torch.distributed.is_initialized()):
+            # The loss normalisers are the step's counts over ALL instances; without a process
+            # group they would be per instance and the step num_instances times too large.
+            raise ConfigError("PopRun with several instances needs torch.distributed initialised (for the "
+                              "step's global counts); see docs/ipu.md, or run one instance")
+        layout = model.pipeline_layout()
+        pipeline.layer_ipus(ipu.layers_per_ipu, len(layout.layers))
+        if plan.steps % plan.steps_per_call:
+            raise ConfigError(f"train.steps={plan.steps} is not a multiple of ipu.device_iterations="
+                              f"{plan.steps_per_call} (one PopTorch call runs that many steps); change either")
+        pipeline.check_pipeline_depth(ipu.layers_per_ipu, plan.gradient_accumulation, plan.steps_per_call,
+                                      pipeline.heads_ipu(ipu.layers_per_ipu, layout.head_tied_to_embeddings))
 
     def state_dict(self) -> Dict[str, Any]:
         """PopTorch's optimizer state (read from the device) and the training executable's random

@@ -11,8 +11,14 @@ from typing import List, Optional
 
 from bert_packed.config import HARMLESS, bounded
 from bert_packed.errors import ConfigError
+from bert_packed.limits import LAYERS, VOCABULARY, at_most
 
-
+# The largest IPU systems (Bow Pod1024) have 1024 IPUs: replicas x IPUs per replica must fit.
+MAX_IPUS = 1024
+# Host tokens of one call (device_iterations x gradient_accumulation x replicas x micro-batch packs
+# x max_sequence_length): the host builds them all before the call; 2^31 tokens are 8 GiB per
+# int32 input (Graphcore's BERT phases use about 5e6).
+MAX_TOKENS_PER_CALL = 2**31
 
 
 @dataclass
@@ -22,14 +28,17 @@ class IPUConfig:
     # Encoder layers on each IPU of one replica; its length is the IPUs per replica and
     # it must sum to model.num_hidden_layers. The embeddings sit on IPU 0; heads tied to the
     # embeddings (the MLM decoder) on IPU 0 too, other task heads on the last IPU.
-    layers_per_ipu: List[int] = field(default_factory=lambda: [3, 7, 7, 7])
-    replication_factor: int = bounded(4, ge=1)
-    # Optimizer steps per host call (PopTorch deviceIterations).
-    device_iterations: int = bounded(1, ge=1)
+    layers_per_ipu: List[int] = bounded([3, 7, 7, 7], ge=0, hint="(encoder layers on that IPU)", **LAYERS)
+    replication_factor: int = bounded(4, ge=1, **at_most(MAX_IPUS, "the largest IPU systems have 1024 IPUs"))
+    # Optimizer steps per host call (PopTorch deviceIterations). A call's logs, checkpoints and
+    # Ctrl-C wait for its end, and the host builds all its packs first (see MAX_TOKENS_PER_CALL).
+    device_iterations: int = bounded(1, ge=1, **at_most(10**4, "logs, checkpoints and Ctrl-C wait for a call's "
+                                                               "end"))
     # What the host gets back per call (PopTorch OutputMode).
     output_mode: str = field(default="sum", metadata={"choices": ("all", "sum", "final", "default")})
     # Fraction of tile memory for matmul/conv temporaries, one per IPU (or one for all).
-    available_memory_proportion: List[float] = field(default_factory=lambda: [0.1, 0.15, 0.15, 0.15])
+    available_memory_proportion: List[float] = bounded([0.1, 0.15, 0.15, 0.15], gt=0.0, le=1.0,
+                                                       hint="(a fraction of tile memory)")
     enable_half_partials: bool = True
     half_precision: bool = True
     # Gradient accumulators (PopTorch optimizer accum_type): "auto" = fp16 with half_precision
@@ -37,7 +46,10 @@ class IPUConfig:
     # overflow), else fp32. LAMB's two moments are always fp32.
     accumulator_dtype: str = field(default="auto", metadata={"choices": ("auto", "fp16", "fp32")})
     stochastic_rounding: bool = True
-    loss_scaling: float = bounded(8192.0, gt=0.0)
+    # Every gradient is scaled by it in fp16, whose largest value is 65504: at that scale a
+    # gradient of 1 already overflows (Graphcore's BERT uses 512 to 16384).
+    loss_scaling: float = bounded(8192.0, gt=0.0, **at_most(65504.0, "fp16's largest value; Graphcore's BERT uses "
+                                                                     "512 to 16384"))
     # PopTorch's executable cache: BERT-Large compiles for tens of minutes, a cached executable
     # loads in seconds. A relative path is relative to the working directory; null = off.
     executable_cache_dir: Optional[str] = field(default="runs/executable_cache", metadata=HARMLESS)
@@ -48,7 +60,8 @@ class IPUConfig:
     recompute_checkpoint_every_layer: bool = True
     auto_round_num_ipus: bool = True
     # Split the tied MLM decoder matmul into this many pieces to fit IPU 0's memory.
-    embedding_serialization_factor: int = 2
+    embedding_serialization_factor: int = bounded(2, ge=1, **at_most(VOCABULARY["le"], "it divides "
+                                                                                          "model.vocab_size"))
 
     @property
     def ipus_per_replica(self) -> int:
@@ -62,10 +75,13 @@ class IPUConfig:
 def validate(config, world_size: int = 1) -> List[str]:
     """The ``ipu`` section against the model (bounds are checked by ``bert_packed.config``)."""
     ipu, m = config.ipu, config.model
-    negative = [n for n in ipu.layers_per_ipu if n < 0]
-    if negative or not ipu.layers_per_ipu:
+    if not ipu.layers_per_ipu:
         raise ConfigError(f"ipu.layers_per_ipu={ipu.layers_per_ipu}: give one count >= 0 per IPU "
                           f"(encoder layers on that IPU)")
+    if ipu.replication_factor * ipu.ipus_per_replica > MAX_IPUS:
+        raise ConfigError(f"ipu.replication_factor={ipu.replication_factor} replicas of {ipu.ipus_per_replica} IPUs "
+                          f"(ipu.layers_per_ipu) need {ipu.replication_factor * ipu.ipus_per_replica} IPUs; the "
+                          f"largest IPU systems have {MAX_IPUS}")
     if sum(ipu.layers_per_ipu) != m.num_hidden_layers:
         raise ConfigError(
             f"ipu.layers_per_ipu={ipu.layers_per_ipu} sums to {sum(ipu.layers_per_ipu)} but "
@@ -76,13 +92,25 @@ def validate(config, world_size: int = 1) -> List[str]:
             f"ipu.available_memory_proportion has {len(ipu.available_memory_proportion)} entries; "
             f"give 1 or one per IPU ({len(ipu.layers_per_ipu)})"
         )
-    bad = [p for p in ipu.available_memory_proportion if not 0.0 < p <= 1.0]
-    if bad:
-        raise ConfigError(f"ipu.available_memory_proportion={ipu.available_memory_proportion}: each entry is a "
-                          f"fraction of tile memory in (0, 1], got {bad[0]}")
-    if ipu.embedding_serialization_factor < 1 or m.vocab_size % ipu.embedding_serialization_factor:
+    if m.vocab_size % ipu.embedding_serialization_factor:
         raise ConfigError(
             f"ipu.embedding_serialization_factor={ipu.embedding_serialization_factor} must be >= 1 and divide "
             f"model.vocab_size={m.vocab_size}; pick a divisor (1 = no serialization)"
         )
+    _check_call_size(config, world_size)
     return []
+
+
+def _check_call_size(config, world_size: int) -> None:
+    """The packs of one host call (built on the host before it) within MAX_TOKENS_PER_CALL."""
+    ipu, t = config.ipu, config.train
+    per_pass = t.micro_batch_size * ipu.replication_factor
+    accumulation = t.gradient_accumulation if t.global_batch_size is None else max(
+        1, t.global_batch_size // (per_pass * world_size))
+    tokens = ipu.device_iterations * accumulation * per_pass * config.data.max_sequence_length
+    if tokens > MAX_TOKENS_PER_CALL:
+        raise ConfigError(
+            f"one host call holds {tokens} tokens (ipu.device_iterations={ipu.device_iterations} x {accumulation} "
+            f"micro-batches per step x ipu.replication_factor={ipu.replication_factor} x train.micro_batch_size="
+            f"{t.micro_batch_size} packs x data.max_sequence_length={config.data.max_sequence_length}), more than "
+            f"{MAX_TOKENS_PER_CALL}: the host builds them all before the call; lower ipu.device_iterations")

@@ -96,13 +96,14 @@ def compile_only(config, backend, output_dir: str, *, mode: str = "cache") -> Di
     task.setup(show_progress=False)
     source = task.data_source("train", micro_batch_size=config.train.micro_batch_size, rank=0, world_size=1)
     plan = make_plan(config, backend, packing_factor=source.packing_factor, num_steps=task.num_steps)
-    estimate = report_memory(config, backend, output_dir)
-    report_dir = os.path.join(output_dir, REPORT_DIR_NAME) if mode == "report" else None
     if backend.prices_from_shapes:
         with torch.device("meta"):  # the mock compiles shapes: no gigabytes of weights on the CPU
             model = build_model(config)
     else:
         model = build_model(config)
+    backend.check_plan(model, plan, offline=True)  # a mistake is refused before anything is written
+    estimate = report_memory(config, backend, output_dir)
+    report_dir = os.path.join(output_dir, REPORT_DIR_NAME) if mode == "report" else None
     optimizer, _ = build_optimizer(config, model, plan.betas, steps=plan.steps)
     cache = config.ipu.executable_cache_dir
     if mode == "report":

@@ -125,3 +125,90 @@ def test_cli_prints_resolved_config_and_rejects_bad_ones():
     assert "layers_per_ipu: [3, 7, 7, 7]" in ok.stdout and "steps: 5" in ok.stdout
     bad = run("phase2", "--set", "train.nope=1")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: --set: unknown key train.nope")
+
+
+# ----------------------------------------------------------------------------- maximums (issue 27)
+
+
+def _numeric_fields():
+    """(section, field, base type) of every int/float field of every registered section (lists:
+    their items), found by type, so a new field is covered without being named here."""
+    import dataclasses
+    import typing
+
+    found = []
+    for name, obj in Config().sections.items():
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            tp = hints[f.name]
+            while typing.get_origin(tp) in (typing.Union, list):
+                tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+            if tp in (int, float):
+                found.append((name, f, tp))
+    return found
+
+
+NUMERIC = _numeric_fields()
+
+
+def test_the_sections_checked_include_every_owner():
+    sections = {name for name, _, _ in NUMERIC}
+    assert {"model", "data", "optimizer", "train", "finetune", "ipu", "cpu", "cuda"} <= sections
+    keys = {f"{name}.{f.name}" for name, f, _ in NUMERIC}
+    # The tasks' own keys are in the finetune section: classification's, SQuAD's.
+    assert {"finetune.num_labels", "finetune.n_best_size", "finetune.doc_stride", "finetune.epochs"} <= keys
+
+
+@pytest.mark.parametrize("name, f, tp", NUMERIC, ids=[f"{n}.{f.name}" for n, f, _ in NUMERIC])
+def test_every_number_has_a_maximum_or_a_reason_for_none(name, f, tp):
+    meta = f.metadata
+    upper = meta.get("le", meta.get("lt"))
+    if upper is None:
+        assert meta.get("unbounded"), f"{name}.{f.name}: declare a maximum (le=/lt=, with why=) or unbounded='reason'"
+        return
+    assert "unbounded" not in meta
+    if upper > 1:  # not a fraction or probability: a sanity limit, which says why
+        assert meta.get("why"), f"{name}.{f.name}: a maximum of {upper} needs why='the reason'"
+
+
+BOUNDED = [(n, f, tp) for n, f, tp in NUMERIC if "le" in f.metadata or "lt" in f.metadata]
+
+
+@pytest.mark.parametrize("name, f, tp", BOUNDED, ids=[f"{n}.{f.name}" for n, f, _ in BOUNDED])
+def test_each_maximum_is_enforced_with_its_reason(name, f, tp):
+    from bert_packed.config import check_section
+
+    meta = f.metadata
+    is_list = isinstance(getattr(Config().sections[name], f.name), list)
+    limit = meta.get("le", meta.get("lt"))
+    at_limit = limit if "le" in meta else (limit - 1 if tp is int else limit * (1 - 1e-9))
+    above = limit + 1 if tp is int else (limit * 2 if limit else 1.0)
+    config = Config()
+    obj = config.sections[name]
+    setattr(obj, f.name, [at_limit] if is_list else at_limit)
+    check_section(name, obj)  # the maximum itself is allowed
+    setattr(obj, f.name, [above] if is_list else above)
+    with pytest.raises(ConfigError) as info:
+        check_section(name, obj)
+    message = str(info.value)
+    key = f"{name}.{f.name}[0]" if is_list else f"{name}.{f.name}"
+    assert message.startswith(f"{key} must be ") and message.endswith(f", got {above}")
+    if meta.get("why"):
+        assert f"({meta['why']})" in message
+
+
+@pytest.mark.parametrize("meta, value, ok, message", [
+    # A sanity maximum names only the side violated, with its reason (and not the hint).
+    ({"ge": 1, "le": 10, "why": "ten is plenty"}, 11, 10, "k must be <= 10 (ten is plenty), got 11"),
+    ({"ge": 1, "le": 10, "why": "ten is plenty"}, 0, 1, "k must be >= 1, got 0"),
+    ({"ge": 1.0, "le": 127, "why": "int8", "hint": "(per pack)"}, 1000.0, 1.5, "k must be <= 127 (int8), got 1000.0"),
+    # A domain interval is shown whole.
+    ({"ge": 0.0, "lt": 1.0}, 1.0, 0.0, "k must be in [0, 1), got 1.0"),
+    ({"gt": 0.0, "le": 65504.0, "why": "fp16"}, 1e30, 65504.0, "k must be <= 65504 (fp16), got 1e+30"),
+    ({"ge": 0, "hint": "(0 = off)"}, -1, 0, "k must be >= 0 (0 = off), got -1"),
+])
+def test_bound_messages(meta, value, ok, message):
+    from bert_packed.limits import bound_message
+
+    assert bound_message("k", value, meta) == message
+    assert bound_message("k", ok, meta) is None

@@ -174,6 +174,16 @@ def test_sequence_longer_than_the_configured_length(unpacked, tmp_path):
     assert unpacked_digests(tmp_path / "wide.h5") == packed_digests(tmp_path / "packed48.h5")
 
 
+def test_a_depth_beyond_int8_sequence_ids_is_refused(unpacked, tmp_path):
+    # Was: written (depth <= 200), a file no run can read (data.max_sequences_per_pack <= 127).
+    source, _ = unpacked
+    before = sha256(source)
+    assert_one_line_error(run_cli("pack", "--input", source, "--output", tmp_path / "o.h5", "--max-sequences-per-pack",
+                                  200),
+                          "--max-sequences-per-pack must be <= 127 (packed files store sequence ids as int8), got 200")
+    assert not (tmp_path / "o.h5").exists() and sha256(source) == before
+
+
 def test_packing_a_packed_file_is_refused(unpacked, tmp_path):
     source, _ = unpacked
     pack_file(source, tmp_path / "p.h5", show_progress=False)

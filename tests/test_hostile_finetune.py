@@ -327,6 +327,85 @@ def test_whole_numbers_as_decimals_are_class_ids_when_the_problem_type_says_so()
     assert booleans.id2label == {0: "False", 1: "True"}
 
 
+# ----------------------------------------------------------------------------- multi-label empty values
+#
+# The rule (docs/finetuning.md): in a multi-label row an empty value (CSV/TSV) or [] (JSON lines)
+# means "no labels", every class negative; it is the only empty label accepted. An empty name
+# inside a row, data where no row has a label, and an empty label of any other problem type are
+# refused; with problem_type null a name holding the separator is ambiguous and refused.
+
+MULTI = 'text,label\ngood dog,"pos,pet"\nbad cat,\nfine tree,pos\nsad river,  \n'
+
+
+def test_an_empty_multi_label_value_is_a_row_with_no_labels(capsys, checkpoint, tmp_path, data):
+    import run
+
+    train = write(data / "train.csv", MULTI)
+    validation = write(data / "dev.tsv", "text\tlabel\ngood dog\tpet\nbad cat\t\n")
+    before = snapshot(data, checkpoint)
+    out = tmp_path / "out"
+    argv = ["--config", "finetune_classification", "--init-checkpoint", str(checkpoint), "--output-dir", str(out),
+            "--no-progress", "--set", f"data.max_sequence_length={S}", "--set", f"finetune.train_file={train}",
+            "--set", f"finetune.validation_file={validation}", "--set", "train.num_threads=1", "--steps", "1",
+            "--set", "finetune.problem_type=multi_label_classification"]
+    assert run.main(argv) == 0, capsys.readouterr().err
+    assert_unchanged(before, data, checkpoint)
+    with open(out / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["status"] == "completed" and "eval" in summary
+    from bert_packed.finetune.classification import Labels
+
+    labels = Labels.from_training(["pos,pet", "", "pos", "  "], "multi_label_classification", None, ",", None, "t")
+    assert labels.id2label == {0: "pet", 1: "pos"}
+    assert labels.encode(["pet", "", " ", "pos , pet"], ",", "v").tolist() == [[1, 0], [0, 0], [0, 0], [1, 1]]
+    json_rows = Labels.from_training([["a"], [], ["a", "b"]], None, None, ",", None, "t")
+    assert json_rows.problem_type == "multi_label_classification"
+    assert json_rows.encode([[]], ",", "v").tolist() == [[0, 0]]
+
+
+@pytest.mark.parametrize("content, extra, message", [
+    ('text,label\ngood dog,"pos,,pet"\nbad cat,pos\n', ("--set", "finetune.problem_type=multi_label_classification"),
+     "line 2: column 'label': label 'pos,,pet' has an empty label name between or around the separators (','); a "
+     "label lost? join the names by single separators, or leave the value empty for a row with no labels"),
+    ('text,label\ngood dog,pos\nbad cat,"neg,"\n', ("--set", "finetune.problem_type=multi_label_classification"),
+     "line 3: column 'label': label 'neg,' has an empty label name between or around the separators (','); a "
+     "label lost? join the names by single separators, or leave the value empty for a row with no labels"),
+    ("text,label\ngood dog,\nbad cat, \n", ("--set", "finetune.problem_type=multi_label_classification"),
+     "no row has a label (multi-label rows may have none, written as an empty value or [], but some row must name "
+     "a class)"),
+    # problem_type null: several labels or one class named 'pos,pet'? Was: silently one class.
+    ('text,label\ngood dog,"pos,pet"\nbad cat,neg\n', (),
+     "line 2: column 'label': label 'pos,pet' holds finetune.label_separator ',': several labels (multi-label) or "
+     "one class whose name holds ','? set finetune.problem_type (multi_label_classification or "
+     "single_label_classification)"),
+    # Empty elsewhere: single-label (inferred or given) and regression.
+    ("text,label\ngood dog,pos\nbad cat,\n", ("--set", "finetune.problem_type=single_label_classification"),
+     "line 3: column 'label': label '' is empty; every row needs a label (remove the row or fill it in)"),
+    ("text,label\ngood dog,0.5\nbad cat,\n", ("--set", "finetune.problem_type=regression"),
+     "line 3: column 'label': label '' is empty; every row needs a label (remove the row or fill it in)"),
+])
+def test_empty_labels_outside_the_multi_label_convenience_are_refused(capsys, checkpoint, tmp_path, data, content,
+                                                                      extra, message):
+    train = write(data / "train.csv", content)
+    refused(capsys, checkpoint, tmp_path, train, f"{train}: {message}", data / "dev.csv", *extra)
+
+
+def test_an_empty_name_in_a_json_list_of_labels_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.jsonl", '{"text": "good dog", "label": ["pos", ""]}\n{"text": "bad", "label": []}\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 1: column 'label': label ['pos', ''] has an empty label name; a label lost? remove it, or "
+            f"write [] for a row with no labels", data / "dev.csv")
+
+
+def test_class_ids_that_make_absurdly_many_classes_are_refused(capsys, checkpoint, tmp_path, data):
+    # Was: a head of 10^12 outputs was attempted (num_labels = the largest id + 1).
+    train = write(data / "train.csv", "text,label\ngood dog,0\nbad cat,999999999999\n")
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: column 'label': label '999999999999' would make 1000000000000 classes (class ids "
+            f"count from 0), more than 1048576: the head alone would be num_labels x hidden_size weights",
+            data / "dev.csv")
+
+
 # ----------------------------------------------------------------------------- SQuAD
 
 
@@ -691,3 +770,22 @@ def test_export_and_predict_still_write_outside_inputs(capsys, finished, checkpo
                           "--output", str(tmp_path / "p.jsonl"), "--max-sequence-length", str(S)]) == 0
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 4
     assert_unchanged(before, root, checkpoint)
+
+
+def test_epochs_that_come_to_more_steps_than_the_maximum_are_refused():
+    # finetune.epochs is within its own maximum, but over the data it comes to more optimizer
+    # steps than train.steps may be: refused when the steps are derived, naming both.
+    import types
+
+    from bert_packed.config import ConfigError, load_config
+    from bert_packed.finetune.classification import ClassificationTask
+
+    task = ClassificationTask(load_config("finetune_classification", ["finetune.epochs=1000000"]))
+    task.train_data = types.SimpleNamespace(num_packs=5000)
+    with pytest.raises(ConfigError) as error:
+        task.num_steps(4)
+    assert str(error.value) == (
+        "finetune.epochs=1e+06 over 5000 training packs, 4 per step, come to 1250000000 optimizer steps, more than "
+        "train.steps' maximum 1000000000 (more optimizer steps than any run takes; BERT-Large pre-training takes "
+        "10^4 to 10^6); lower finetune.epochs")
+    assert task.num_steps(5000) == 1000000  # within the maximum: the derived steps

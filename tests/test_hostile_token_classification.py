@@ -140,3 +140,37 @@ def test_messages_name_the_files_own_rows(checkpoint, tmp_path, capsys):
                                             "--set", f"finetune.validation_file={dev}"])
     assert (code, line) == (2, f"error: {bad}: row 10, column 'ner_tags', word 2: tag 'I-ORG' follows 'O': in IOB2 an "
                                f"entity starts with B-ORG (IOB1 data? convert it to IOB2)")
+
+
+@pytest.mark.parametrize("inside", ["the datasets directory", "the folder of the JSON lines file"])
+def test_an_output_dir_that_is_where_the_data_is_is_refused(checkpoint, tmp_path, capsys, inside):
+    # Was: the run wrote checkpoint.pt, best/, hf/, predictions.jsonl ... into the saved dataset
+    # (or next to train.jsonl, where a file of one of those names would be replaced).
+    data = tmp_path / "data"
+    data.mkdir()
+    sentences = ner_sentences(12, 0)
+    dataset = write_dataset(data / "ds", sentences)
+    jsonl = write_jsonl(data / "train.jsonl", sentences)
+    capsys.readouterr()  # datasets' progress bars while writing the data
+    train, out = (dataset, dataset) if inside.startswith("the datasets") else (jsonl, str(data))
+    before = snapshot(data, checkpoint)
+    code, line = main_error(capsys, ["--config", "finetune_token_classification", "--init-checkpoint", checkpoint,
+                                     "--output-dir", out, "--no-progress", "--set", "data.max_sequence_length=64",
+                                     "--set", f"finetune.train_file={train}", "--steps", "1"])
+    assert (code, line) == (2, f"error: --output-dir {out} is finetune.train_file's directory ({train}); choose "
+                               f"another --output-dir so the input stays as it is")
+    assert_unchanged(before, data, checkpoint)
+
+
+def test_validating_on_the_training_file_is_warned(checkpoint, tmp_path):
+    from backends import get_backend_class
+    from bert_packed.config import load_config, validate
+
+    train = write_jsonl(tmp_path / "train.jsonl", ner_sentences(4, 0))
+    config = load_config("finetune_token_classification", [f"finetune.train_file={train}",
+                                                           f"finetune.validation_file={train}"])
+    assert validate(config, get_backend_class("cpu")) == [
+        f"finetune.validation_file is finetune.train_file ({train}): the evaluations, and the best model chosen by "
+        f"them, measure the training data"]
+    config.finetune.validation_file = None
+    assert validate(config, get_backend_class("cpu")) == []

@@ -150,9 +150,15 @@ BAD_CONFIGS = [
      "ipu.embedding_serialization_factor=3 must be >= 1 and divide model.vocab_size=256; pick a divisor "
      "(1 = no serialization)"),
     (["ipu.available_memory_proportion=[1.5]"], "mock",
-     "ipu.available_memory_proportion=[1.5]: each entry is a fraction of tile memory in (0, 1], got 1.5"),
+     "ipu.available_memory_proportion[0] must be in (0, 1] (a fraction of tile memory), got 1.5"),
     (["ipu.layers_per_ipu=[-1, 3]"], "mock",
-     "ipu.layers_per_ipu=[-1, 3]: give one count >= 0 per IPU (encoder layers on that IPU)"),
+     "ipu.layers_per_ipu[0] must be >= 0 (encoder layers on that IPU), got -1"),
+    # An empty value (an unset shell variable): was "none" in silence (random init, generated
+    # data, runs/NAME) or, for the label separator, a traceback (str.split("")).
+    (["model.init_checkpoint="], "cpu", "--set: model.init_checkpoint is empty; give a value (or null for none)"),
+    (["data.path=  "], "cpu", "--set: data.path is empty; give a value (or null for none)"),
+    (["train.output_dir="], "cpu", "--set: train.output_dir is empty; give a value (or null for none)"),
+    (["finetune.label_separator="], "cpu", "--set: finetune.label_separator is empty; give a value"),
 ]
 
 
@@ -163,6 +169,93 @@ def test_config_mistakes_exit_2_with_one_line(tmp_path, capsys, overrides, backe
         argv += ["--set", override]
     assert main_error(capsys, argv) == (2, f"error: {message}")
     assert not (tmp_path / "run").exists()
+
+
+# Absurd counts and sizes (issue 27): every number of every section has a maximum with its
+# reason (tests/test_config.py checks the declarations); these go through run.main.
+ABSURD = [
+    (["--steps", "1000000000000000000000000000000"], "cpu",
+     "train.steps must be <= 1000000000 (more optimizer steps than any run takes; BERT-Large pre-training takes "
+     "10^4 to 10^6), got 1000000000000000000000000000000"),
+    (["--set", "train.micro_batch_size=1000000000000"], "cpu",
+     "train.micro_batch_size must be <= 16384 (no device holds the activations of more packs in one forward pass), "
+     "got 1000000000000"),
+    (["--set", "train.gradient_accumulation=10000000000000000000000"], "cpu",
+     "train.gradient_accumulation must be <= 1048576 (16 times the largest published BERT batch (65536 sequences)), "
+     "got 10000000000000000000000"),
+    # Was a numpy traceback (np.random.seed takes 32 bits).
+    (["--set", "train.seed=4294967296"], "cpu",
+     "train.seed must be <= 4294967295 (numpy's random seed is 32 bits), got 4294967296"),
+    # Was a segfault (libgomp cannot create the threads).
+    (["--set", "train.num_threads=100000000"], "cpu",
+     "train.num_threads must be <= 1024 (more threads than any CPU runs; libgomp crashes when it cannot create "
+     "them), got 100000000"),
+    (["--set", "train.collective_timeout_minutes=1e30"], "cpu",
+     "train.collective_timeout_minutes must be <= 10080 (a week; a collective waiting longer has hung), got 1e+30"),
+    (["--set", "train.eval_batches=100000", "--set", "train.eval_every=1"], "cpu",
+     "train.eval_batches must be <= 10000 (they are built once and kept in host memory), got 100000"),
+    (["--set", "data.num_sequences=1000000000000"], "cpu",
+     "data.num_sequences must be <= 100000000 (generated sequences are drawn and packed in host memory at the "
+     "start; use data.path), got 1000000000000"),
+    (["--set", "data.max_sequence_length=1000000000", "--set", "model.max_position_embeddings=1000000000"], "cpu",
+     "model.max_position_embeddings must be <= 1048576 (16 times the longest sequence a run takes), got 1000000000"),
+    (["--set", "data.max_sequences_per_pack=200"], "cpu",
+     "data.max_sequences_per_pack must be <= 127 (packed files store sequence ids as int8), got 200"),
+    (["--set", "model.hidden_size=1000000000000"], "cpu",
+     "model.hidden_size must be <= 65536 (one hidden x hidden weight matrix would be 16 GiB; the widest transformers "
+     "use ~25000), got 1000000000000"),
+    (["--set", "optimizer.weight_decay=1e30"], "cpu",
+     "optimizer.weight_decay must be <= 1 (ten times the largest decay recipes use (0.01 to 0.1)), got 1e+30"),
+    (["--set", "finetune.epochs=1e300"], "cpu",
+     "finetune.epochs must be <= 1000000 (fine-tuning takes 2 to 10 passes), got 1e+300"),
+    (["--set", "ipu.replication_factor=1000000"], "mock",
+     "ipu.replication_factor must be <= 1024 (the largest IPU systems have 1024 IPUs), got 1000000"),
+    (["--set", "ipu.replication_factor=1024", "--set", "ipu.layers_per_ipu=[1, 1]"], "mock",
+     "ipu.replication_factor=1024 replicas of 2 IPUs (ipu.layers_per_ipu) need 2048 IPUs; the largest IPU "
+     "systems have 1024"),
+    (["--set", "ipu.device_iterations=10000", "--set", "train.gradient_accumulation=100000"], "mock",
+     "one host call holds 256000000000 tokens (ipu.device_iterations=10000 x 100000 micro-batches per step x "
+     "ipu.replication_factor=1 x train.micro_batch_size=4 packs x data.max_sequence_length=64), more than "
+     "2147483648: the host builds them all before the call; lower ipu.device_iterations"),
+    (["--set", "ipu.loss_scaling=1e9"], "mock",
+     "ipu.loss_scaling must be <= 65504 (fp16's largest value; Graphcore's BERT uses 512 to 16384), got 1000000000.0"),
+    (["--set", "cuda.loss_scale_init=1e300"], "cuda",
+     "cuda.loss_scale_init must be <= 3.40282e+38 (GradScaler keeps it in fp32, whose largest value that is), got "
+     "1e+300"),
+    # More IPUs than the (mock) system has: refused before the run directory is made (was a
+    # traceback at the first step's compile, with metrics.jsonl already written).
+    (["--set", "ipu.replication_factor=512"], "mock",
+     "the run needs 512 IPUs (ipu.replication_factor=512 x 1 per replica, ipu.layers_per_ipu), more than this "
+     "system has (the mock system has 16; set MOCK_POPTORCH_NUM_IPUS to model a larger one); lower "
+     "ipu.replication_factor"),
+]
+
+
+@pytest.mark.parametrize("extra, backend, message", ABSURD, ids=[" ".join(c[0]) for c in ABSURD])
+def test_absurd_counts_and_sizes_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, extra, backend, message):
+    from bert_packed.config import resolve_config_path
+
+    tiny = resolve_config_path("tiny")
+    before = snapshot(tmp_path, tiny)
+    argv = TINY + ["--backend", backend, "--output-dir", str(tmp_path / "out" / "run"), *extra]
+    assert main_error(capsys, argv) == (2, f"error: {message}")
+    assert_unchanged(before, tmp_path, tiny)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, environ, message", [
+    (["--world-size", "0"], {}, "error: --world-size counts processes: give 1 or more, got 0 (see run.py --help)"),
+    ([], {"WORLD_SIZE": "two"}, "error: $WORLD_SIZE='two' is not a number of processes (see run.py --help)"),
+])
+def test_a_world_size_that_is_no_count_of_processes_is_one_line(capsys, monkeypatch, argv, environ, message):
+    import run
+
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("sys.argv", ["run.py"])
+    with pytest.raises(SystemExit) as exit_:
+        run.main(["--config", "tiny", "--print-config", *argv])
+    assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
 
 
 def test_output_dir_that_is_a_file_is_refused(tmp_path, capsys):
@@ -179,8 +272,8 @@ def test_output_dir_below_a_file_is_refused(tmp_path, capsys):
     target.write_text("keep me\n")
     before = snapshot(tmp_path)
     code, line = main_error(capsys, TINY + ["--steps", "1", "--output-dir", str(target / "sub")])
-    assert (code, line) == (2, f"error: output directory {target / 'sub'}: Not a directory; choose another "
-                               f"--output-dir")
+    assert (code, line) == (2, f"error: output directory {target / 'sub'}: Not a directory ({target} is a file); "
+                               f"choose another --output-dir")
     assert_unchanged(before, tmp_path)
 
 
@@ -194,6 +287,161 @@ def test_keyboard_interrupt_before_training_is_one_line(monkeypatch, capsys):
     assert main_error(capsys, ["--config", "tiny"]) == (130, "interrupted (nothing half-written was kept)")
 
 
+# ----------------------------------------------------------------------------- the modes of run.py (issue 27)
+# --compile-only, --profile and --print-config: the same output-directory rules as training, a
+# mistake refused before anything is written, and flags that contradict each other refused.
+
+
+@pytest.fixture
+def packed_data(tmp_path):
+    """A folder holding a packed HDF5 file (data.path: an input of pre-training)."""
+    from bert_packed.data.pack import pack_file
+    from bert_packed.data.synthetic import write_synthetic_unpacked
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_synthetic_unpacked(folder / "u.h5", 200, max_seq_length=64, max_predictions=10, vocab_size=256, seed=1)
+    pack_file(folder / "u.h5", folder / "packed.h5", show_progress=False)
+    os.remove(folder / "u.h5")
+    return folder
+
+
+@pytest.mark.parametrize("mode", [["--compile-only"], ["--compile-only", "report"], ["--profile"], []],
+                         ids=["compile-only", "compile-only report", "profile", "train"])
+@pytest.mark.parametrize("where", ["a file", "below a file", "the data's folder"])
+def test_every_mode_refuses_an_output_dir_that_cannot_be_one(tmp_path, capsys, packed_data, mode, where):
+    (tmp_path / "file").write_text("keep me\n")
+    target = {"a file": tmp_path / "file", "below a file": tmp_path / "file" / "sub",
+              "the data's folder": packed_data}[where]
+    message = {"a file": f"output directory {target} is a file; choose another --output-dir",
+               "below a file": f"output directory {target}: Not a directory ({tmp_path / 'file'} is a file); choose "
+                               f"another --output-dir",
+               "the data's folder": f"--output-dir {target} is data.path's directory ({packed_data / 'packed.h5'}); "
+                                    f"choose another --output-dir so the input stays as it is"}[where]
+    before = snapshot(tmp_path)
+    argv = TINY + ["--backend", "mock", "--steps", "1", "--set", f"data.path={packed_data / 'packed.h5'}",
+                   "--set", "model.vocab_size=256", "--output-dir", str(target), *mode]
+    assert main_error(capsys, argv) == (2, f"error: {message}")  # (was "error: FILE: File exists" for the modes)
+    assert_unchanged(before, tmp_path)
+
+
+def test_compile_only_refuses_a_mistake_before_writing_its_estimate(tmp_path, capsys):
+    # Was: memory_estimate.md/.json written, then the refusal.
+    out = tmp_path / "out"
+    argv = TINY + ["--backend", "mock", "--compile-only", "--steps", "4", "--set", "ipu.device_iterations=3",
+                   "--output-dir", str(out)]
+    assert main_error(capsys, argv) == (2, "error: train.steps=4 is not a multiple of ipu.device_iterations=3 (one "
+                                           "PopTorch call runs that many steps); change either")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--print-config", "tiny", "--config", "phase2"],
+     "--print-config tiny and --config phase2 name two configs; give one"),
+    (["--compile-only", "--profile"], "argument --profile: not allowed with argument --compile-only"),
+    (["--print-config", "--compile-only"], "argument --compile-only: not allowed with argument --print-config"),
+    (["--profile", "--resume"], "--resume continues a training run; --profile does not train"),
+    (["--compile-only", "report", "--resume-force"], "--resume continues a training run; --compile-only does not train"),
+])
+def test_modes_that_contradict_are_refused(capsys, monkeypatch, argv, message):
+    # Was: one of them silently won (--print-config NAME over --config, --compile-only over --profile).
+    import run
+
+    monkeypatch.setattr("sys.argv", ["run.py"])
+    with pytest.raises(SystemExit) as exit_:
+        run.main(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {message} (see run.py --help)"]
+
+
+@pytest.mark.parametrize("content", ["", "# nothing but a comment\n\n"], ids=["empty", "comment"])
+def test_an_empty_config_file_is_refused_not_the_defaults(tmp_path, capsys, content):
+    # Was: every default (BERT-Large, 2137 steps) for a file saved empty by mistake; {} still means that.
+    path = tmp_path / "mine.yaml"
+    path.write_text(content)
+    before = snapshot(tmp_path)
+    assert main_error(capsys, ["--config", str(path), "--output-dir", str(tmp_path / "run")]) == (
+        2, f"error: {path}: the config file is empty; write its sections (model:, data:, train:, ...), or {{}} for "
+           f"every default")
+    assert_unchanged(before, tmp_path)
+    path.write_text("{}\n")
+    assert run_ok(capsys, ["--print-config", str(path)]).out.startswith("# resolved config 'mine'")
+
+
+def test_a_config_that_is_a_directory_or_a_missing_path_is_named_plainly(tmp_path, capsys):
+    (tmp_path / "conf.yaml").mkdir()
+    code, line = main_error(capsys, ["--print-config", str(tmp_path / "conf.yaml")])
+    assert (code, line) == (2, f"error: config {tmp_path / 'conf.yaml'} is a directory; give a YAML file (or a name "
+                               f"in configs/)")
+    code, line = main_error(capsys, ["--print-config", str(tmp_path / "nope.yaml")])
+    # Was: "no file configs//abs/nope.yaml, configs//abs/nope.yaml.yaml or /abs/nope.yaml".
+    assert code == 2 and line.startswith(f"error: unknown config '{tmp_path / 'nope.yaml'}': no file "
+                                         f"{tmp_path / 'nope.yaml'}; available: demo, ")
+
+
+# ----------------------------------------------------------------------------- Ctrl-C (issue 27)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_py_as_main(code_before, argv, tmp_path):
+    """``python run.py ARGV`` (as __main__, through runpy) after ``code_before``; (status, stderr, the
+    SIGINT handler at exit)."""
+    import subprocess
+    import sys
+
+    script = (f"import builtins, runpy, signal, sys\n{code_before}\nsys.argv = ['run.py'] + {argv!r}\n"
+              f"try:\n    runpy.run_path('run.py', run_name='__main__')\nexcept SystemExit as exc:\n"
+              f"    print('handler', signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n    sys.exit(exc.code)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stderr, result.stdout
+
+
+def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
+    # Was: a KeyboardInterrupt traceback from inside an import (the first seconds of every run).
+    interrupt_imports = ("real = builtins.__import__\n"
+                         "def imp(name, *args, **kwargs):\n"
+                         "    if name == 'backends':\n"
+                         "        raise KeyboardInterrupt\n"
+                         "    return real(name, *args, **kwargs)\n"
+                         "builtins.__import__ = imp")
+    code, err, _ = _run_py_as_main(interrupt_imports, ["--config", "tiny", "--output-dir", str(tmp_path / "run")],
+                                   tmp_path)
+    assert (code, err.splitlines()) == (130, ["interrupted (nothing half-written was kept)"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_after_the_work_is_done_is_ignored():
+    # Was: a Ctrl-C during the interpreter's shutdown, after a completed run, exited "killed by
+    # SIGINT"; from the moment run.py has its exit status, SIGINT is ignored.
+    code, err, out = _run_py_as_main("", ["--print-config", "tiny"], None)
+    assert code == 0 and out.rstrip().endswith("handler True"), err
+
+
+def test_ctrl_c_while_the_end_of_run_outputs_are_written_says_what_is_left(tmp_path, capsys, monkeypatch):
+    # Was: "interrupted (nothing half-written was kept)" and no summary.json, though the trained
+    # weights were in a checkpoint the message did not mention.
+    from bert_packed import task as task_module
+
+    def export(self, model, directory):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(task_module.Task, "export", export)
+    out = tmp_path / "run"
+    argv = TINY + ["--steps", "4", "--set", "train.checkpoint_every=2", "--output-dir", str(out)]
+    code, line = main_error(capsys, argv)
+    assert (code, line) == (130, f"stopped: SIGINT after the last step (4), while the end-of-run outputs (final "
+                                 f"evaluation, predictions, OUT/hf) were written: they are incomplete; the checkpoint "
+                                 f"{out / 'checkpoint.pt'} holds step 4 (python -m bert_packed.finetune export {out} "
+                                 f"--output DIR writes its Hugging Face export)")
+    assert _summary(out)["status"] == "interrupted" and load_checkpoint(str(out / CHECKPOINT_NAME))["step"] == 4
+    before = snapshot(out)
+    assert run_ok(capsys, argv + ["--resume"]).err.splitlines() == [
+        f"note: {out / 'checkpoint.pt'} is at step 4 and train.steps=4: nothing to do (raise --steps to continue)",
+        f"note: the run was stopped: {line[len('stopped: '):]}"]
+    assert_unchanged(before, out)
+    code, line = main_error(capsys, TINY + ["--steps", "4", "--output-dir", str(tmp_path / "run0")])
+    assert line.endswith("no checkpoint holds step 4 (train.checkpoint_every=0)")
 # ----------------------------------------------------------------------------- resume and checkpoints
 
 
@@ -374,6 +622,7 @@ def test_a_timed_out_collective_is_one_line_naming_the_setting(tmp_path, monkeyp
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "abc"], "error: argument --steps: invalid int value: 'abc' (see run.py --help)"),
     (["--bogus"], "error: unrecognized arguments: --bogus (see run.py --help)"),
+    (["--output-dir", ""], "error: --output-dir needs a directory, got an empty one (see run.py --help)"),
 ])
 def test_command_line_mistakes_are_one_line(capsys, monkeypatch, argv, message):
     import run

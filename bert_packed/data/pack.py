@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from . import h5io
 from ..io import make_folder, make_temp
+from ..limits import SEQUENCES_PER_PACK
 from .errors import DataError, refuse_output_over_input
 
 PACKED_DTYPES = {"input_ids": np.int32, "segment_ids": np.int8, "position_ids": np.int32,
@@ -73,6 +74,15 @@ def plan_packs(lengths, max_sequence_length, algorithm, max_sequences_per_pack, 
     return result, assignment
 
 
+def _check_depth(max_sequences_per_pack) -> None:
+    """Sequence ids are int8 in a packed file (PACKED_DTYPES): at most 127 sequences per pack,
+    data.max_sequences_per_pack's maximum too (bert_packed.limits)."""
+    limit = SEQUENCES_PER_PACK["le"]
+    if max_sequences_per_pack is not None and max_sequences_per_pack > limit:
+        raise DataError(f"--max-sequences-per-pack must be <= {limit} ({SEQUENCES_PER_PACK['why']}), got "
+                        f"{max_sequences_per_pack}")
+
+
 def _record_dtype(seq_len, num_predictions):
     """One unpacked sequence as a structured record (the file's fields and dtypes)."""
     return np.dtype([(name, dtype, shape[1:]) for name, (shape, dtype)
@@ -118,6 +128,7 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
     """The whole `pack` step. Writes `output_path` atomically; returns the statistics dict."""
     if chunk_packs < 1 or read_rows < 1:
         raise DataError("--chunk-packs must be at least 1")
+    _check_depth(max_sequences_per_pack)
     refuse_output_over_input(output_path, [input_path])
     with h5io.open_h5(input_path) as handle, h5io.read_errors(input_path):
         if h5io.is_packed(handle):
@@ -132,6 +143,7 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
         num_packs = offsets.size - 1
         depth = int(np.diff(offsets).max())
         max_k = max_sequences_per_pack or depth
+        _check_depth(max_k)
         masked_per_pack = np.add.reduceat(num_masked[indices], offsets[:-1])
         needed_m = int(masked_per_pack.max())
         max_m = max_masked_tokens_per_pack or needed_m

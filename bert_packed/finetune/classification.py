@@ -29,6 +29,7 @@ from bert_packed.errors import ConfigError
 from bert_packed.finetune import data as ft_data
 from bert_packed.finetune import metrics as ft_metrics
 from bert_packed.io import write_text_atomic
+from bert_packed.limits import at_most, bounded
 
 _INTEGER = re.compile(r"^[+-]?\d+$")
 PREDICTIONS_NAME = "predictions.jsonl"
@@ -46,11 +47,20 @@ PREDICTIONS_NAME = "predictions.jsonl"
 #   its own (a class id a spreadsheet or pandas printed as a float, or a regression target that
 #   happens to be whole): with problem_type null it is refused; with a classification
 #   problem_type it is that class id, with regression that number;
-# - empty labels (except a multi-label row: no labels), "nan" / "inf" (a missing value
+# - a multi-label row is a JSON list of names or ids, or names joined by finetune.label_separator;
+#   an empty cell ("", spaces) or [] is a row with NO labels (every class negative): the one
+#   empty label accepted, as multi-label data has such rows. An empty name inside a row ("a,,b",
+#   "a,", ["a", ""]) is refused (a label lost?), and so is data where no row has a label;
+# - with problem_type null, a name holding label_separator ("a,b") is ambiguous (names joined
+#   for multi-label, or one class whose name holds it?) and refused;
+# - empty labels elsewhere (single-label, regression), "nan" / "inf" (a missing value
 #   written as a number), names mixed with numbers or booleans, lists mixed with single values,
 #   negative class ids and fractional class ids are refused, naming file, line, column, value.
 
 _NON_FINITE = ("nan", "inf", "infinity")
+# Classes: the head is num_labels x hidden_size weights (4 GiB in fp32 at 2^20 x 1024) and a
+# multi-label target is num_labels floats per sequence; GLUE-style tasks have 2 to 100s.
+MAX_LABELS = at_most(2**20, "the head alone would be num_labels x hidden_size weights")
 _NUMBERS = ("int", "whole", "fraction")
 
 
@@ -119,10 +129,12 @@ def _check_items(values: Sequence[Any], items: Sequence[Any], rows: Sequence[int
     return kinds
 
 
-def infer_problem_type(values: List[Any], num_labels: Optional[int], where: str = "labels") -> str:
+def infer_problem_type(values: List[Any], num_labels: Optional[int], where: str = "labels",
+                       separator: Optional[str] = None) -> str:
     """The problem type the labels ``values`` imply (Hugging Face's rule, ambiguity refused, see
     the rules above): lists -> multi-label; ``num_labels`` 1 or a fractional number ->
-    regression; integer ids, names or booleans -> single-label."""
+    regression; integer ids, names or booleans -> single-label. A name holding ``separator``
+    (names joined for multi-label?) is refused: the problem type must then be given."""
     kinds = [_kind(v) for v in values]
     if "list" in kinds:
         scalar = [i for i, kind in enumerate(kinds) if kind != "list"]
@@ -140,6 +152,12 @@ def infer_problem_type(values: List[Any], num_labels: Optional[int], where: str 
                    "is a whole number written as a decimal: a class id or a regression target? set "
                    "finetune.problem_type (single_label_classification or regression), or write class ids as "
                    "integers")
+    joined = [i for i, kind in enumerate(kinds) if kind == "name" and separator and separator in str(values[i])]
+    if joined:
+        raise _bad(values, joined[0], where,
+                   f"holds finetune.label_separator {separator!r}: several labels (multi-label) or one class whose "
+                   f"name holds {separator!r}? set finetune.problem_type (multi_label_classification or "
+                   f"single_label_classification)")
     return "single_label_classification"
 
 
@@ -153,16 +171,21 @@ class Labels:
     @classmethod
     def from_training(cls, values: List[Any], problem_type: Optional[str], num_labels: Optional[int],
                       separator: str, checkpoint_labels: Optional[Dict[int, str]], where: str) -> "Labels":
-        problem_type = problem_type or infer_problem_type(values, num_labels, where)
+        problem_type = problem_type or infer_problem_type(values, num_labels, where, separator)
         if problem_type == "regression":
             width = len(values[0]) if isinstance(values[0], list) else 1
+            if width == 0:
+                raise _bad(values, 0, where, "is empty; every row needs a label (remove the row or fill it in)")
             if num_labels is not None and num_labels != width:
                 raise DataError(f"{where}: regression labels have {width} value(s) per row but finetune.num_labels="
                                 f"{num_labels}")
             return cls(problem_type, width, {i: f"LABEL_{i}" for i in range(width)}, named=False)
         multi = problem_type == "multi_label_classification"
-        split = [_split(v, separator) if multi else [v] for v in values]
+        split = [_row_labels(values, i, separator, where) if multi else [v] for i, v in enumerate(values)]
         items = [x for row in split for x in row]
+        if multi and not items:
+            raise DataError(f"{where}: no row has a label (multi-label rows may have none, written as an empty "
+                            f"value or [], but some row must name a class)")
         rows = [i for i, row in enumerate(split) for _ in row]  # the value each item came from
         kinds = _check_items(values, items, rows, where)
         if "fraction" in kinds:
@@ -174,6 +197,10 @@ class Labels:
             if min(ids) < 0:
                 k = ids.index(min(ids))
                 raise _bad(values, rows[k], where, "is a negative class id; class ids count from 0", items[k])
+            if num_labels is None and max(ids) >= MAX_LABELS["le"]:
+                k = ids.index(max(ids))
+                raise _bad(values, rows[k], where, f"would make {max(ids) + 1} classes (class ids count from 0), more "
+                                                   f"than {MAX_LABELS['le']}: {MAX_LABELS['why']}", items[k])
             count = num_labels if num_labels is not None else max(ids) + 1
             return cls(problem_type, count, {i: f"LABEL_{i}" for i in range(count)}, named=False)
         names = sorted({str(x) for x in items})
@@ -181,6 +208,9 @@ class Labels:
             mapping = dict(checkpoint_labels)  # keep a fine-tuned checkpoint's label ids
         else:
             mapping = dict(enumerate(names))
+        if len(mapping) > MAX_LABELS["le"]:
+            raise DataError(f"{where}: the labels are {len(mapping)} distinct names, more than {MAX_LABELS['le']} "
+                            f"classes: {MAX_LABELS['why']}")
         if num_labels is not None and num_labels != len(mapping):
             raise DataError(f"{where}: the labels are {len(mapping)} names ({_preview(mapping.values())}) but "
                             f"finetune.num_labels={num_labels}; drop the setting or fix the labels")
@@ -193,6 +223,8 @@ class Labels:
             for i, value in enumerate(values):
                 row = value if isinstance(value, list) else [value]
                 kinds = [_kind(x) for x in row]
+                if "empty" in kinds or not row:
+                    raise _bad(values, i, where, "is empty; every row needs a label (remove the row or fill it in)")
                 if "non-finite" in kinds:
                     raise _bad(values, i, where, "is not a finite number; a regression target must be one (fix or "
                                                  "remove the row)")
@@ -203,7 +235,7 @@ class Labels:
         multi = self.problem_type == "multi_label_classification"
         out = np.zeros((len(values), self.num_labels), dtype=np.float32) if multi else np.zeros(len(values), np.int64)
         for i, value in enumerate(values):
-            for item in (_split(value, separator) if multi else [value]):
+            for item in (_row_labels(values, i, separator, where) if multi else [value]):
                 label = self._id(item, values, i, where)
                 if multi:
                     out[i, label] = 1.0
@@ -228,11 +260,24 @@ class Labels:
         return label
 
 
-def _split(value: Any, separator: str) -> List[Any]:
+def _row_labels(values: Sequence[Any], row: int, separator: str, where: str) -> List[Any]:
+    """The labels of multi-label row ``row``: its JSON list, or its names split at ``separator``
+    (spaces around a name dropped). An empty value or [] is a row with no labels; an empty name
+    inside a row is refused (see the rules above)."""
+    value = values[row]
     if isinstance(value, list):
-        return value
-    text = str(value).strip()
-    return [part.strip() for part in text.split(separator) if part.strip()] if text else []
+        labels = value
+    else:
+        text = "" if value is None else str(value).strip()
+        labels = [part.strip() for part in text.split(separator)] if text else []
+    if any(_kind(label) == "empty" for label in labels):
+        if isinstance(value, list):
+            raise _bad(values, row, where, "has an empty label name; a label lost? remove it, or write [] for a row "
+                                           "with no labels")
+        raise _bad(values, row, where, f"has an empty label name between or around the separators ({separator!r}); a "
+                                       f"label lost? join the names by single separators, or leave the value empty "
+                                       f"for a row with no labels")
+    return labels
 
 
 def _preview(names, limit: int = 8) -> str:
@@ -255,7 +300,7 @@ class ClassificationFields:
     problem_type: Optional[str] = field(default=None, metadata={"choices": (
         None, "single_label_classification", "multi_label_classification", "regression")})
     # null = from the data (string labels: their count; integer labels: the largest + 1).
-    num_labels: Optional[int] = field(default=None, metadata={"ge": 1})
+    num_labels: Optional[int] = bounded(None, ge=1, **MAX_LABELS)
     # Multi-label labels written as one string: the separator between label names.
     label_separator: str = ","
 

@@ -32,6 +32,7 @@ import numpy as np
 from bert_packed.data import DataError
 from bert_packed.errors import ConfigError
 from bert_packed.io import not_utf8_message
+from bert_packed.limits import STEPS
 from bert_packed.task import Task
 
 __all__ = ["read_table", "encode_texts", "Encoded", "PackedDataset", "PackedTask", "TRUNCATION"]
@@ -539,7 +540,12 @@ class PackedTask(Task):
         f, t = self.config.finetune, self.config.train
         if f.epochs is None or "steps" in self.config.cli_keys["train"]:
             return t.steps
-        return epochs_to_steps(f.epochs, self.train_data.num_packs, packs_per_step)
+        steps = epochs_to_steps(f.epochs, self.train_data.num_packs, packs_per_step)
+        if steps > STEPS["le"]:
+            raise ConfigError(f"finetune.epochs={f.epochs:g} over {self.train_data.num_packs} training packs, "
+                              f"{packs_per_step} per step, come to {steps} optimizer steps, more than train.steps' "
+                              f"maximum {STEPS['le']} ({STEPS['why']}); lower finetune.epochs")
+        return steps
 
     def data_source(self, split: str, *, micro_batch_size: int, rank: int, world_size: int):
         if split != "train":

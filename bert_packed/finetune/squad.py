@@ -28,6 +28,7 @@ from bert_packed.finetune.data import PackedTask, held_out
 from bert_packed.finetune.squad_collate import collate_question_answering
 from bert_packed.finetune.squad_data import Moved, SquadExample, read_squad, squad_version
 from bert_packed.finetune.squad_features import SquadFeatures, build_features
+from bert_packed.limits import SEQUENCE_TOKENS, at_most, bounded
 
 __all__ = ["split_examples", "SquadTask", "span_loss"]
 
@@ -35,22 +36,29 @@ __all__ = ["split_examples", "SquadTask", "span_loss"]
 # ----------------------------------------------------------------------------- the task
 
 
+_WINDOW = at_most(SEQUENCE_TOKENS, "a window holds at most data.max_sequence_length's maximum of tokens")
+
+
 @dataclass
 class SquadFields:
     """``finetune.*`` keys of question answering (data.max_sequence_length is the window length)."""
 
     # Context tokens shared by consecutive windows of a long context (Hugging Face's stride).
-    doc_stride: int = field(default=128, metadata={"ge": 0})
+    # (The three token counts are also checked against the window, data.max_sequence_length.)
+    doc_stride: int = bounded(128, ge=0, **_WINDOW)
     # Questions longer than this many tokens are cut.
-    max_query_length: int = field(default=64, metadata={"ge": 1})
+    max_query_length: int = bounded(64, ge=1, **_WINDOW)
     # Start and end candidates per window, and answers kept per question (nbest_predictions.json).
-    n_best_size: int = field(default=20, metadata={"ge": 1})
+    # Their n_best_size^2 (start, end) pairs are scored for every window (Hugging Face: 20).
+    n_best_size: int = bounded(20, ge=1, **at_most(1024, "its square of (start, end) pairs is scored for every "
+                                                         "window; Hugging Face uses 20"))
     # Longest answer in tokens.
-    max_answer_length: int = field(default=30, metadata={"ge": 1})
+    max_answer_length: int = bounded(30, ge=1, **_WINDOW)
     # SQuAD v2.0 (unanswerable questions): null = when the data has any.
     version_2_with_negative: Optional[bool] = None
     # v2.0: answer "" when null score - best span score exceeds this.
-    null_score_diff_threshold: float = 0.0
+    null_score_diff_threshold: float = field(default=0.0, metadata={
+        "unbounded": "a threshold on logit differences: any finite value means something"})
 
 
 def split_examples(examples: Sequence[SquadExample], fraction: float, seed: int,

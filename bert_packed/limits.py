@@ -1,0 +1,109 @@
+"""Declared bounds of config values: :func:`bounded` and the maximums sections share.
+
+Every int and float field of every config section declares a maximum (``le``/``lt``; above 1,
+with ``why``: the reason, shown in the error) or says why it has none (``unbounded``); a test
+(tests/test_config.py) checks all registered sections, so a new field cannot forget one. The
+maximums stop absurd values (10^30 steps, a micro-batch no memory holds, a seed numpy refuses)
+with one line before anything is built; each sits well above any real run. A maximum that
+several fields share is defined here, with its reason; one of a single field sits on it.
+
+This module imports nothing from the project, so task modules (which must not import
+``bert_packed.config``) and the backends' sections use it too. ``bert_packed.config`` checks the
+bounds of every section (``check_section``) and re-exports :func:`bounded`.
+"""
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any, Dict, Optional
+
+BOUND_KEYS = ("ge", "gt", "lt", "le")
+
+
+def bounded(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None, lt: Optional[float] = None,
+            le: Optional[float] = None, **metadata: Any):
+    """A dataclass field whose value ``bert_packed.config.validate`` keeps within the given
+    bounds (None is always allowed for an Optional field: it means "not set"; a list's items are
+    checked one by one).
+
+    Metadata understood besides the bounds: ``hint`` (appended to every bound message, e.g.
+    "(0 = no trust ratio)"), ``why`` (the reason for the maximum, shown when a value exceeds it;
+    a maximum with a reason is a sanity limit, not part of the value's meaning, so a value below
+    the minimum is told only the minimum), ``unbounded`` (why the field deliberately has no
+    maximum)."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("lt", lt), ("le", le)) if v is not None}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={**metadata, **bounds})
+    return field(default=default, metadata={**metadata, **bounds})
+
+
+def at_most(limit: float, why: str) -> Dict[str, Any]:
+    """``le=limit`` with its reason, for ``bounded(default, ge=1, **at_most(10, "why"))``."""
+    return {"le": limit, "why": why}
+
+
+def _number(bound: float) -> str:
+    """A bound as written: 1000000000, 65504, 0.5 (a whole float is shown as the integer it is)."""
+    if isinstance(bound, float) and bound.is_integer() and abs(bound) < 1e16:
+        return str(int(bound))
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+def bound_message(key: str, value: Any, meta: Dict[str, Any]) -> Optional[str]:
+    """None if ``value`` is within the bounds in ``meta``, else the one-line reason it is not."""
+    ge, gt, lt, le = (meta.get(k) for k in BOUND_KEYS)
+    low_ok = (ge is None or value >= ge) and (gt is None or value > gt)
+    high_ok = (lt is None or value < lt) and (le is None or value <= le)
+    if low_ok and high_ok:
+        return None
+    hint = f" {meta['hint']}" if meta.get("hint") else ""
+    low = f"[{_number(ge)}" if ge is not None else (f"({_number(gt)}" if gt is not None else None)
+    high = f"{_number(lt)})" if lt is not None else (f"{_number(le)}]" if le is not None else None)
+    if meta.get("why"):
+        if not high_ok:
+            limit = f"< {_number(lt)}" if lt is not None else f"<= {_number(le)}"
+            return f"{key} must be {limit} ({meta['why']}), got {value}"
+        high = None
+    if low and high:
+        return f"{key} must be in {low}, {high}{hint}, got {value}"
+    if low:
+        return f"{key} must be {'>=' if ge is not None else '>'} {_number(ge if ge is not None else gt)}{hint}, got {value}"
+    return f"{key} must be {'<' if lt is not None else '<='} {_number(lt if lt is not None else le)}{hint}, got {value}"
+
+
+# ---------------------------------------------------------------------------------------
+# Maximums shared by several fields (and by the tasks' and backends' sections).
+
+# Optimizer steps, and every "every N steps" / "N steps" count: BERT-Large pre-training takes
+# 10^4 (LAMB) to 10^6 (Adam) steps; 10^9 is beyond any run (years even for a tiny model).
+STEPS = at_most(10**9, "more optimizer steps than any run takes; BERT-Large pre-training takes 10^4 to 10^6")
+
+# Tokens of one sequence or window. Dense attention keeps S x S scores per head (16 GiB in fp32
+# at 65536), BERT-family checkpoints hold at most 8192 positions, and with micro_batch_size at
+# most MICRO_BATCH a micro-batch holds at most 2^30 tokens: its token offsets fit the int32
+# the variable-length attention kernels index them with.
+SEQUENCE_TOKENS = 65536
+SEQUENCE = at_most(SEQUENCE_TOKENS, "one head's dense attention scores are 16 GiB at 65536 tokens; BERT checkpoints "
+                                    "hold at most 8192 positions")
+
+# Packs per replica per forward pass: 16384 packs of 128 tokens at hidden size 768 are 6 GiB per
+# fp32 activation, dozens of which the backward pass keeps; (see SEQUENCE for the int32 bound).
+MICRO_BATCH = at_most(2**14, "no device holds the activations of more packs in one forward pass")
+
+# Micro-batches / packs per optimizer step: the largest published BERT batch is 65536 sequences
+# (LAMB, phase 1); Graphcore's packed phase 1 accumulates 1750 micro-batches.
+PER_STEP = at_most(2**20, "16 times the largest published BERT batch (65536 sequences)")
+
+# Sequences in one pack: packed HDF5 files store sequence ids as int8 (bert_packed/data/pack.py),
+# and the per-sequence selection masks are [B, S, K].
+SEQUENCES_PER_PACK = at_most(127, "packed files store sequence ids as int8")
+
+# Layers: DeepNet trained 1000-layer transformers; BERT-Large has 24.
+LAYERS = at_most(1024, "deeper than any trained transformer (DeepNet: 1000 layers)")
+
+# Vocabulary rows: the embedding is vocab_size x hidden_size weights (16 GiB in fp32 at 2^22 x
+# 1024); multilingual BERT-family vocabularies have about 250000 entries.
+VOCABULARY = at_most(2**22, "16 times the largest BERT-family vocabulary (about 250000)")
+
+# Hidden width: one hidden x hidden matrix is 16 GiB in fp32 at 65536; the widest published
+# transformers use about 25000.
+HIDDEN = at_most(65536, "one hidden x hidden weight matrix would be 16 GiB; the widest transformers use ~25000")
