@@ -3,9 +3,10 @@
 Runs ``run.py`` with the given arguments in this process, on the cpu backend, and profiles
 optimizer steps ``--warmup + 1`` to ``--warmup + --steps`` with ``torch.profiler`` (CPU
 activities). The backend's parts are wrapped in ``record_function`` scopes from outside
-(nothing in backends/ is changed): forward + backward of the step's micro-batches (with the
-metrics' copy to the host), the gradient norm and clipping (with its ``float()`` host read),
-``optimizer.step``, the schedule and ``zero_grad``. Prints those scopes and the top operators
+(nothing in backends/ is changed): forward + backward of the step's micro-batches, the
+gradient norm and clipping, and the optimizer's and schedule's own ``step`` and ``zero_grad``
+calls as the backend makes them (so a backend that skips a non-finite update on the device is
+profiled as it runs). Prints those scopes and the top operators
 by self time, and writes them as JSON (``--output``) plus torch's own table (``.txt``).
 
     python benchmarks/profile_step.py --output prof.json -- --config finetune_classification \\
@@ -19,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +31,11 @@ sys.path.insert(0, ROOT)
 
 SCOPES = ("step/forward+backward", "step/grad_norm+clip", "step/optimizer.step", "step/scheduler",
           "step/zero_grad")
+
+
+def _timed(name, method, *args, **kwargs):
+    with record_function(name):
+        return method(*args, **kwargs)
 
 
 def instrument(backend_class, warmup: int, steps: int, output: str) -> None:
@@ -45,19 +49,18 @@ def instrument(backend_class, warmup: int, steps: int, output: str) -> None:
                 return fn(self, *args, **kwargs)
         return wrapper
 
-    def optimizer_step(self):  # CPUBackend.optimizer_step with a scope around each part
-        self.clip_gradients()
-        if math.isfinite(self.grad_norm):
-            with record_function("step/optimizer.step"):
-                self.optimizer.step()
-            if self.scheduler is not None:
-                with record_function("step/scheduler"):
-                    self.scheduler.step()
-        with record_function("step/zero_grad"):
-            self.optimizer.zero_grad(set_to_none=True)
+    def scope_members(self):  # the optimizer's and schedule's own calls, as the backend makes them
+        for owner, attr, name in ((self.optimizer, "step", "step/optimizer.step"),
+                                  (self.optimizer, "zero_grad", "step/zero_grad"),
+                                  (self.scheduler, "step", "step/scheduler")):
+            if owner is not None:
+                method = getattr(owner, attr)
+                setattr(owner, attr, lambda *a, _m=method, _n=name, **k: _timed(_n, _m, *a, **k))
 
     def profiled_train_step(self, micro_batches):
         state["step"] += 1
+        if state["step"] == 1:
+            scope_members(self)
         if state["step"] == warmup + 1:
             state["profiler"] = profile(activities=[ProfilerActivity.CPU])
             state["profiler"].__enter__()
@@ -72,7 +75,6 @@ def instrument(backend_class, warmup: int, steps: int, output: str) -> None:
 
     backend_class._run = scoped("step/forward+backward", run)
     backend_class.clip_gradients = scoped("step/grad_norm+clip", clip)
-    backend_class.optimizer_step = optimizer_step
     backend_class.train_step = profiled_train_step
 
 

@@ -326,13 +326,20 @@ def test_foreach_lamb_on_bfloat16_parameters_equals_the_reference():
     assert max((a - p).abs().max().item() for a, p in zip(results[1], initial)) > 0.05
 
 
-def test_lamb_default_is_per_tensor_on_the_cpu_and_foreach_when_asked(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the multi-tensor path ran")
+def test_lamb_default_is_foreach_on_the_cpu_and_per_tensor_when_asked(monkeypatch):
+    def refuse(name):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"the {name} path ran")
+        return fail
 
-    monkeypatch.setattr(Lamb, "_multi_tensor_step", refuse)
     param = nn.Parameter(torch.ones(3))
     param.grad = torch.ones(3)
-    Lamb([param], lr=0.1).step()  # foreach=None on CPU parameters: the per-tensor path
-    with pytest.raises(AssertionError, match="multi-tensor"):
+    with monkeypatch.context() as patch:
+        patch.setattr(Lamb, "_single_tensor_step", refuse("per-tensor"))
+        Lamb([param], lr=0.1).step()  # foreach=None on CPU parameters: the multi-tensor path
         Lamb([param], lr=0.1, foreach=True).step()
+    patch_multi = refuse("multi-tensor")
+    monkeypatch.setattr(Lamb, "_multi_tensor_step", patch_multi)
+    Lamb([param], lr=0.1, foreach=False).step()
+    with pytest.raises(AssertionError, match="multi-tensor"):
+        Lamb([param], lr=0.1).step()
