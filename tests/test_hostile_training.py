@@ -390,7 +390,10 @@ def _run_py_as_main(code_before, argv, tmp_path):
     import subprocess
     import sys
 
-    script = (f"import builtins, runpy, signal, sys\n{code_before}\nsys.argv = ['run.py'] + {argv!r}\n"
+    # SIGINT as a terminal's foreground process has it (a test run started in the background has
+    # it ignored, inherited, and the SIG_IGN check below would then prove nothing).
+    script = (f"import builtins, runpy, signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              f"{code_before}\nsys.argv = ['run.py'] + {argv!r}\n"
               f"try:\n    runpy.run_path('run.py', run_name='__main__')\nexcept SystemExit as exc:\n"
               f"    print('handler', signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n    sys.exit(exc.code)\n")
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
