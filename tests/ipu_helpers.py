@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 import numpy as np
+import torch
 
 # Size overrides that shrink phase2.yaml to something a CPU trains in milliseconds per step.
 TINY_MODEL = ["model.hidden_size=32", "model.num_attention_heads=2", "model.intermediate_size=64",
@@ -127,3 +128,17 @@ def mock_and_cpu_loss_curves(overrides=(), steps: int = 50, num_batches: int = 4
         merged = {k: np.concatenate([b[k] for b in step_batches]) for k in step_batches[0]}
         cpu_losses.append(cpu.train_step([merged])["loss"])
     return np.array(mock_losses), np.array(cpu_losses), mock
+
+
+class Toy(torch.nn.Module):
+    """Linear regression with an MSE loss, outputs (prediction [mb], loss scalar): the smallest
+    model the mock's and PopTorch's training-model rules can be checked on."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 1, bias=False)
+
+    def forward(self, x, y):
+        out = self.lin(x).squeeze(-1)
+        return out, torch.nn.functional.mse_loss(out, y)

@@ -35,21 +35,12 @@ from ipu import options as ipu_options
 from ipu.mock_popart import extract_session_options as extract
 from ipu.mock_popart import session_options
 from ipu.pipeline import check_pipeline_depth, forward_stage_ipus, heads_ipu
-from ipu_helpers import TINY_MODEL, random_micro_batches
+from ipu_helpers import TINY_MODEL, Toy, random_micro_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class Toy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(3, 1, bias=False)
-
-    def forward(self, x, y):
-        out = self.lin(x).squeeze(-1)
-        return out, F.mse_loss(out, y)
 
 
 def data(n, seed=0):
