@@ -54,10 +54,11 @@ def main(argv=None) -> int:
         models[(name, implementation)], optimizers[(name, implementation)] = model, optimizer
     params = list(model.parameters())
     times = {v: [] for v in variants}
-    norms = {"grad norm: per-tensor norms + float() (CPUBackend today)": [],
+    norms = {"grad norm: per-tensor norms + float() (before)": [],
              "grad norm: optim.grad_norm_ (foreach, no host read)": []}
-    if _has_fused():
-        norms["optim.grad_norm_ + step_unless_non_finite, fused AdamW"] = []
+    flagged = [v for v in variants if v == ("adamw", "fused") or v[0] == "lamb"]
+    for v in flagged:  # the backend's whole update: norm + non-finite flag on the device, then the step
+        norms[f"optim.grad_norm_ + step_unless_non_finite, {v[1]} {v[0]}"] = []
     for _ in range(args.rounds):
         for v in variants:
             for _ in range(3):
@@ -68,16 +69,15 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             grads = [p.grad for p in params if p.grad is not None]
             float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])))
-            norms["grad norm: per-tensor norms + float() (CPUBackend today)"].append(time.perf_counter() - start)
+            norms["grad norm: per-tensor norms + float() (before)"].append(time.perf_counter() - start)
             start = time.perf_counter()
             grad_norm_(params)
             norms["grad norm: optim.grad_norm_ (foreach, no host read)"].append(time.perf_counter() - start)
-            if _has_fused():
-                fused_model = models[("adamw", "fused")]
+            for v in flagged:
                 start = time.perf_counter()
-                _, found_inf = grad_norm_(fused_model.parameters())
-                step_unless_non_finite(optimizers[("adamw", "fused")], found_inf)
-                norms["optim.grad_norm_ + step_unless_non_finite, fused AdamW"].append(time.perf_counter() - start)
+                _, found_inf = grad_norm_(models[v].parameters())
+                step_unless_non_finite(optimizers[v], found_inf)
+                norms[f"optim.grad_norm_ + step_unless_non_finite, {v[1]} {v[0]}"].append(time.perf_counter() - start)
     count = sum(p.numel() for p in params)
     print(f"{count:,} parameters in {len(params)} tensors; torch {torch.__version__}, {args.threads} threads; "
           f"{3 * args.rounds} steps per variant, interleaved; load average {os.getloadavg()[0]:.1f}")

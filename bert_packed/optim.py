@@ -65,8 +65,8 @@ class Lamb(torch.optim.Optimizer):
     ``False``: the per-tensor reference implementation, the published algorithm written out;
     the two agree to float32 rounding (tested within 1e-6 over 5 steps). ``None`` (default):
     foreach on every device. On the CPU a foreach operation is a loop over the tensors inside one
-    call, yet it still measured 1.6-1.9x faster than the per-tensor step on all-MiniLM-L6-v2's
-    105 tensors on a quiet 2-core machine, and 1.16x with a ``found_inf`` flag (docs/benchmarks.md;
+    call, yet it still measured 1.5-1.9x faster than the per-tensor step on all-MiniLM-L6-v2's
+    105 tensors on a quiet 2-core machine, 1.5x with a ``found_inf`` flag (docs/benchmarks.md;
     an earlier measurement under heavy load had it slower, and that was the load).
     ``state["step"]`` is a float32 0-dim tensor on the parameter's device (the
     step count can then stay on the device when an update is skipped, see ``step``); an int
@@ -210,19 +210,19 @@ class Lamb(torch.optim.Optimizer):
             skip = (found_inf != 0).to(torch.float32)
             keep = 1.0 - skip
             grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
-            keep_beta1 = beta1 + (1.0 - beta1) * skip  # 0-dim tensors
-            keep_beta2 = beta2 + (1.0 - beta2) * skip
             torch._foreach_add_(steps, [keep] * len(steps))
         if found_inf is None:
             torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)  # m + (1 - beta1)(g - m)
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
         else:
-            torch._foreach_mul_(exp_avgs, [keep_beta1] * len(exp_avgs))
-            torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, [1.0 - keep_beta1] * len(grads)))
-            torch._foreach_mul_(exp_avg_sqs, [keep_beta2] * len(exp_avg_sqs))
-            torch._foreach_add_(exp_avg_sqs, torch._foreach_mul(torch._foreach_mul(grads, grads),
-                                                                 [1.0 - keep_beta2] * len(grads)))
+            # The same three updates with the flag folded into 0-dim coefficients, as few passes
+            # over the tensors as the plain step plus one: m + (1 - beta1) keep (g - m), and
+            # v (beta2 + (1 - beta2) skip) + (c g)^2 with c = sqrt((1 - beta2) keep).
+            torch._foreach_lerp_(exp_avgs, grads, [(1.0 - beta1) * keep] * len(grads))
+            scaled = torch._foreach_mul(grads, [((1.0 - beta2) * keep).sqrt()] * len(grads))
+            torch._foreach_mul_(exp_avg_sqs, [beta2 + (1.0 - beta2) * skip] * len(exp_avg_sqs))
+            torch._foreach_addcmul_(exp_avg_sqs, scaled, scaled)
         denominators = torch._foreach_sqrt(exp_avg_sqs)
         if group["bias_correction"]:
             # 1 - beta^t of every tensor at once, in float64 like the reference's Python floats.
