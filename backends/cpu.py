@@ -15,7 +15,9 @@ summed over processes), ``learning_rate``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import statistics
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -42,6 +44,28 @@ def num_compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def reuse_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of unmapping it: no ``mmap`` for large
+    allocations (``M_MMAP_MAX`` 0; glibc maps every allocation over its threshold, at most 32
+    MiB, afresh and pays a page fault per 4 KiB page on first touch) and no trimming of the
+    heap below 2 GiB of free memory at its top. Process-wide; True where applied (glibc on
+    Linux), False elsewhere (another C library, or none to ask)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # glibc's own symbol: musl has no mallopt
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 class CPUBackend(Backend):
@@ -163,6 +187,8 @@ class CPUBackend(Backend):
     def prepare(self, model: torch.nn.Module, optimizer: Any, plan, *, scheduler: Optional[Any] = None,
                 state: Optional[Dict[str, Any]] = None) -> None:
         self.plan = plan
+        if plan.settings is not None and plan.settings.reuse_freed_memory:
+            reuse_freed_memory()
         self.model = model.to(self.device)
         self.optimizer, self.scheduler = optimizer, scheduler
         if state is not None:
