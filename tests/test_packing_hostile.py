@@ -188,6 +188,13 @@ def test_keyboard_interrupt_in_process(tmp_path, monkeypatch, capsys):
     assert snapshot(tmp_path) == before
 
 
+def _sigint_as_in_a_terminal():
+    """A foreground process's SIGINT disposition for the child: a test run started in the
+    background (``cmd &``, nohup, some CI runners) has SIGINT ignored, and an ignored signal is
+    inherited across exec, so the child would never see the Ctrl-C this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_a_long_solve(tmp_path):
     # A real SIGINT while lp works on a large LLM-like histogram (minutes of work).
     rng = np.random.default_rng(0)
@@ -198,7 +205,8 @@ def test_ctrl_c_during_a_long_solve(tmp_path):
     environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     process = subprocess.Popen([sys.executable, "-m", "packing", "report", "--histogram", str(path), "--algorithm",
                                 "lp", "--max-sequences-per-pack", "8"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=environment, cwd=ROOT)
+                               stderr=subprocess.PIPE, text=True, env=environment, cwd=ROOT,
+                               preexec_fn=_sigint_as_in_a_terminal)
     time.sleep(4.0)
     assert process.poll() is None, process.communicate()
     process.send_signal(signal.SIGINT)
