@@ -187,7 +187,7 @@ class CPUBackend(Backend):
     def prepare(self, model: torch.nn.Module, optimizer: Any, plan, *, scheduler: Optional[Any] = None,
                 state: Optional[Dict[str, Any]] = None) -> None:
         self.plan = plan
-        if plan.settings is not None and plan.settings.reuse_freed_memory:
+        if plan.settings.reuse_freed_memory:
             reuse_freed_memory()
         self.model = model.to(self.device)
         self.optimizer, self.scheduler = optimizer, scheduler

@@ -1,6 +1,6 @@
 """The ``cpu`` config section (backend ``cpu``), registered by ``backends/__init__.py``: compiling
-the fixed-shape packed step, and how the process allocates host memory. The ``cuda`` section extends it (the cuda backend is the cpu
-backend's step with GPU hooks)."""
+the fixed-shape packed step, and how the process reuses host memory. The ``cuda`` section
+extends it (the cuda backend is the cpu backend's step with GPU hooks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

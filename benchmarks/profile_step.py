@@ -6,8 +6,8 @@ activities). The backend's parts are wrapped in ``record_function`` scopes from 
 (nothing in backends/ is changed): forward + backward of the step's micro-batches, the
 gradient norm and clipping, and the optimizer's and schedule's own ``step`` and ``zero_grad``
 calls as the backend makes them (so a backend that skips a non-finite update on the device is
-profiled as it runs). Prints those scopes and the top operators
-by self time, and writes them as JSON (``--output``) plus torch's own table (``.txt``).
+profiled as it runs). Prints those scopes and the top operators by self time, and writes them
+as JSON (``--output``) plus torch's own table (``.txt``).
 
     python benchmarks/profile_step.py --output prof.json -- --config finetune_classification \\
         --init-checkpoint DIR --set finetune.train_file=train.csv ... --set train.steps=26

@@ -159,6 +159,8 @@ BAD_CONFIGS = [
     (["data.path=  "], "cpu", "--set: data.path is empty; give a value (or null for none)"),
     (["train.output_dir="], "cpu", "--set: train.output_dir is empty; give a value (or null for none)"),
     (["finetune.label_separator="], "cpu", "--set: finetune.label_separator is empty; give a value"),
+    (["cpu.reuse_freed_memory=maybe"], "cpu", "--set: cpu.reuse_freed_memory: expected bool, got 'maybe' (str)"),
+    (["cpu.reuse_freed_memory="], "cpu", "--set: cpu.reuse_freed_memory: expected bool, got '' (str)"),
 ]
 
 

@@ -188,6 +188,19 @@ def _best_strategy_value(weights, values, capacity, depth):
     return float(table[capacity])
 
 
+def draw_pricing_problem(data, lengths, max_items, depths):
+    """A pricing problem for hypothesis: a limit L drawn from ``lengths`` (min, max), up to
+    ``max_items`` distinct item weights in 1..L, values non-decreasing in the weight (as the
+    LP's duals are), and a depth from ``depths``."""
+    L = data.draw(st.integers(*lengths), label="L")
+    weights = np.array(sorted(set(data.draw(st.lists(st.integers(1, L), min_size=1, max_size=max_items),
+                                            label="w"))))
+    raw = data.draw(st.lists(st.floats(0, 1), min_size=weights.size, max_size=weights.size), label="v")
+    values = np.maximum.accumulate(np.array(raw))
+    depth = data.draw(st.sampled_from(depths), label="depth")
+    return L, weights, values, depth
+
+
 @SETTINGS
 @given(data=st.data())
 def test_grid_pricing_stays_feasible_and_certifiable(data):
@@ -196,11 +209,7 @@ def test_grid_pricing_stays_feasible_and_certifiable(data):
     # below the true best (so the Farley bound built on it stays valid).
     from packing.lp import _Pricer
 
-    L = data.draw(st.integers(8, 120), label="L")
-    weights = np.array(sorted(set(data.draw(st.lists(st.integers(1, L), min_size=1, max_size=12), label="w"))))
-    raw = data.draw(st.lists(st.floats(0, 1), min_size=weights.size, max_size=weights.size), label="v")
-    values = np.maximum.accumulate(np.array(raw))
-    depth = data.draw(st.sampled_from([None, 1, 2, 3, 5, 8]), label="depth")
+    L, weights, values, depth = draw_pricing_problem(data, (8, 120), 12, [None, 1, 2, 3, 5, 8])
     quantum = data.draw(st.integers(1, 6), label="quantum")
     exact = _best_strategy_value(weights, values, L, depth)
     assert _Pricer(weights, L, depth).candidates(values)[0] == pytest.approx(exact, abs=1e-9)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from packing import ALGORITHMS, Histogram, PackingError, assign, pack, pack_sequences, pack_stream
 from packing.cli import main
 from packing.histogram import MAX_SEQUENCE_LENGTH
-from test_packing_bounds import _best_strategy_value
+from test_packing_bounds import _best_strategy_value, draw_pricing_problem
 from test_packing_properties import _optimal_num_packs
 
 LIMITS = [10**8, 10**12]
@@ -204,11 +204,7 @@ def test_certificate_pricing_with_light_items_never_prices_below_the_best(data):
     # is made tiny so that small L exercises it; the reference is a plain table in tokens.
     import packing.lp as lp
 
-    L = data.draw(st.integers(20, 150), label="L")
-    weights = np.array(sorted(set(data.draw(st.lists(st.integers(1, L), min_size=1, max_size=10), label="w"))))
-    raw = data.draw(st.lists(st.floats(0, 1), min_size=weights.size, max_size=weights.size), label="v")
-    values = np.maximum.accumulate(np.array(raw))
-    depth = data.draw(st.sampled_from([None, 1, 2, 3, 5]), label="depth")
+    L, weights, values, depth = draw_pricing_problem(data, (20, 150), 10, [None, 1, 2, 3, 5])
     cells = data.draw(st.integers(2, 12), label="cells")
     saved = lp._MAX_BOUND_CELLS
     lp._MAX_BOUND_CELLS = cells
