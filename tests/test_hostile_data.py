@@ -87,6 +87,18 @@ def test_vocab_refuses_output_equal_to_input(work, capsys):
     assert_unchanged(before, work)
 
 
+@pytest.mark.parametrize("name", ["packed.h5", "alias.h5"])
+def test_stats_refuses_a_plot_over_the_file_it_reads(work, capsys, name):
+    # `stats FILE --plot FILE` replaced the HDF5 file with a PNG and exited 0 (issue 37).
+    if name == "alias.h5":
+        os.symlink(work / "packed.h5", work / name)
+    before = snapshot(work)
+    code, line = data_error(capsys, "stats", work / "packed.h5", "--plot", work / name)
+    assert (code, line) == (2, f"error: --plot {work / name} is also an input ({work / 'packed.h5'}); writing it "
+                               f"would destroy the input: choose another output path")
+    assert_unchanged(before, work)
+
+
 # ----------------------------------------------------------------------------- invalid UTF-8: one policy
 
 

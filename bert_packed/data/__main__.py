@@ -107,7 +107,10 @@ def _run(args):
               f"speed-up {stats['speedup']:.3f}x"
               + (f"; LP bound {stats['lp_bound_packs']} packs" if stats.get("lp_bound_packs") else ""))
     elif args.command == "stats":
+        from .errors import refuse_output_over_input
         from .stats import dataset_stats, format_stats, plot_stats
+        if not args.no_plot:  # checked before reading: the PNG must never replace the data it plots
+            refuse_output_over_input(args.plot or _with_suffix(args.file, ".png"), [args.file], option="--plot")
         stats = dataset_stats(args.file)
         print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
         if not args.no_plot:
