@@ -316,3 +316,34 @@ def test_training_resumed_mid_epoch_on_shards_repeats_the_uninterrupted_run(data
     a, b = (load_checkpoint(str(tmp_path / name / CHECKPOINT_NAME)) for name in ("a", "b"))
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
+
+
+def test_the_fast_row_check_agrees_with_validate_batch(data):
+    """hdf5.packed_rows_valid (O(B x S)) says True exactly when validate_batch passes: on valid
+    packs and on each of many one-element corruptions of them."""
+    import types
+
+    from bert_packed.collate import BatchError
+    from bert_packed.data.hdf5 import packed_rows_valid
+
+    limits = types.SimpleNamespace(vocab_size=1000, type_vocab_size=2, max_position_embeddings=128,
+                                   max_sequences_per_pack=3, max_masked_tokens_per_pack=22)
+    with h5py.File(data["packed"], "r") as handle:
+        valid = {name: handle[name][:64].astype(np.float32 if name == "nsp_weights" else np.int64)
+                 for name in h5io.PACKED_FIELDS}
+    rng = np.random.default_rng(0)
+    disagreements = []
+    for trial in range(600):
+        arrays = {name: array.copy() for name, array in valid.items()}
+        if trial:
+            name = list(arrays)[trial % len(arrays)]
+            b, j = rng.integers(arrays[name].shape[0]), rng.integers(arrays[name].shape[1])
+            arrays[name][b, j] = rng.choice([arrays[name][b, j] + d for d in (-2, -1, 1, 2)] + [0, 1, 127, 128, 1000])
+        try:
+            validate_batch(arrays, limits)
+            passes = True
+        except BatchError:
+            passes = False
+        if packed_rows_valid(arrays, limits) != passes:
+            disagreements.append((trial, passes))
+    assert not disagreements
