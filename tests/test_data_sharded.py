@@ -194,6 +194,9 @@ def test_memory_stays_within_two_windows_per_lane(data):
         assert set(held) == {0, 2} and all(rows <= bound for rows in held.values()), held
     src.close()
     assert src._shards == {} and src._pool is None  # the thread and files are closed
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name.startswith("shard-prefetch")]
 
 
 def test_cursor_plain_stream_and_rebase():
@@ -215,6 +218,8 @@ def test_refusals(data, tmp_path):
         source(data["dir"], max_sequences_per_pack=2)
     with pytest.raises(DataError, match="data.max_sequence_length=128"):
         source(data["unpacked_dir"], max_sequence_length=64)
+    with pytest.raises(DataError, match="masked-token slots up to 20 but data.max_masked_tokens_per_pack is 10"):
+        source(data["unpacked_dir"], max_masked_tokens_per_pack=10)
     with pytest.raises(DataError, match="fewer than one micro-batch"):
         source(data["dir"], micro_batch_size=10_000)
     broken = tmp_path / "broken"
@@ -347,3 +352,31 @@ def test_the_fast_row_check_agrees_with_validate_batch(data):
         if packed_rows_valid(arrays, limits) != passes:
             disagreements.append((trial, passes))
     assert not disagreements
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_on_shards_equal_one(data, tmp_path):
+    """run.py on shards: 2 processes x 1 micro-batch == 1 process x 2 (same global batches, each
+    process reading only its own shards)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    args = ["--no-progress", "--backend", "cpu", "--config", "tiny", "--steps", "6",
+            "--set", f"data.path={data['dir']}", "--set", "data.max_sequence_length=128",
+            "--set", "model.max_position_embeddings=128", "--set", "model.vocab_size=1000",
+            "--set", "data.max_masked_tokens=20", "--set", "train.global_batch_size=16",
+            "--set", "train.micro_batch_size=8", "--set", "train.checkpoint_every=100"]
+    one = subprocess.run([sys.executable, os.path.join(root, "run.py"), "--output-dir", str(tmp_path / "one"), *args],
+                         cwd=root, env=env, capture_output=True, text=True)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                          os.path.join(root, "run.py"), "--output-dir", str(tmp_path / "two"), *args],
+                         cwd=root, env=env, capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    a, b = ([json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("one", "two"))
+    assert len(a) == len(b) == 6
+    for x, y in zip(a, b):
+        assert (x["sequences"], x["tokens"]) == (y["sequences"], y["tokens"])  # the same global batch
+        assert abs(x["loss"] - y["loss"]) <= 1e-5, (x["step"], x["loss"], y["loss"])

@@ -137,9 +137,10 @@ class ShardedSource:
     the module docstring for the stream). Shapes follow the configuration as in ``HDF5Source``
     (narrower shards zero-padded, wider ones refused naming the option to raise).
 
-    ``lanes``: L (a divisor of nothing in particular, but W must divide it; default the number
-    of shards). ``window_blocks``: blocks per window and lane (default max(1, 16 // L) blocks).
-    ``prefetch``: read the next window in a background thread.
+    ``lanes``: L, 1..number of shards (default: the number of shards); the world size must
+    divide it, and the stream depends on it (not on the world size). Fewer lanes mean fewer
+    windows held per rank. ``window_blocks``: blocks per window and lane (default
+    max(1, 16 // L)). ``prefetch``: read the next window in a background thread.
     """
 
     packing = None  # packed beforehand (or served unpacked); no plan of this run
