@@ -380,3 +380,20 @@ def test_torchrun_two_processes_on_shards_equal_one(data, tmp_path):
     for x, y in zip(a, b):
         assert (x["sequences"], x["tokens"]) == (y["sequences"], y["tokens"])  # the same global batch
         assert abs(x["loss"] - y["loss"]) <= 1e-5, (x["step"], x["loss"], y["loss"])
+
+
+def test_a_bad_row_is_named_by_shard_and_row_from_the_prefetch_thread(data, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(data["dir"], bad)
+    path = bad / shard_name(0)
+    with h5py.File(data["dir"] / shard_name(0), "r") as src, h5io.atomic_h5(path) as dst:
+        for name in src:
+            rows = src[name][:]
+            if name == "input_ids":
+                rows[37, 1] = 5000
+            h5io.create_dataset(dst, name, rows, chunk_rows=CHUNK)
+    manifest = json.loads((bad / MANIFEST).read_text())
+    manifest["shards"][0]["bytes"] = os.path.getsize(path)
+    (bad / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"shard-00000.h5: input_ids of pack 37: value 5000 is outside \[0, 1000\)"):
+        take(source(bad, vocab_size=1000, shuffle=False), 40)
