@@ -17,7 +17,9 @@ Contract every source keeps:
 - Sharding: there is one global stream of micro-batches g = 0, 1, 2, ... that does not
   depend on ``world_size``; rank r yields exactly those with ``g % world_size == r``, in
   order. So one optimizer step over N global micro-batches is the same set of data
-  whether it runs as 1 process x N accumulation or N processes x 1.
+  whether it runs as 1 process x N accumulation or N processes x 1. (The sharded reader, whose
+  ranks read only their own shards, keeps this for every world size dividing its number of
+  lanes, and refuses the others.)
 - Deterministic per ``seed``: the same config and seed give the same stream.
 
 ``build_data_source`` picks the generated source when ``config.data.path`` is null, the
