@@ -17,20 +17,25 @@ Contract every source keeps:
 - Sharding: there is one global stream of micro-batches g = 0, 1, 2, ... that does not
   depend on ``world_size``; rank r yields exactly those with ``g % world_size == r``, in
   order. So one optimizer step over N global micro-batches is the same set of data
-  whether it runs as 1 process x N accumulation or N processes x 1.
+  whether it runs as 1 process x N accumulation or N processes x 1. (The sharded reader, whose
+  ranks read only their own shards, keeps this for every world size dividing its number of
+  lanes, and refuses the others.)
 - Deterministic per ``seed``: the same config and seed give the same stream.
 
-``build_data_source`` picks the generated source when ``config.data.path`` is null and
-the HDF5 reader (``bert_packed.data.hdf5.HDF5Source``) otherwise.
+``build_data_source`` picks the generated source when ``config.data.path`` is null, the
+sharded reader (``bert_packed.data.sharded.ShardedSource``) when it is a directory of shards,
+and the HDF5 reader (``bert_packed.data.hdf5.HDF5Source``) for a single file.
 """
 from __future__ import annotations
 
+import inspect
+import os
 import types
 
 from bert_packed.data.errors import DataError
 from bert_packed.data.source import Batch, DataSource, EpochCursor, empty_batch
 
-__all__ = ["Batch", "DataError", "DataSource", "EpochCursor", "build_data_source", "empty_batch"]
+__all__ = ["Batch", "DataError", "DataSource", "EpochCursor", "build_data_source", "empty_batch", "load_data_state"]
 
 
 def build_data_source(config, *, split: str = "train", micro_batch_size: int, rank: int = 0, world_size: int = 1,
@@ -59,10 +64,25 @@ def build_data_source(config, *, split: str = "train", micro_batch_size: int, ra
     path = d.path if split == "train" else d.eval_path
     if path is None:
         raise DataError("evaluation needs data.eval_path when data.path is set; set it or train.eval_every=0")
+    options = dict(micro_batch_size=micro_batch_size, max_sequence_length=d.max_sequence_length,
+                   max_sequences_per_pack=d.max_sequences_per_pack,
+                   max_masked_tokens_per_pack=d.max_masked_tokens_per_pack, seed=seed, rank=rank,
+                   world_size=world_size, shuffle=(split == "train"), vocab_size=config.model.vocab_size,
+                   type_vocab_size=config.model.type_vocab_size)
+    if os.path.isdir(path):
+        from bert_packed.data.sharded import ShardedSource
+
+        return ShardedSource(path, **options)
     from bert_packed.data.hdf5 import HDF5Source
 
-    return HDF5Source(path, micro_batch_size=micro_batch_size, max_sequence_length=d.max_sequence_length,
-                      max_sequences_per_pack=d.max_sequences_per_pack,
-                      max_masked_tokens_per_pack=d.max_masked_tokens_per_pack, seed=seed, rank=rank,
-                      world_size=world_size, shuffle=(split == "train"), vocab_size=config.model.vocab_size,
-                      type_vocab_size=config.model.type_vocab_size)
+    return HDF5Source(path, **options)
+
+
+def load_data_state(source: DataSource, state, *, force: bool = False) -> None:
+    """``source.load_state_dict(state)``, passing ``force`` (``--resume-force``) to the sources
+    that can continue on changed data when forced (the sharded reader); the others refuse or
+    accept as they always did."""
+    if force and "force" in inspect.signature(source.load_state_dict).parameters:
+        source.load_state_dict(state, force=True)
+    else:
+        source.load_state_dict(state)

@@ -37,15 +37,16 @@ PACKED_FIELDS = {**dict.fromkeys(TOKEN_FIELDS, "S"), **dict.fromkeys(MLM_FIELDS,
 PACKED_FORMAT = "packed-bert/packed-v1"
 
 
-def open_h5(path):
-    """Open an HDF5 file for reading; a missing or unreadable file raises DataError."""
+def open_h5(path, **options):
+    """Open an HDF5 file for reading; a missing or unreadable file raises DataError. ``options``
+    go to ``h5py.File`` (e.g. the chunk cache: ``rdcc_nbytes``, ``rdcc_nslots``)."""
     import h5py
 
     path = os.fspath(path)
     if not os.path.exists(path):
         raise DataError(f"{path}: file not found")
     try:
-        return h5py.File(path, "r")
+        return h5py.File(path, "r", **options)
     except OSError as exc:
         reason = str(exc).split("(")[0].strip() or "unreadable"
         raise DataError(f"{path}: not a readable HDF5 file ({reason}); re-create it with "

@@ -10,7 +10,7 @@ is split over ranks. The state is the next global micro-batch index: resuming fr
 yields exactly the micro-batch that would have come next.
 
 Files that fit in `max_cache_bytes` (uncompressed) are read into memory once; larger ones
-are read per micro-batch (sorted row reads, a larger HDF5 chunk cache).
+are read per micro-batch (sorted row reads, a larger HDF5 chunk cache: ``CHUNK_CACHE``).
 """
 import os
 import types
@@ -22,6 +22,12 @@ from .source import EpochCursor
 from .errors import DataError
 
 INT_FIELDS = tuple(name for name in h5io.PACKED_FIELDS if name != "nsp_weights")
+# h5py's chunk cache (per dataset) for files read by rows. The default 1 MiB cannot hold one
+# chunk of input_ids at S=512 (1,024 rows x 512 x 4 bytes = 2 MiB), so HDF5 bypasses it and
+# every micro-batch decompresses every chunk it touches again; 64 MiB keeps the last chunks
+# of each field, and a prime number of hash slots (HDF5's advice: ~100x the chunks held)
+# keeps them from colliding.
+CHUNK_CACHE = dict(rdcc_nbytes=64 << 20, rdcc_nslots=10007)
 
 
 class HDF5Source:
@@ -29,14 +35,16 @@ class HDF5Source:
 
     Shapes follow the configuration: S = max_sequence_length, K = max_sequences_per_pack,
     M = max_masked_tokens_per_pack; a file with smaller dimensions is zero-padded, a file
-    with larger ones is refused with a DataError naming the option to raise.
+    with larger ones is refused with a DataError naming the option to raise. ``chunk_cache``:
+    h5py's chunk-cache options (default ``CHUNK_CACHE``; ``{}`` is h5py's own 1 MiB, for the
+    benchmark's before/after).
     """
 
     packing = None  # the file was packed beforehand (bert_packed.data pack); no plan of this run
 
     def __init__(self, path, *, micro_batch_size, max_sequence_length, max_sequences_per_pack,
                  max_masked_tokens_per_pack, seed, rank=0, world_size=1, shuffle=True,
-                 max_cache_bytes=1 << 30, vocab_size=None, type_vocab_size=2):
+                 max_cache_bytes=1 << 30, vocab_size=None, type_vocab_size=2, chunk_cache=None):
         self.path = os.fspath(path)
         self.micro_batch_size = int(micro_batch_size)
         self.max_sequence_length = int(max_sequence_length)
@@ -47,7 +55,7 @@ class HDF5Source:
         if not 0 <= self.rank < self.world_size:
             raise DataError(f"rank {rank} is outside 0..{world_size - 1}")
         self.vocab_size, self.type_vocab_size = vocab_size, type_vocab_size
-        self._handle = h5io.open_h5(self.path)
+        self._handle = h5io.open_h5(self.path, **(CHUNK_CACHE if chunk_cache is None else chunk_cache))
         try:
             with h5io.read_errors(self.path):
                 self._open(max_cache_bytes)
@@ -60,38 +68,18 @@ class HDF5Source:
 
     def _open(self, max_cache_bytes):
         handle, path = self._handle, self.path
-        self.packed = h5io.is_packed(handle)
-        if self.packed:
-            num_items, seq_len, max_k, max_m = h5io.check_packed(handle, path)
-            names = tuple(h5io.PACKED_FIELDS)
-            num_sequences = handle.attrs.get("num_sequences")
-            if num_sequences is None:
-                num_sequences = int(sum((handle["nsp_weights"][i:i + 65536] != 0).sum()
-                                        for i in range(0, num_items, 65536)))
-            self.packing_factor = float(num_sequences) / max(1, num_items)
-        else:
-            num_items, seq_len, max_m = h5io.check_unpacked(handle, path)
-            max_k = 1
-            names = h5io.UNPACKED_FIELDS
-            self.packing_factor = 1.0
-        problems = [(seq_len, self.max_sequence_length, "data.max_sequence_length", "sequences are"),
-                    (max_k, self.max_sequences_per_pack, "data.max_sequences_per_pack", "packs hold"),
-                    (max_m, self.max_masked_tokens_per_pack, "data.max_masked_tokens_per_pack",
-                     "packs have masked-token slots")]
-        for have, limit, option, what in problems:
-            if have > limit:
-                raise DataError(f"{path}: {what} up to {have} but {option} is {limit}; "
-                                f"set {option}={have}")
-        self.num_items = int(num_items)
+        layout = read_layout(handle, path)
+        self.packed, names = layout.packed, layout.names
+        self.packing_factor = layout.num_sequences() / max(1, layout.num_items)
+        check_dims(path, layout.dims, self.max_sequence_length, self.max_sequences_per_pack,
+                   self.max_masked_tokens_per_pack)
+        self.num_items = layout.num_items
         self.num_batches_per_epoch = self.num_items // self.micro_batch_size
         if self.num_batches_per_epoch == 0:
             raise DataError(f"{path}: {self.num_items} items, fewer than one micro-batch of "
                             f"{self.micro_batch_size}; use a smaller micro-batch or more data")
-        self._file_dims = (seq_len, max_k, max_m)
-        made_with = handle.attrs.get("vocab_size")
-        if self.vocab_size is not None and made_with is not None and int(made_with) > self.vocab_size:
-            raise DataError(f"{path}: the data's vocabulary ({int(made_with)} tokens) is larger than the model's "
-                            f"(model.vocab_size={self.vocab_size}); set model.vocab_size={int(made_with)}")
+        self._file_dims = layout.dims
+        check_vocab(path, handle.attrs.get("vocab_size"), self.vocab_size)
         size = sum(handle[name].size * handle[name].dtype.itemsize for name in names)
         if size <= max_cache_bytes:
             self._cache = {name: _read_all(handle[name]) for name in names}
@@ -107,21 +95,10 @@ class HDF5Source:
     def _check(self, raw, rows):
         """Range checks of file rows ``rows`` (their fields in ``raw``): DataError naming the file,
         field, row and value."""
-        where = f"{self.path}"
-        if self.packed:
-            from bert_packed.collate import BatchError, validate_batch
-
-            limits = types.SimpleNamespace(
-                vocab_size=self.vocab_size if self.vocab_size is not None else np.iinfo(np.int64).max,
-                type_vocab_size=self.type_vocab_size, max_position_embeddings=self.max_sequence_length,
-                max_sequences_per_pack=self.max_sequences_per_pack,
-                max_masked_tokens_per_pack=self.max_masked_tokens_per_pack)
-            try:
-                validate_batch({name: np.asarray(raw[name]) for name in h5io.PACKED_FIELDS}, limits, rows=rows)
-            except BatchError as exc:
-                raise DataError(f"{where}: {exc}") from None
-            return
-        _check_unpacked_rows(raw, rows, where, vocab_size=self.vocab_size, type_vocab_size=self.type_vocab_size)
+        check_rows(raw, rows, self.path, packed=self.packed, vocab_size=self.vocab_size,
+                   type_vocab_size=self.type_vocab_size, max_sequence_length=self.max_sequence_length,
+                   max_sequences_per_pack=self.max_sequences_per_pack,
+                   max_masked_tokens_per_pack=self.max_masked_tokens_per_pack)
 
     # -- the stream ---------------------------------------------------------------------
 
@@ -148,28 +125,9 @@ class HDF5Source:
             if raw.get("next_sentence_labels") is not None:
                 raw["next_sentence_labels"] = raw["next_sentence_labels"].reshape(-1)
             self._check(raw, rows)
-        if self.packed:
-            return self._pad_packed(raw)
-        from .pack import collate_records
-
-        num = len(rows)
-        batch = collate_records(raw, np.arange(num + 1), np.arange(num),
-                                max_sequence_length=self.max_sequence_length,
-                                max_sequences_per_pack=self.max_sequences_per_pack,
-                                max_masked_tokens_per_pack=self.max_masked_tokens_per_pack)
-        return _as_batch_dtypes(batch)
-
-    def _pad_packed(self, raw):
-        widths = {"S": self.max_sequence_length, "K": self.max_sequences_per_pack,
-                  "M": self.max_masked_tokens_per_pack}
-        batch = {}
-        for name, dim in h5io.PACKED_FIELDS.items():
-            array = raw[name]
-            missing = widths[dim] - array.shape[1]
-            if missing:
-                array = np.pad(array, ((0, 0), (0, missing)))
-            batch[name] = array
-        return _as_batch_dtypes(batch)
+        return to_batch(raw, packed=self.packed, max_sequence_length=self.max_sequence_length,
+                        max_sequences_per_pack=self.max_sequences_per_pack,
+                        max_masked_tokens_per_pack=self.max_masked_tokens_per_pack)
 
     def __iter__(self):
         while True:
@@ -215,6 +173,150 @@ class HDF5Source:
 
     def close(self):
         self._handle.close()
+
+
+class Layout:
+    """What an opened HDF5 data file holds: packed or unpacked, rows, (S, K, M) and fields."""
+
+    def __init__(self, handle, path):
+        self.handle, self.path = handle, path
+        self.packed = h5io.is_packed(handle)
+        if self.packed:
+            num_items, seq_len, max_k, max_m = h5io.check_packed(handle, path)
+            self.names = tuple(h5io.PACKED_FIELDS)
+        else:
+            num_items, seq_len, max_m = h5io.check_unpacked(handle, path)
+            max_k = 1
+            self.names = h5io.UNPACKED_FIELDS
+        self.num_items, self.dims = int(num_items), (int(seq_len), int(max_k), int(max_m))
+
+    def num_sequences(self):
+        """Sequences in the file: the attribute `pack` writes, else counted (nsp_weights != 0)."""
+        if not self.packed:
+            return float(self.num_items)
+        count = self.handle.attrs.get("num_sequences")
+        if count is None:
+            weights = self.handle["nsp_weights"]
+            count = sum(int((weights[i:i + 65536] != 0).sum()) for i in range(0, self.num_items, 65536))
+        return float(count)
+
+
+def read_layout(handle, path):
+    """The checked ``Layout`` of an open file (DataError naming ``path`` when malformed)."""
+    return Layout(handle, path)
+
+
+def check_dims(path, dims, max_sequence_length, max_sequences_per_pack, max_masked_tokens_per_pack):
+    """Refuse data wider than the configuration (S, K, M), naming the option to raise; narrower
+    data is zero-padded by ``to_batch``."""
+    seq_len, max_k, max_m = dims
+    problems = [(seq_len, max_sequence_length, "data.max_sequence_length", "sequences are"),
+                (max_k, max_sequences_per_pack, "data.max_sequences_per_pack", "packs hold"),
+                (max_m, max_masked_tokens_per_pack, "data.max_masked_tokens_per_pack",
+                 "packs have masked-token slots")]
+    for have, limit, option, what in problems:
+        if have > limit:
+            raise DataError(f"{path}: {what} up to {have} but {option} is {limit}; set {option}={have}")
+
+
+def check_vocab(path, made_with, vocab_size):
+    """Refuse data made with a larger vocabulary than the model's (its ``vocab_size`` attribute)."""
+    if vocab_size is not None and made_with is not None and int(made_with) > vocab_size:
+        raise DataError(f"{path}: the data's vocabulary ({int(made_with)} tokens) is larger than the model's "
+                        f"(model.vocab_size={vocab_size}); set model.vocab_size={int(made_with)}")
+
+
+def check_rows(raw, rows, where, *, packed, vocab_size, type_vocab_size, max_sequence_length,
+               max_sequences_per_pack, max_masked_tokens_per_pack):
+    """Range checks of file rows ``rows`` (their fields, as read, in ``raw``): DataError naming
+    ``where``, the field, row and value."""
+    if not packed:
+        _check_unpacked_rows(raw, rows, where, vocab_size=vocab_size, type_vocab_size=type_vocab_size)
+        return
+    from bert_packed.collate import BatchError, validate_batch
+
+    limits = types.SimpleNamespace(
+        vocab_size=vocab_size if vocab_size is not None else np.iinfo(np.int64).max,
+        type_vocab_size=type_vocab_size, max_position_embeddings=max_sequence_length,
+        max_sequences_per_pack=max_sequences_per_pack, max_masked_tokens_per_pack=max_masked_tokens_per_pack)
+    arrays = {name: np.asarray(raw[name]) for name in h5io.PACKED_FIELDS}
+    if packed_rows_valid(arrays, limits):
+        return  # the common case, in O(B x S); validate_batch is O(B x S x K) and names the problem
+    try:
+        validate_batch(arrays, limits, rows=rows)
+    except BatchError as exc:
+        raise DataError(f"{where}: {exc}") from None
+
+
+def packed_rows_valid(arrays, limits):
+    """True when ``validate_batch(arrays, limits)`` would pass, decided in a few passes over
+    [B, S] (validate_batch builds [B, S, K] temporaries: at S=512 it checked ~13,000 packs/s,
+    the sharded reader's largest cost). False means "let validate_batch find and name the
+    problem", so the messages stay validate_batch's. A sequence is contiguous when it starts
+    (a real token whose left neighbour has another id) at most once; its positions are right
+    when they are 0 at that start and grow by one inside the run."""
+    if any(a.ndim != 2 or (name != "nsp_weights" and not np.issubdtype(a.dtype, np.integer))
+           for name, a in arrays.items()):
+        return False
+    ids, positions = arrays["sequence_ids"], arrays["position_ids"]
+    B, S = ids.shape
+    M, K = arrays["mlm_positions"].shape[1], arrays["nsp_weights"].shape[1]
+    shapes = {"S": (B, S), "M": (B, M), "K": (B, K)}
+    if any(arrays[name].shape != shapes[dim] for name, dim in h5io.PACKED_FIELDS.items()):
+        return False
+    if not B:
+        return True
+    if K > limits.max_sequences_per_pack or M > limits.max_masked_tokens_per_pack or S > limits.max_position_embeddings:
+        return False
+    ranges = (("input_ids", limits.vocab_size), ("mlm_labels", limits.vocab_size), ("segment_ids", limits.type_vocab_size),
+              ("position_ids", S), ("sequence_ids", K + 1), ("mlm_sequence_ids", K + 1), ("mlm_positions", S),
+              ("cls_positions", S), ("nsp_labels", 2))
+    if any(arrays[name].min() < 0 or arrays[name].max() >= high for name, high in ranges):
+        return False
+    real = ids > 0
+    starts = real.copy()
+    starts[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+    if np.any(positions[starts] != 0) or np.any((positions[:, 1:] != positions[:, :-1] + 1) & real[:, 1:] & ~starts[:, 1:]):
+        return False
+    pack, column = np.nonzero(starts)
+    key = pack * (K + 1) + ids[pack, column]
+    if np.bincount(key, minlength=B * (K + 1)).max(initial=0) > 1:  # a sequence in two runs
+        return False
+    first = np.full(B * (K + 1), S, np.int64)
+    first[key] = column
+    first = first.reshape(B, K + 1)[:, 1:]
+    present = first < S
+    weights = arrays["nsp_weights"]
+    if np.any((weights != 0) != present) or np.any((weights != 0) & (weights != 1)):
+        return False
+    if np.any(present & (arrays["cls_positions"] != first)):
+        return False
+    used, mlm_ids, mlm_positions = arrays["mlm_sequence_ids"] > 0, arrays["mlm_sequence_ids"], arrays["mlm_positions"]
+    owner = np.take_along_axis(ids, mlm_positions.astype(np.intp), axis=1)
+    at_cls = mlm_positions == np.take_along_axis(first, (mlm_ids.clip(1, K) - 1).astype(np.intp), axis=1)
+    return not np.any(used & ((owner != mlm_ids) | at_cls))
+
+
+def to_batch(raw, *, packed, max_sequence_length, max_sequences_per_pack, max_masked_tokens_per_pack):
+    """File rows (fields as read) -> a micro-batch of the contract: packed rows zero-padded to
+    the configured S/K/M, unpacked rows collated as packs of one sequence; int64/float32."""
+    if not packed:
+        from .pack import collate_records
+
+        num = len(raw["input_ids"])
+        batch = collate_records(raw, np.arange(num + 1), np.arange(num), max_sequence_length=max_sequence_length,
+                                max_sequences_per_pack=max_sequences_per_pack,
+                                max_masked_tokens_per_pack=max_masked_tokens_per_pack)
+        return _as_batch_dtypes(batch)
+    widths = {"S": max_sequence_length, "K": max_sequences_per_pack, "M": max_masked_tokens_per_pack}
+    batch = {}
+    for name, dim in h5io.PACKED_FIELDS.items():
+        array = raw[name]
+        missing = widths[dim] - array.shape[1]
+        if missing:
+            array = np.pad(array, ((0, 0), (0, missing)))
+        batch[name] = array
+    return _as_batch_dtypes(batch)
 
 
 def _permutation(num_items, seed, epoch):
