@@ -153,6 +153,12 @@ class DataConfig:
     # on one core), so 10^8 is minutes and gigabytes; real data of that size goes in data.path.
     num_sequences: int = bounded(20000, ge=1, **_GENERATED)
     num_eval_sequences: int = bounded(2000, ge=1, **_GENERATED, **HARMLESS)
+    # Sharded data only (path a directory, bert_packed.data.sharded): the shards are dealt into this
+    # many lanes, each read by one process; the data order depends on it, not on the number of
+    # processes, which must divide it. null = the largest divisor of the shard count up to 64 (a
+    # process holds two windows of 1,024 packs per lane it reads).
+    lanes: Optional[int] = bounded(None, ge=1, **at_most(1 << 20, "more lanes than any dataset has shards (NVIDIA "
+                                                                 "LDDL makes about 4,096)"))
 
     @property
     def max_masked_tokens_per_pack(self) -> int:

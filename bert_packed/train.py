@@ -35,7 +35,6 @@ import torch.distributed as dist
 from bert_packed.build import build_optimizer
 from bert_packed.checkpoint import set_rng_state
 from bert_packed.config import Config, ConfigError, input_paths, validate
-from bert_packed.data import load_data_state
 from bert_packed.io import DirectoryLock, check_output_dir, remove_orphans, write_text_atomic
 from bert_packed.loop.checkpointer import Checkpointer
 from bert_packed.loop.distributed import all_reduce_sum, setup_distributed
@@ -245,7 +244,7 @@ class _Run:
             self.model.load_state_dict(state["model"])
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
-            load_data_state(self.source, state["data"][self.rank], force=self.resume_force)
+            self.source.load_state_dict(state["data"][self.rank], force=self.resume_force)
             task.load_state_dict(state.get("task") or {})
             backend_state = self.checkpointer.backend_state(state, self.rank)
         backend.prepare(self.model, self.optimizer, plan, scheduler=self.scheduler, state=backend_state)

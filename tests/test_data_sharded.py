@@ -397,3 +397,9 @@ def test_a_bad_row_is_named_by_shard_and_row_from_the_prefetch_thread(data, tmp_
     (bad / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=r"shard-00000.h5: input_ids of pack 37: value 5000 is outside \[0, 1000\)"):
         take(source(bad, vocab_size=1000, shuffle=False), 40)
+
+
+def test_default_lanes_bound_what_one_process_holds():
+    from bert_packed.data.sharded import default_lanes
+
+    assert [default_lanes(n) for n in (1, 4, 6, 64, 96, 1000, 4096, 4099)] == [1, 4, 6, 64, 48, 50, 64, 1]

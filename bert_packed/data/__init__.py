@@ -28,14 +28,13 @@ and the HDF5 reader (``bert_packed.data.hdf5.HDF5Source``) for a single file.
 """
 from __future__ import annotations
 
-import inspect
 import os
 import types
 
 from bert_packed.data.errors import DataError
 from bert_packed.data.source import Batch, DataSource, EpochCursor, empty_batch
 
-__all__ = ["Batch", "DataError", "DataSource", "EpochCursor", "build_data_source", "empty_batch", "load_data_state"]
+__all__ = ["Batch", "DataError", "DataSource", "EpochCursor", "build_data_source", "empty_batch"]
 
 
 def build_data_source(config, *, split: str = "train", micro_batch_size: int, rank: int = 0, world_size: int = 1,
@@ -72,17 +71,8 @@ def build_data_source(config, *, split: str = "train", micro_batch_size: int, ra
     if os.path.isdir(path):
         from bert_packed.data.sharded import ShardedSource
 
-        return ShardedSource(path, **options)
+        return ShardedSource(path, lanes=d.lanes, **options)
     from bert_packed.data.hdf5 import HDF5Source
 
     return HDF5Source(path, **options)
 
-
-def load_data_state(source: DataSource, state, *, force: bool = False) -> None:
-    """``source.load_state_dict(state)``, passing ``force`` (``--resume-force``) to the sources
-    that can continue on changed data when forced (the sharded reader); the others refuse or
-    accept as they always did."""
-    if force and "force" in inspect.signature(source.load_state_dict).parameters:
-        source.load_state_dict(state, force=True)
-    else:
-        source.load_state_dict(state)

@@ -147,7 +147,7 @@ class GeneratedSource:
                 "micro_batch_size": self.micro_batch_size, "world_size": self.world_size,
                 "cursor": self._cursor.state_dict()}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any], force: bool = False) -> None:
         """Continue after the checkpoint's last micro-batch; with another micro-batch size, at the
         same pack of the same epoch (nothing skipped or repeated, see EpochCursor)."""
         mine = self.state_dict()

@@ -142,7 +142,7 @@ class HDF5Source:
                 "file": os.path.basename(self.path), "micro_batch_size": self.micro_batch_size,
                 "cursor": self._cursor.state_dict()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, force=False):
         """Continue exactly after the checkpoint's last micro-batch. With another micro-batch
         size the stream continues at the same item of the same epoch (no item skipped or
         repeated; only the micro-batches' boundaries move)."""

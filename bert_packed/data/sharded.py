@@ -8,7 +8,8 @@ windows; the position of any item is computed, never replayed.
 
 The stream (contract of `bert_packed.data`):
 
-- **Lanes.** The n shards (manifest order) are dealt round-robin into L lanes (default L = n):
+- **Lanes.** The n shards (manifest order) are dealt round-robin into L lanes (``data.lanes``;
+  default: the largest divisor of n up to 64, ``default_lanes``):
   lane l holds shards l, l + L, l + 2L, ... Global micro-batch g comes from lane g % L: it is
   that lane's (g // L)-th micro-batch (counted from the epoch's start, see below). Rank r of W
   yields the g with g % W == r; when W divides L those all come from the lanes l with
@@ -56,6 +57,15 @@ from .hdf5 import CHUNK_CACHE, check_dims, check_rows, check_vocab, read_layout,
 from .shards import load_manifest, shard_paths
 
 WINDOW_PACKS = 16384  # packs held in windows over all lanes (per lane: at least one block)
+
+
+MAX_DEFAULT_LANES = 64  # a process reading every lane holds 2 x 64 x 1,024 packs (0.7 GB at S=512)
+
+
+def default_lanes(num_shards: int) -> int:
+    """The largest divisor of ``num_shards`` up to 64: every lane holds the same number of shards
+    and a single process holds a bounded number of windows however many shards there are."""
+    return max(d for d in range(1, min(num_shards, MAX_DEFAULT_LANES) + 1) if num_shards % d == 0)
 
 
 def dataset_identity(manifest: Dict[str, Any]) -> Dict[str, Any]:
@@ -137,7 +147,7 @@ class ShardedSource:
     the module docstring for the stream). Shapes follow the configuration as in ``HDF5Source``
     (narrower shards zero-padded, wider ones refused naming the option to raise).
 
-    ``lanes``: L, 1..number of shards (default: the number of shards); the world size must
+    ``lanes``: L, 1..number of shards (default: ``default_lanes``); the world size must
     divide it, and the stream depends on it (not on the world size). Fewer lanes mean fewer
     windows held per rank. ``window_blocks``: blocks per window and lane (default
     max(1, 16 // L)). ``prefetch``: read the next window in a background thread.
@@ -189,7 +199,7 @@ class ShardedSource:
 
     def _check_dataset(self, manifest, lanes):
         where, num_shards = self.directory, len(manifest["shards"])
-        self.lanes = int(lanes or num_shards)
+        self.lanes = int(lanes or default_lanes(num_shards))
         if not 1 <= self.lanes <= num_shards:
             raise DataError(f"{where}: {self.lanes} lanes for {num_shards} shards; lanes must be 1..{num_shards}")
         if self.lanes % self.world_size:

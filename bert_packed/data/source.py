@@ -68,5 +68,7 @@ class DataSource(Protocol):
     def state_dict(self) -> Dict[str, Any]:
         ...
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any], force: bool = False) -> None:
+        # force (--resume-force): continue on data that changed since the checkpoint where the
+        # source can say where; sources that cannot refuse a change whatever force says.
         ...

@@ -489,7 +489,7 @@ class PackedSource:
     def state_dict(self) -> Dict[str, Any]:
         return {"next_global": int(self.next_global)}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any], force: bool = False) -> None:
         self.next_global = int(state["next_global"])
 
 
