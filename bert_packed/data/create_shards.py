@@ -40,7 +40,7 @@ import numpy as np
 
 from . import corpus, engine, h5io, shards
 from .create import check_options, create_instances, instances_to_arrays
-from .errors import DataError
+from .errors import DataError, refuse_output_over_input
 from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
 from ..io import DirectoryLock, write_text_atomic
 
@@ -56,7 +56,10 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
                   seed=12345, short_seq_prob=0.1, masked_lm_prob=0.15, lowercase=True, whole_word_mask=False,
                   input_format=None, text_column="text", workers=None, scheduler=None, output_shards=None,
                   block_bytes=DEFAULT_BLOCK_BYTES, show_progress=False):
-    """The sharded `create` (see the module docstring); returns summary statistics."""
+    """The sharded `create` (see the module docstring); returns summary statistics.
+
+    A bad input found before any shard is written (phase A) leaves no job behind, so the fixed
+    rerun starts afresh; a failure later (a full disk) keeps the finished shards for the rerun."""
     output_dir = os.fspath(output_dir)
     check_options(max_seq_length, max_predictions, dupe_factor, masked_lm_prob, short_seq_prob)
     workers = engine.check_workers(workers, scheduler)
@@ -81,15 +84,26 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
                     "num_tokens": max(vocab.values()) + 1}
     job = {"options": options, "inputs": [dict(x, mtime_ns=os.stat(x["path"]).st_mtime_ns) for x in inputs_record],
            "vocab": dict(vocab_record, path=os.path.abspath(vocab_path), sha256=_sha256(vocab_path))}
-    work = _start_job(output_dir, job)
+    created = not os.path.lexists(output_dir)
+    work, resumed = _start_job(output_dir, job)
     with DirectoryLock(work):
-        blocks = [(record["path"], record["format"], start, stop) for record in inputs_record
-                  for start, stop in corpus.plan_blocks(record["path"], record["format"], block_bytes, text_column)]
         common = {"work": work, "vocab": job["vocab"]["path"], "options": options}
-        block_tasks = [dict(common, index=i, path=p, format=f, start=a, stop=b) for i, (p, f, a, b) in enumerate(blocks)]
-        results = engine.run_tasks(tokenise_block, block_tasks, workers=workers, scheduler=scheduler,
-                                   desc="tokenise", unit=" blocks", show_progress=show_progress)
-        shard_tasks = _shard_tasks(common, output_dir, results, paths)
+        try:
+            blocks = [(record["path"], record["format"], start, stop) for record in inputs_record
+                      for start, stop in corpus.plan_blocks(record["path"], record["format"], block_bytes,
+                                                            text_column)]
+            block_tasks = [dict(common, index=i, path=p, format=f, start=a, stop=b)
+                           for i, (p, f, a, b) in enumerate(blocks)]
+            results = engine.run_tasks(tokenise_block, block_tasks, workers=workers, scheduler=scheduler,
+                                       desc="tokenise", unit=" blocks", show_progress=show_progress)
+            shard_tasks = _shard_tasks(common, output_dir, results, paths)
+        except DataError:
+            # Bad input found before any shard: leave no job behind that would refuse the fixed rerun.
+            if not resumed:
+                shutil.rmtree(work, ignore_errors=True)
+                if created and not os.listdir(output_dir):
+                    os.rmdir(output_dir)
+            raise
         summaries = engine.run_tasks(write_shard, shard_tasks, workers=workers, scheduler=scheduler,
                                      desc="shards", unit=" shards", show_progress=show_progress)
         entries = [summary.pop("entry") for summary in summaries]
@@ -125,6 +139,7 @@ def _refuse_output_over_inputs(output_dir, arguments, paths):
     """The shards' directory must not hold an input, be one, or lie inside an input directory
     (a rerun would then read the shards as corpus)."""
     target = os.path.realpath(output_dir)
+    refuse_output_over_input(output_dir, paths)
     for path in paths:
         real = os.path.realpath(path)
         if real == target or real.startswith(target + os.sep):
@@ -167,14 +182,14 @@ def _start_job(output_dir, job):
             raise DataError(f"--output {output_dir} holds an unfinished create of another job (its "
                             f"{' and '.join(differ) or 'record'} differ); run that command again to finish it, or "
                             f"choose an empty --output")
-        return work
+        return work, True
     if os.path.isdir(output_dir) and os.listdir(output_dir):
         raise DataError(f"--output {output_dir} is not empty and holds no unfinished create; choose an empty or new "
                         f"directory")
     with _writing(record):
         os.makedirs(work, exist_ok=True)
         write_text_atomic(record, json.dumps(job, indent=1, sort_keys=True) + "\n")
-    return work
+    return work, False
 
 
 class _writing:
@@ -380,9 +395,9 @@ def _shard_documents(task):
 
 def _write_instances(path, instances, max_seq_length, max_predictions, attrs):
     """The shard in the NVIDIA/MLPerf layout, laid out ROW_CHUNK instances at a time (the padded
-    arrays of a whole shard are never held)."""
+    arrays of a whole shard are never held; the compressed file is, see h5io.atomic_h5_image)."""
     shapes = h5io.unpacked_shapes(len(instances), max_seq_length, max_predictions)
-    with h5io.atomic_h5(path) as handle:
+    with h5io.atomic_h5_image(path) as handle:
         datasets = {name: h5io.create_dataset(handle, name, shape=shape, dtype=dtype)
                     for name, (shape, dtype) in shapes.items()}
         for start in range(0, len(instances), ROW_CHUNK):
