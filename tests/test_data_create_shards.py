@@ -312,3 +312,43 @@ def test_block_arrays_group_documents_by_shard(tmp_path):
     assert arrays["tokens"].tolist() == flat
     assert arrays["shard_ends"].tolist() == np.cumsum(np.bincount(shard_of, minlength=2)).tolist()
     assert arrays["document_ends"].tolist() == np.cumsum([len(pieces[d]) for d in expected_docs]).tolist()
+
+
+def test_a_killed_create_resumes_to_the_same_bytes(corpus_dir, tmp_path):
+    """SIGKILL in the middle of phase B (no clean-up runs); the same command finishes the job."""
+    folder, _, vocab = corpus_dir
+    text = synthetic_corpus(tmp_path / "bigger.txt", num_documents=400, seed=3)
+    argv = [sys.executable, "-m", "bert_packed.data", "create", "--input", str(text), "--vocab", str(vocab),
+            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "3", "--seed", "5",
+            "--output-shards", "16", "--block-bytes", "20000", "--workers", "1", "--no-progress"]
+    output = tmp_path / "killed"
+    process = subprocess.Popen(argv + ["--output", str(output)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (output / "shard-00002.h5").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    process.kill()
+    process.wait()
+    assert not (output / "manifest.json").exists(), "the run finished before it could be killed"
+    finished = {name: os.stat(output / name).st_mtime_ns for name in os.listdir(output) if name.startswith("shard-")}
+    assert len(finished) >= 3
+    result = subprocess.run(argv + ["--output", str(output)], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert all(os.stat(output / name).st_mtime_ns == mtime for name, mtime in finished.items())
+    cs.create_shards([text], vocab, tmp_path / "clean", workers=1, max_seq_length=64, max_predictions=10,
+                     dupe_factor=3, seed=5, output_shards=16, block_bytes=20000)
+    assert contents(output) == contents(tmp_path / "clean")
+
+
+def test_a_second_create_on_the_same_directory_is_refused(corpus_dir, tmp_path, monkeypatch):
+    from bert_packed.io import DirectoryLock
+
+    _, text, vocab = corpus_dir
+    output = tmp_path / "busy"
+    monkeypatch.setattr(cs, "write_shard", _crash)
+    with pytest.raises(RuntimeError):
+        cs.create_shards([text], vocab, output, workers=1, **OPTIONS)
+    monkeypatch.undo()
+    with DirectoryLock(output / ".work"):
+        with pytest.raises(DataError, match=rf"^--output {output} is being written by another create \(pid \d+ on "):
+            cs.create_shards([text], vocab, output, workers=1, **OPTIONS)

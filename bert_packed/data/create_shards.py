@@ -42,7 +42,7 @@ from . import corpus, engine, h5io, shards
 from .create import check_options, create_instances, instances_to_arrays
 from .errors import DataError, refuse_output_over_input
 from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
-from ..io import DirectoryLock, write_text_atomic
+from ..io import DirectoryLock, OutputInUseError, write_text_atomic
 
 DEFAULT_BLOCK_BYTES = 32 << 20
 DEFAULT_SHARD_BYTES = 8 << 20
@@ -86,7 +86,7 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
            "vocab": dict(vocab_record, path=os.path.abspath(vocab_path), sha256=_sha256(vocab_path))}
     created = not os.path.lexists(output_dir)
     work, resumed = _start_job(output_dir, job)
-    with DirectoryLock(work):
+    with _locked(work, output_dir):
         common = {"work": work, "vocab": job["vocab"]["path"], "options": options}
         try:
             blocks = [(record["path"], record["format"], start, stop) for record in inputs_record
@@ -121,6 +121,22 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
             "num_tokens": manifest["num_tokens"], "num_masked_tokens": totals["num_masked_tokens"],
             "random_next_fraction": totals["num_random_next"] / max(1, num_sequences),
             "padding_fraction": 1.0 - manifest["num_tokens"] / max(1, num_sequences * max_seq_length)}
+
+
+class _locked(DirectoryLock):
+    """One create per output directory (the lock lives in ``.work``), refused in `create`'s words."""
+
+    def __init__(self, work, output_dir):
+        super().__init__(work)
+        self.output_dir = output_dir
+
+    def acquire(self):
+        try:
+            return super().acquire()
+        except OutputInUseError as exc:
+            holder = str(exc).split("(", 1)[1].split(")", 1)[0] if "(" in str(exc) else "another process"
+            raise DataError(f"--output {self.output_dir} is being written by another create ({holder}); wait for "
+                            f"it to finish, or choose another --output") from None
 
 
 def _check_counts(output_shards, block_bytes, input_format):
