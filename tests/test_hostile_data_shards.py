@@ -184,8 +184,9 @@ def test_a_disk_that_fills_keeps_finished_shards_and_the_rerun_finishes(work, ca
     """RLIMIT_FSIZE makes writes over the limit fail with EFBIG (Python ignores SIGXFSZ), as a
     full disk would fail them: the shards before are kept whole, the rerun finishes the job."""
     argv = ["--input", str(work / "corpus.txt"), "--vocab", str(work / "vocab.txt"), *ALGORITHM,
-            "--output-shards", "4", "--dupe-factor", "3"]
-    create_ok(capsys, work, [work / "corpus.txt"], work / "reference", "--output-shards", "4", "--dupe-factor", "3")
+            "--output-shards", "4", "--dupe-factor", "3", "--block-bytes", "1500"]
+    create_ok(capsys, work, [work / "corpus.txt"], work / "reference", "--output-shards", "4", "--dupe-factor", "3",
+              "--block-bytes", "1500")
     sizes = [os.path.getsize(work / "reference" / f"shard-{i:05d}.h5") for i in range(4)]
     failing = next(i for i in range(1, 4) if sizes[i] > max(sizes[:i]))
     before = snapshot(work / "corpus.txt", work / "vocab.txt")
@@ -207,3 +208,17 @@ def test_a_disk_that_fills_keeps_finished_shards_and_the_rerun_finishes(work, ca
     assert sorted(os.listdir(work / "out")) == sorted(os.listdir(work / "reference"))
     for name in os.listdir(work / "reference"):
         assert open(work / "out" / name, "rb").read() == open(work / "reference" / name, "rb").read()
+
+
+def test_a_disk_that_fills_while_tokenising_keeps_the_job_for_the_rerun(work, capsys):
+    argv = [sys.executable, "-m", "bert_packed.data", "create", "--input", str(work / "corpus.txt"), "--vocab",
+            str(work / "vocab.txt"), "--output", str(work / "out"), *ALGORITHM]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, preexec_fn=_limit_file_size(4000))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"error: {work / 'out' / '.work' / 'blocks' / 'block-000000'}: writing failed (File too large); finished "
+        f"shards are kept: free space (or raise the limit) and run the same command again to finish")
+    assert os.listdir(work / "out") == [".work"]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(work / "out")) == ["manifest.json", "shard-00000.h5"]

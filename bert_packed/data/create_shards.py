@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -97,9 +98,10 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
             results = engine.run_tasks(tokenise_block, block_tasks, workers=workers, scheduler=scheduler,
                                        desc="tokenise", unit=" blocks", show_progress=show_progress)
             shard_tasks = _shard_tasks(common, output_dir, results, paths)
-        except DataError:
-            # Bad input found before any shard: leave no job behind that would refuse the fixed rerun.
-            if not resumed:
+        except DataError as exc:
+            # Bad input found before any shard: leave no job behind that would refuse the fixed rerun
+            # (a failed write keeps the finished blocks for the rerun).
+            if not resumed and not isinstance(exc, WriteFailed):
                 shutil.rmtree(work, ignore_errors=True)
                 if created and not os.listdir(output_dir):
                     os.rmdir(output_dir)
@@ -208,6 +210,10 @@ def _start_job(output_dir, job):
     return work, False
 
 
+class WriteFailed(DataError):
+    """Writing an output failed (a full disk): finished work is kept for the rerun."""
+
+
 class _writing:
     """Turn an OSError while writing (a full disk, a file-size limit) into one line that says
     what is kept and how to finish."""
@@ -225,7 +231,7 @@ class _writing:
         found = str(exc).split("error message = '")
         if len(found) > 1:  # h5py: "Can't write data (file write failed: ..., error message = 'File too large', ...)"
             reason = found[1].split("'")[0]
-        raise DataError(f"{self.path}: writing failed ({reason}); finished shards are kept: free space (or raise the "
+        raise WriteFailed(f"{self.path}: writing failed ({reason}); finished shards are kept: free space (or raise the "
                         f"limit) and run the same command again to finish") from None
 
 
@@ -260,7 +266,7 @@ def tokenise_block(task):
             tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-block-{task['index']:06d}-")
             try:
                 for name in BLOCK_ARRAYS:
-                    np.save(os.path.join(tmp, name + ".npy"), arrays[name])
+                    _save_npy(os.path.join(tmp, name + ".npy"), arrays[name])
                 os.rename(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -268,6 +274,18 @@ def tokenise_block(task):
                     raise
     shard_ends = np.load(os.path.join(final, "shard_ends.npy"))
     return {"documents": np.diff(shard_ends, prepend=0)}
+
+
+def _save_npy(path, array):
+    """np.save through Python's own file writes: np.save to a file writes with its own FILE* and
+    can lose a failed write (a full disk left a truncated tokens.npy behind, measured), where
+    Python raises the OSError."""
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    with open(path, "wb") as handle:
+        handle.write(buffer.getbuffer())
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def _tokenise(task, batch_sentences=4096):
@@ -301,11 +319,27 @@ def _tokenise(task, batch_sentences=4096):
     return tokens, np.asarray(sentence_lengths, np.int64), document_sizes[document_sizes > 0]
 
 
+def _mix64(x):
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): a fixed hash, so shard
+    assignment never depends on a library's random stream (NumPy keeps no stream stability)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def document_shards(seed, block, num_documents, num_shards):
+    """The shard of each document of a block: hash(seed, block, document index) mod N."""
+    key = _mix64(_mix64(np.array([seed & (2**64 - 1)], np.uint64)) ^ np.uint64(block))
+    hashed = _mix64(key ^ np.arange(num_documents, dtype=np.uint64))
+    return (hashed % np.uint64(num_shards)).astype(np.int64)
+
+
 def _group_by_shard(tokens, sentence_lengths, document_sizes, task):
     """Assign the documents to shards and lay the block out grouped by shard (stable order)."""
     num_shards = task["options"]["num_shards"]
-    rng = np.random.Generator(np.random.PCG64([task["options"]["seed"] & (2**63 - 1), 0x5EED, task["index"]]))
-    shard_of = rng.integers(0, num_shards, size=len(document_sizes))
+    shard_of = document_shards(task["options"]["seed"], task["index"], len(document_sizes), num_shards)
     order = np.argsort(shard_of, kind="stable")
     document_ends = np.cumsum(document_sizes)
     sentence_ends = np.cumsum(sentence_lengths)
