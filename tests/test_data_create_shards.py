@@ -326,7 +326,7 @@ def test_block_arrays_group_documents_by_shard(tmp_path):
 
 def test_a_killed_create_resumes_to_the_same_bytes(corpus_dir, tmp_path):
     """SIGKILL in the middle of phase B (no clean-up runs); the same command finishes the job."""
-    folder, _, vocab = corpus_dir
+    _, _, vocab = corpus_dir
     text = synthetic_corpus(tmp_path / "bigger.txt", num_documents=400, seed=3)
     argv = [sys.executable, "-m", "bert_packed.data", "create", "--input", str(text), "--vocab", str(vocab),
             "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "3", "--seed", "5",

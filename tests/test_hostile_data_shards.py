@@ -140,9 +140,13 @@ def test_output_over_an_input(work, capsys, case):
                         f"the shards as corpus: choose another --output")
 
 
+WORKERS_RANGE = ("--workers must be between 1 and 4096 (local worker processes, one per core: no machine has more "
+                 "cores), got ")
+
+
 @pytest.mark.parametrize("flag, value, message", [
-    ("--workers", "0", "--workers must be between 1 and 4096, got 0"),
-    ("--workers", "5000", "--workers must be between 1 and 4096, got 5000"),
+    ("--workers", "0", WORKERS_RANGE + "0"),
+    ("--workers", "5000", WORKERS_RANGE + "5000"),
     ("--output-shards", "0", "--output-shards must be between 1 and 100000 (shard names have five digits), got 0"),
     ("--output-shards", "100001",
      "--output-shards must be between 1 and 100000 (shard names have five digits), got 100001"),

@@ -424,7 +424,8 @@ def _shard_documents(task):
     for index in range(task["num_blocks"]):
         folder = _block_dir(task["work"], index)
         arrays = {name: np.load(os.path.join(folder, name + ".npy"), mmap_mode="r") for name in BLOCK_ARRAYS}
-        shard_ends, document_ends, sentence_ends = arrays["shard_ends"], arrays["document_ends"], arrays["sentence_ends"]
+        shard_ends, document_ends = arrays["shard_ends"], arrays["document_ends"]
+        sentence_ends = arrays["sentence_ends"]
         first_doc = int(shard_ends[shard - 1]) if shard else 0
         last_doc = int(shard_ends[shard])
         if first_doc == last_doc:
