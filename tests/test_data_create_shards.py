@@ -362,3 +362,14 @@ def test_a_second_create_on_the_same_directory_is_refused(corpus_dir, tmp_path, 
     with DirectoryLock(output / ".work"):
         with pytest.raises(DataError, match=rf"^--output {output} is being written by another create \(pid \d+ on "):
             cs.create_shards([text], vocab, output, workers=1, **OPTIONS)
+
+
+def test_every_shard_is_a_file_that_pack_takes_as_it_is(reference, tmp_path):
+    """Shards keep the NVIDIA/MLPerf layout of the one-file create, so the file tools read them."""
+    from bert_packed.data.pack import pack_file
+
+    output, _ = reference
+    manifest = load_manifest(output)
+    stats = pack_file(shard_paths(output, manifest)[0], tmp_path / "packed.h5", algorithm="lpfhp",
+                      max_sequences_per_pack=3, show_progress=False)
+    assert stats["num_sequences"] == manifest["shards"][0]["num_sequences"]

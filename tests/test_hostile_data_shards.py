@@ -226,3 +226,33 @@ def test_a_disk_that_fills_while_tokenising_keeps_the_job_for_the_rerun(work, ca
     result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(work / "out")) == ["manifest.json", "shard-00000.h5"]
+
+
+def test_a_wikiextractor_end_without_its_start(work, capsys):
+    path = work / "wiki_01"
+    path.write_text('<doc id="1" url="u" title="A">\nA\n\nText.\n</doc>\n</doc>\n')
+    assert create_error(capsys, work, [path], "--format", "wikiextractor") == (
+        2, f"error: {path}: line 6: </doc> without its <doc>; the file is cut or is not WikiExtractor output (force "
+           f"another with --format)")
+
+
+def test_ctrl_c_keeps_finished_work_and_says_how_to_finish(work, capsys, monkeypatch):
+    from bert_packed.data import create_shards as cs
+
+    real = cs.write_shard
+
+    def interrupt_second(task):
+        if task["output"].endswith("shard-00001.h5"):
+            raise KeyboardInterrupt
+        return real(task)
+
+    monkeypatch.setattr(cs, "write_shard", interrupt_second)
+    out = work / "out"
+    code, line = main_error(capsys, ["create", "--input", str(work / "corpus.txt"), "--vocab", str(work / "vocab.txt"),
+                                     "--output", str(out), "--output-shards", "3", *ALGORITHM], entry=data_main)
+    assert (code, line) == (130, f"interrupted: finished blocks and shards are kept in {out}; run the same command "
+                                 f"again to finish")
+    assert sorted(os.listdir(out)) == [".work", "shard-00000.h5"]
+    monkeypatch.setattr(cs, "write_shard", real)
+    create_ok(capsys, work, [work / "corpus.txt"], out, "--output-shards", "3")
+    assert sorted(os.listdir(out)) == ["manifest.json", "shard-00000.h5", "shard-00001.h5", "shard-00002.h5"]
