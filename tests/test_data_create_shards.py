@@ -105,9 +105,17 @@ def _wait_for_workers(address, count, timeout=60):
         client.wait_for_workers(count, timeout=timeout)
 
 
+def _executed_per_worker(address):
+    from dask.distributed import Client
+
+    with Client(address, timeout="20s") as client:
+        # A lambda travels by value (this test module is not importable on the workers).
+        return sorted(client.run(lambda dask_worker: dask_worker.state.executed_count).values())
+
+
 def test_a_real_tcp_cluster_writes_the_same_bytes(corpus_dir, reference, tmp_path):
     """A scheduler and two single-threaded workers over TCP on 127.0.0.1, started and stopped
-    here (only these three processes)."""
+    here (only these three processes: --no-nanny keeps each worker one process)."""
     _, text, vocab = corpus_dir
     scheduler_file = str(tmp_path / "scheduler.json")
     processes = []
@@ -119,15 +127,17 @@ def test_a_real_tcp_cluster_writes_the_same_bytes(corpus_dir, reference, tmp_pat
             address = _wait_for_address(scheduler_file, scheduler)
             assert address.startswith("tcp://127.0.0.1:")
             for _ in range(2):
-                processes.append(_start(["distributed.cli.dask_worker", address, "--nthreads", "1", "--nworkers",
-                                         "1", "--no-dashboard", "--host", "127.0.0.1", "--memory-limit", "0"], log))
+                processes.append(_start(["distributed.cli.dask_worker", address, "--nthreads", "1", "--no-nanny",
+                                         "--no-dashboard", "--host", "127.0.0.1", "--memory-limit", "0"], log))
             _wait_for_workers(address, 2)
             result = subprocess.run(
                 [sys.executable, "-m", "bert_packed.data", "create", "--input", str(text), "--vocab", str(vocab),
                  "--output", str(tmp_path / "tcp"), "--max-seq-length", "64", "--max-predictions", "10",
                  "--dupe-factor", "2", "--seed", "5", "--output-shards", "3", "--block-bytes", "3000",
                  "--scheduler", address], capture_output=True, text=True, cwd=ROOT)
+            executed = _executed_per_worker(address)
         assert result.returncode == 0, result.stderr + open(tmp_path / "cluster.log").read()[-3000:]
+        assert len(executed) == 2 and sum(executed) >= 4, executed  # the tasks ran on the cluster's workers
         assert result.stdout.startswith(f"wrote {tmp_path / 'tcp'}: ")
         assert contents(tmp_path / "tcp") == contents(reference[0])
     finally:
