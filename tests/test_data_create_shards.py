@@ -352,6 +352,7 @@ def test_a_killed_create_resumes_to_the_same_bytes(corpus_dir, tmp_path):
     assert not (output / "manifest.json").exists(), "the run finished before it could be killed"
     finished = {name: os.stat(output / name).st_mtime_ns for name in os.listdir(output) if name.startswith("shard-")}
     assert len(finished) >= 3
+    (output / ".tmp-otherhost.1.abcshard-00009.h5").write_bytes(b"half")  # a writer killed on another machine
     result = subprocess.run(argv + ["--output", str(output)], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert all(os.stat(output / name).st_mtime_ns == mtime for name, mtime in finished.items())

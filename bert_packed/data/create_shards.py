@@ -43,7 +43,7 @@ from . import corpus, engine, h5io, shards
 from .create import check_options, create_instances, instances_to_arrays
 from .errors import DataError, refuse_output_over_input
 from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
-from ..io import DirectoryLock, OutputInUseError, write_text_atomic
+from ..io import TEMP_PREFIX, DirectoryLock, OutputInUseError, write_text_atomic
 
 DEFAULT_BLOCK_BYTES = 32 << 20
 DEFAULT_SHARD_BYTES = 8 << 20
@@ -88,6 +88,7 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
     created = not os.path.lexists(output_dir)
     work, resumed = _start_job(output_dir, job)
     with _locked(work, output_dir):
+        _remove_unfinished_blocks(work)
         common = {"work": work, "vocab": job["vocab"]["path"], "options": options}
         try:
             blocks = [(record["path"], record["format"], start, stop) for record in inputs_record
@@ -108,6 +109,7 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
             raise
         summaries = engine.run_tasks(write_shard, shard_tasks, workers=workers, scheduler=scheduler,
                                      desc="shards", unit=" shards", show_progress=show_progress)
+        _remove_orphan_shards(output_dir)
         entries = [summary.pop("entry") for summary in summaries]
         totals = {key: int(sum(s[key] for s in summaries)) for key in ("num_documents", "num_masked_tokens",
                                                                       "num_random_next")}
@@ -274,6 +276,22 @@ def tokenise_block(task):
                     raise
     shard_ends = np.load(os.path.join(final, "shard_ends.npy"))
     return {"documents": np.diff(shard_ends, prepend=0)}
+
+
+def _remove_orphan_shards(output_dir):
+    """Temporary shard files of killed runs, on any host (``io.remove_orphans`` only knows this
+    host's processes): every shard is finished and the directory is locked, so none is live."""
+    for name in os.listdir(output_dir):
+        if name.startswith(TEMP_PREFIX) and name.endswith(".h5"):
+            os.unlink(os.path.join(output_dir, name))
+
+
+def _remove_unfinished_blocks(work):
+    """Temporary block directories of a killed run (never read: only renamed ones count)."""
+    folder = os.path.join(work, "blocks")
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name.startswith(".tmp-block-"):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 def _save_npy(path, array):
