@@ -233,6 +233,15 @@ def read_all(path, fmt, block_bytes=1 << 30, text_column="text"):
             for doc in corpus.read_block(str(path), fmt, start, stop, text_column)]
 
 
+def test_parquet_text_is_counted_uncompressed_for_the_shard_count(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"id": [1, 2], "text": ["a" * 100_000, "b" * 100_000]}), path, row_group_size=1)
+    assert os.path.getsize(path) < 20_000 < 200_000 <= corpus.text_bytes(str(path), "parquet")
+
+
 @pytest.mark.parametrize("fmt", corpus.FORMATS)
 def test_each_format_is_detected_and_read_as_its_documents(tmp_path, fmt):
     path = write_formats(tmp_path)[fmt]

@@ -123,6 +123,16 @@ def plan_blocks(path: str, fmt: str, block_bytes: int, text_column: str = "text"
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
+def text_bytes(path: str, fmt: str, text_column: str = "text") -> int:
+    """About how much text the file holds: its size, or for Parquet the uncompressed size of the
+    text column (compressed Parquet holds several times its size in text)."""
+    if fmt != "parquet":
+        return os.path.getsize(path)
+    metadata = _parquet_file(path, text_column).metadata
+    index = metadata.schema.to_arrow_schema().get_field_index(text_column)
+    return sum(metadata.row_group(g).column(index).total_uncompressed_size for g in range(metadata.num_row_groups))
+
+
 def _align(handle, offset: int, fmt: str) -> int:
     """The document boundary for nominal cut ``offset`` (see the module docstring)."""
     handle.seek(offset - 1)

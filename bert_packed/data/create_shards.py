@@ -14,7 +14,7 @@ arrays (int32 tokens, sentence and document ends, shard ends) that phase B maps,
 Phase B, one task per shard: gather the shard's documents from every block in block order and
 run Google's algorithm on them (``create.create_instances``: random-next B segments come from
 the shard's own documents, as NVIDIA LDDL does), seeded by (seed, shard); write the shard
-atomically, in row chunks. N defaults to one shard per ~8 MiB of input, so a shard's documents,
+atomically, in row chunks. N defaults to one shard per ~8 MiB of text (Parquet: uncompressed), so a shard's documents,
 instances and arrays stay a few hundred MB at --dupe-factor 10 however large the corpus.
 
 Then ``manifest.json`` (counts, length histograms, options, vocabulary, inputs) and ``.work/``
@@ -79,7 +79,7 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
                "text_column": text_column, "block_bytes": block_bytes, "sentence_splitter": "blingfire"}
     inputs_record = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "format": f}
                      for p, f in zip(paths, formats)]
-    total_bytes = sum(x["bytes"] for x in inputs_record)
+    total_bytes = sum(corpus.text_bytes(x["path"], x["format"], text_column) for x in inputs_record)
     options["num_shards"] = output_shards or min(MAX_SHARDS, max(1, math.ceil(total_bytes / DEFAULT_SHARD_BYTES)))
     vocab_record = {"file": os.path.basename(os.fspath(vocab_path)), "bytes": os.path.getsize(vocab_path),
                     "num_tokens": max(vocab.values()) + 1}
