@@ -23,9 +23,12 @@ def _parser():
 
     p = commands.add_parser("create", help="raw text -> unpacked HDF5 (Google BERT's algorithm)")
     p.add_argument("--input", nargs="+", required=True,
-                   help="corpus file(s): one sentence per line, blank line between documents")
+                   help="corpus files, directories (recursively) or quoted globs: one sentence per line with a "
+                        "blank line between documents, WikiExtractor output, JSONL or Parquet")
     p.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
-    p.add_argument("--output", required=True, help="HDF5 file to write (NVIDIA/MLPerf layout)")
+    p.add_argument("--output", required=True,
+                   help="a directory of HDF5 shards plus manifest.json (streams: memory bounded by a shard); "
+                        "a name ending in .h5/.hdf5 writes one file, all in memory, as before")
     p.add_argument("--max-seq-length", "--max-sequence-length", dest="max_seq_length", type=int,
                    default=128)
     p.add_argument("--max-predictions", type=int, default=20, help="masked tokens per sequence, at most")
@@ -35,6 +38,19 @@ def _parser():
     p.add_argument("--masked-lm-prob", type=float, default=0.15)
     p.add_argument("--whole-word-mask", action="store_true")
     p.add_argument("--cased", action="store_true", help="keep case and accents")
+    p.add_argument("--format", default=None, choices=["lines", "wikiextractor", "jsonl", "parquet"],
+                   help="input format of every file (default: detected per file from its name and first line)")
+    p.add_argument("--text-column", default=None, help="JSONL field / Parquet column of the text (default: text)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="local worker processes (default: every core; ignored with --scheduler)")
+    p.add_argument("--scheduler", default=None, help="address of an existing Dask scheduler, e.g. tcp://host:8786")
+    p.add_argument("--output-shards", type=int, default=None,
+                   help="number of shards (default: one per ~8 MiB of input)")
+    p.add_argument("--block-bytes", type=int, default=None,
+                   help="input block size of a tokenising task (default: 32 MiB)")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress bars on stderr (default: when stderr is a terminal)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
 
     p = commands.add_parser("pack", help="unpacked HDF5 -> packed HDF5")
     p.add_argument("--input", required=True, help="unpacked HDF5 (NVIDIA/MLPerf layout)")
@@ -69,7 +85,16 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     # Outputs are written through temporary files that are removed on the way out, so an
     # interrupted step leaves the previous outputs as they were.
-    return run_cli(lambda: _run(args), interrupted="interrupted: nothing was written")
+    interrupted = "interrupted: nothing was written"
+    if args.command == "create" and _sharded(args.output):
+        interrupted = ("interrupted: finished blocks and shards are kept in " + args.output
+                       + "; run the same command again to finish")
+    return run_cli(lambda: _run(args), interrupted=interrupted)
+
+
+def _sharded(output):
+    """`create --output`: a directory of shards unless the name ends in .h5/.hdf5."""
+    return not output.lower().endswith((".h5", ".hdf5"))
 
 
 def _run(args):
@@ -78,14 +103,25 @@ def _run(args):
         num_tokens = train_vocab(args.input, args.size, args.output, lowercase=not args.cased,
                                  min_frequency=args.min_frequency)
         print(f"wrote {args.output}: {num_tokens} tokens")
+    elif args.command == "create" and _sharded(args.output):
+        _create_shards(args)
     elif args.command == "create":
+        from .errors import DataError
+        extra = [flag for flag, value in (("--format", args.format), ("--text-column", args.text_column),
+                                          ("--workers", args.workers), ("--scheduler", args.scheduler),
+                                          ("--output-shards", args.output_shards),
+                                          ("--block-bytes", args.block_bytes)) if value is not None]
+        if extra:
+            raise DataError(f"{' '.join(extra)}: for a sharded --output directory; --output {args.output} "
+                            f"(.h5) writes one file from plain-text files")
         from .create import create_pretraining_file
         summary = create_pretraining_file(
             args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
             max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
             seed=args.seed, short_seq_prob=args.short_seq_prob,
             masked_lm_prob=args.masked_lm_prob, lowercase=not args.cased,
-            whole_word_mask=args.whole_word_mask, show_progress=sys.stderr.isatty())
+            whole_word_mask=args.whole_word_mask,
+            show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
         print(f"wrote {args.output}: {summary['num_sequences']} sequences from "
               f"{summary['num_documents']} documents, {summary['num_tokens']} tokens, "
               f"{summary['num_masked_tokens']} masked, random next "
@@ -122,6 +158,22 @@ def _run(args):
         num_documents, num_verses = write_kjv_corpus(args.output, args.first, args.last)
         print(f"wrote {args.output}: {num_documents} chapters (documents), {num_verses} verses")
     return 0
+
+
+def _create_shards(args):
+    from .create_shards import DEFAULT_BLOCK_BYTES, create_shards
+    summary = create_shards(
+        args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
+        max_predictions=args.max_predictions, dupe_factor=args.dupe_factor, seed=args.seed,
+        short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob, lowercase=not args.cased,
+        whole_word_mask=args.whole_word_mask, input_format=args.format, text_column=args.text_column or "text",
+        workers=args.workers, scheduler=args.scheduler, output_shards=args.output_shards,
+        block_bytes=DEFAULT_BLOCK_BYTES if args.block_bytes is None else args.block_bytes,
+        show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
+    print(f"wrote {args.output}: {summary['num_sequences']} sequences in {summary['num_shards']} shards from "
+          f"{summary['num_documents']} documents, {summary['num_tokens']} tokens, "
+          f"{summary['num_masked_tokens']} masked, random next {100 * summary['random_next_fraction']:.1f} %, "
+          f"padding {100 * summary['padding_fraction']:.1f} %")
 
 
 def _with_suffix(path, suffix):

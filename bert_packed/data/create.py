@@ -222,15 +222,8 @@ def instances_to_arrays(instances, max_seq_length, max_predictions):
     return arrays
 
 
-def create_pretraining_file(input_paths, vocab_path, output_path, *, max_seq_length=128,
-                            max_predictions=20, dupe_factor=10, seed=12345, short_seq_prob=0.1,
-                            masked_lm_prob=0.15, lowercase=True, whole_word_mask=False,
-                            show_progress=False):
-    """The whole `create` step; writes `output_path` atomically and returns summary statistics."""
-    if isinstance(input_paths, (str, os.PathLike)):
-        input_paths = [input_paths]
-    input_paths = [os.fspath(p) for p in input_paths]
-    refuse_output_over_input(output_path, input_paths + [os.fspath(vocab_path)])
+def check_options(max_seq_length, max_predictions, dupe_factor, masked_lm_prob, short_seq_prob):
+    """DataError for an option the algorithm cannot run with (one check for file and shards)."""
     if max_seq_length < 5:
         raise DataError(f"--max-sequence-length {max_seq_length} is too short: [CLS] A [SEP] B [SEP] "
                         "needs at least 5")
@@ -240,6 +233,18 @@ def create_pretraining_file(input_paths, vocab_path, output_path, *, max_seq_len
         raise DataError(f"--dupe-factor must be at least 1, got {dupe_factor}")
     if not 0 < masked_lm_prob < 1 or not 0 <= short_seq_prob <= 1:
         raise DataError("--masked-lm-prob must be in (0, 1) and --short-seq-prob in [0, 1]")
+
+
+def create_pretraining_file(input_paths, vocab_path, output_path, *, max_seq_length=128,
+                            max_predictions=20, dupe_factor=10, seed=12345, short_seq_prob=0.1,
+                            masked_lm_prob=0.15, lowercase=True, whole_word_mask=False,
+                            show_progress=False):
+    """The whole `create` step; writes `output_path` atomically and returns summary statistics."""
+    if isinstance(input_paths, (str, os.PathLike)):
+        input_paths = [input_paths]
+    input_paths = [os.fspath(p) for p in input_paths]
+    refuse_output_over_input(output_path, input_paths + [os.fspath(vocab_path)])
+    check_options(max_seq_length, max_predictions, dupe_factor, masked_lm_prob, short_seq_prob)
     vocab_path = os.fspath(vocab_path)
     vocab = load_vocab(vocab_path)
     documents = read_documents(input_paths, vocab_path, lowercase=lowercase,

@@ -51,7 +51,8 @@ def check_workers(workers: Optional[int], scheduler: Optional[str]) -> int:
     if workers is None:
         return default_workers()
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-        raise DataError(f"--workers must be between 1 and {MAX_WORKERS}, got {workers}")
+        raise DataError(f"--workers must be between 1 and {MAX_WORKERS} (local worker processes, one per core: no "
+                        f"machine has more cores), got {workers}")
     if scheduler and workers is not None and workers != 1:
         pass  # an existing cluster has its own workers; --workers is ignored there (said in --help)
     return workers

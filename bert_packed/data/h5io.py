@@ -152,6 +152,34 @@ def atomic_h5(path):
             yield handle
 
 
+@contextlib.contextmanager
+def atomic_h5_image(path):
+    """Like `atomic_h5`, but the file is built in memory (HDF5's core driver) and written to disk
+    by Python in one go at the end.
+
+    Why: when the disk fills (ENOSPC) or a file-size limit is hit (EFBIG) while HDF5 itself
+    writes, h5py raises from deep in the library and the process then crashes with SIGSEGV on
+    its way out (h5py 3 / HDF5 1.14, measured), so the user gets a crash instead of a message
+    and a resumable job. Written by Python, the same failure is a plain OSError. The cost is
+    memory of about the (compressed) file's size, so use it for files of bounded size (shards).
+    """
+    import h5py
+
+    with atomic_path(path) as tmp:
+        handle = h5py.File(os.path.basename(tmp) + ".image", "w", driver="core", backing_store=False,
+                           libver=("earliest", "v110"))
+        try:
+            yield handle
+            handle.flush()
+            image = handle.id.get_file_image()
+        finally:
+            handle.close()
+        with open(tmp, "wb") as out:
+            out.write(image)
+            out.flush()
+            os.fsync(out.fileno())
+
+
 def create_dataset(handle, name, data=None, *, shape=None, dtype=None, compression="gzip",
                    chunk_rows=1024):
     """Create a row-chunked dataset (no timestamps, so files are reproducible)."""

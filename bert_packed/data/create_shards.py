@@ -1,0 +1,489 @@
+"""Sharded `create`: a corpus of any size -> a directory of unpacked HDF5 shards (``shards.py``).
+
+The single-file `create` (create.py) holds the whole tokenised corpus and every instance in
+memory; at Wikipedia scale (~20 GB of text) that is over a TiB. Here memory is bounded by a block
+of input and by one shard, whatever the corpus size, and the work runs on ``engine.run_tasks``
+(this process, a local Dask cluster, or an existing one):
+
+Phase A, one task per input block (``corpus.plan_blocks``: ~32 MiB of whole documents, or a
+Parquet row group): read the block's documents, tokenise them (WordPiece, as create.py),
+and send every document to one of N shards by a hash of (seed, block, document). The block's
+documents are stored under ``DIR/.work/blocks/block-NNNNNN/`` grouped by shard, as flat numpy
+arrays (int32 tokens, sentence and document ends, shard ends) that phase B maps, not reads.
+
+Phase B, one task per shard: gather the shard's documents from every block in block order and
+run Google's algorithm on them (``create.create_instances``: random-next B segments come from
+the shard's own documents, as NVIDIA LDDL does), seeded by (seed, shard); write the shard
+atomically, in row chunks. N defaults to one shard per ~8 MiB of text (Parquet: uncompressed), so a shard's documents,
+instances and arrays stay a few hundred MB at --dupe-factor 10 however large the corpus.
+
+Then ``manifest.json`` (counts, length histograms, options, vocabulary, inputs) and ``.work/``
+is removed. Every output is a function of the inputs, options and seed alone, so the shards and
+the manifest are byte-identical for any --workers or cluster.
+
+Resume: blocks (directories renamed into place whole) and shards (atomic files) that exist are
+finished and are skipped when the same command runs again; ``.work/job.json`` records the job
+(options, inputs with sizes and times, vocabulary digest) and a different job on the same
+directory is refused. A directory holding a finished dataset is never overwritten.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from . import corpus, engine, h5io, shards
+from .create import check_options, create_instances, instances_to_arrays
+from .errors import DataError, refuse_output_over_input
+from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
+from ..io import TEMP_PREFIX, DirectoryLock, OutputInUseError, write_text_atomic
+
+DEFAULT_BLOCK_BYTES = 32 << 20
+DEFAULT_SHARD_BYTES = 8 << 20
+MAX_SHARDS = 100_000  # shard names have five digits (shards.shard_name)
+MAX_BLOCK_BYTES = 1 << 30  # a block is decoded whole in one task's memory
+WORK = ".work"
+ROW_CHUNK = 4096  # instances laid out as padded arrays at a time
+
+
+def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_predictions=20, dupe_factor=10,
+                  seed=12345, short_seq_prob=0.1, masked_lm_prob=0.15, lowercase=True, whole_word_mask=False,
+                  input_format=None, text_column="text", workers=None, scheduler=None, output_shards=None,
+                  block_bytes=DEFAULT_BLOCK_BYTES, show_progress=False):
+    """The sharded `create` (see the module docstring); returns summary statistics.
+
+    A bad input found before any shard is written (phase A) leaves no job behind, so the fixed
+    rerun starts afresh; a failure later (a full disk) keeps the finished shards for the rerun."""
+    output_dir = os.fspath(output_dir)
+    check_options(max_seq_length, max_predictions, dupe_factor, masked_lm_prob, short_seq_prob)
+    workers = engine.check_workers(workers, scheduler)
+    _check_counts(output_shards, block_bytes, input_format)
+    paths = corpus.expand_inputs(inputs)
+    if not paths:
+        raise DataError("--input names no files")
+    _refuse_output_over_inputs(output_dir, [os.fspath(x) for x in inputs], paths + [os.fspath(vocab_path)])
+    vocab = load_vocab(os.fspath(vocab_path))
+    for path in paths:
+        check_corpus_file(path)
+    formats = [corpus.detect_format(path, input_format) for path in paths]
+    options = {"max_seq_length": max_seq_length, "max_predictions": max_predictions, "dupe_factor": dupe_factor,
+               "seed": seed, "short_seq_prob": short_seq_prob, "masked_lm_prob": masked_lm_prob,
+               "do_lower_case": bool(lowercase), "whole_word_mask": bool(whole_word_mask),
+               "text_column": text_column, "block_bytes": block_bytes, "sentence_splitter": "blingfire"}
+    inputs_record = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "format": f}
+                     for p, f in zip(paths, formats)]
+    total_bytes = sum(corpus.text_bytes(x["path"], x["format"], text_column) for x in inputs_record)
+    options["num_shards"] = output_shards or min(MAX_SHARDS, max(1, math.ceil(total_bytes / DEFAULT_SHARD_BYTES)))
+    vocab_record = {"file": os.path.basename(os.fspath(vocab_path)), "bytes": os.path.getsize(vocab_path),
+                    "num_tokens": max(vocab.values()) + 1}
+    job = {"options": options, "inputs": [dict(x, mtime_ns=os.stat(x["path"]).st_mtime_ns) for x in inputs_record],
+           "vocab": dict(vocab_record, path=os.path.abspath(vocab_path), sha256=_sha256(vocab_path))}
+    created = not os.path.lexists(output_dir)
+    work, resumed = _start_job(output_dir, job)
+    with _locked(work, output_dir):
+        _remove_unfinished_blocks(work)
+        common = {"work": work, "vocab": job["vocab"]["path"], "options": options}
+        try:
+            blocks = [(record["path"], record["format"], start, stop) for record in inputs_record
+                      for start, stop in corpus.plan_blocks(record["path"], record["format"], block_bytes,
+                                                            text_column)]
+            block_tasks = [dict(common, index=i, path=p, format=f, start=a, stop=b)
+                           for i, (p, f, a, b) in enumerate(blocks)]
+            results = engine.run_tasks(tokenise_block, block_tasks, workers=workers, scheduler=scheduler,
+                                       desc="tokenise", unit=" blocks", show_progress=show_progress)
+            shard_tasks = _shard_tasks(common, output_dir, results, paths)
+        except DataError as exc:
+            # Bad input found before any shard: leave no job behind that would refuse the fixed rerun
+            # (a failed write keeps the finished blocks for the rerun).
+            if not resumed and not isinstance(exc, WriteFailed):
+                shutil.rmtree(work, ignore_errors=True)
+                if created and not os.listdir(output_dir):
+                    os.rmdir(output_dir)
+            raise
+        summaries = engine.run_tasks(write_shard, shard_tasks, workers=workers, scheduler=scheduler,
+                                     desc="shards", unit=" shards", show_progress=show_progress)
+        _remove_orphan_shards(output_dir)
+        entries = [summary.pop("entry") for summary in summaries]
+        totals = {key: int(sum(s[key] for s in summaries)) for key in ("num_documents", "num_masked_tokens",
+                                                                      "num_random_next")}
+        with _writing(os.path.join(output_dir, shards.MANIFEST)):
+            manifest = shards.write_manifest(
+                output_dir, kind="unpacked", shards=entries, options=options, inputs=inputs_record,
+                vocab=vocab_record, num_documents=totals["num_documents"],
+                num_masked_tokens=totals["num_masked_tokens"], num_random_next=totals["num_random_next"],
+                created_by="python -m bert_packed.data create")
+    shutil.rmtree(work, ignore_errors=True)
+    num_sequences = manifest["num_sequences"]
+    return {"num_shards": len(entries), "num_documents": totals["num_documents"], "num_sequences": num_sequences,
+            "num_tokens": manifest["num_tokens"], "num_masked_tokens": totals["num_masked_tokens"],
+            "random_next_fraction": totals["num_random_next"] / max(1, num_sequences),
+            "padding_fraction": 1.0 - manifest["num_tokens"] / max(1, num_sequences * max_seq_length)}
+
+
+class _locked(DirectoryLock):
+    """One create per output directory (the lock lives in ``.work``), refused in `create`'s words."""
+
+    def __init__(self, work, output_dir):
+        super().__init__(work)
+        self.output_dir = output_dir
+
+    def acquire(self):
+        try:
+            return super().acquire()
+        except OutputInUseError as exc:
+            holder = str(exc).split("(", 1)[1].split(")", 1)[0] if "(" in str(exc) else "another process"
+            raise DataError(f"--output {self.output_dir} is being written by another create ({holder}); wait for "
+                            f"it to finish, or choose another --output") from None
+
+
+def _check_counts(output_shards, block_bytes, input_format):
+    if output_shards is not None and (isinstance(output_shards, bool) or not isinstance(output_shards, int)
+                                      or not 1 <= output_shards <= MAX_SHARDS):
+        raise DataError(f"--output-shards must be between 1 and {MAX_SHARDS} (shard names have five digits), "
+                        f"got {output_shards}")
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or not 1 <= block_bytes <= MAX_BLOCK_BYTES:
+        raise DataError(f"--block-bytes must be between 1 and {MAX_BLOCK_BYTES} (a block is read whole into one "
+                        f"task's memory), got {block_bytes}")
+    if input_format is not None and input_format not in corpus.FORMATS:
+        raise DataError(f"--format must be one of {', '.join(corpus.FORMATS)}, got {input_format!r}")
+
+
+def _refuse_output_over_inputs(output_dir, arguments, paths):
+    """The shards' directory must not hold an input, be one, or lie inside an input directory
+    (a rerun would then read the shards as corpus)."""
+    target = os.path.realpath(output_dir)
+    refuse_output_over_input(output_dir, paths)
+    for path in paths:
+        real = os.path.realpath(path)
+        if real == target or real.startswith(target + os.sep):
+            raise DataError(f"--output {output_dir} holds an input ({path}); writing shards there could destroy it: "
+                            f"choose another --output")
+    for argument in arguments:
+        if os.path.isdir(argument):
+            real = os.path.realpath(argument)
+            if target == real or target.startswith(real + os.sep):
+                raise DataError(f"--output {output_dir} is inside the input directory {argument}; a rerun would read "
+                                f"the shards as corpus: choose another --output")
+    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+        raise DataError(f"--output {output_dir} is a file; give a directory for shards (or a .h5/.hdf5 file name "
+                        f"for one file)")
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _start_job(output_dir, job):
+    """``DIR/.work`` with ``job.json``: a new job in an empty directory, or the same job resumed."""
+    work = os.path.join(output_dir, WORK)
+    record = os.path.join(work, "job.json")
+    if os.path.exists(os.path.join(output_dir, shards.MANIFEST)):
+        raise DataError(f"--output {output_dir} already holds a finished dataset ({shards.MANIFEST}); remove it or "
+                        f"choose another --output (nothing is overwritten)")
+    if os.path.exists(record):
+        with open(record, encoding="utf-8") as handle:
+            try:
+                previous = json.load(handle)
+            except ValueError:
+                previous = {}
+        if previous != job:
+            differ = [key for key in ("options", "inputs", "vocab") if previous.get(key) != job.get(key)]
+            raise DataError(f"--output {output_dir} holds an unfinished create of another job (its "
+                            f"{' and '.join(differ) or 'record'} differ); run that command again to finish it, or "
+                            f"choose an empty --output")
+        return work, True
+    if os.path.isdir(output_dir) and os.listdir(output_dir):
+        raise DataError(f"--output {output_dir} is not empty and holds no unfinished create; choose an empty or new "
+                        f"directory")
+    with _writing(record):
+        os.makedirs(work, exist_ok=True)
+        write_text_atomic(record, json.dumps(job, indent=1, sort_keys=True) + "\n")
+    return work, False
+
+
+class WriteFailed(DataError):
+    """Writing an output failed (a full disk): finished work is kept for the rerun."""
+
+
+class _writing:
+    """Turn an OSError while writing (a full disk, a file-size limit) into one line that says
+    what is kept and how to finish."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None or not issubclass(exc_type, OSError):
+            return False
+        reason = exc.strerror or str(exc).splitlines()[0] if str(exc) else exc_type.__name__
+        found = str(exc).split("error message = '")
+        if len(found) > 1:  # h5py: "Can't write data (file write failed: ..., error message = 'File too large', ...)"
+            reason = found[1].split("'")[0]
+        raise WriteFailed(f"{self.path}: writing failed ({reason}); finished shards are kept: free space (or raise the "
+                        f"limit) and run the same command again to finish") from None
+
+
+# ---------------------------------------------------------------------------------------------- phase A
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(vocab_path, lowercase):
+    from tokenizers import BertWordPieceTokenizer
+
+    return BertWordPieceTokenizer(vocab_path, clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                  lowercase=lowercase)
+
+
+def _block_dir(work, index):
+    return os.path.join(work, "blocks", f"block-{index:06d}")
+
+
+BLOCK_ARRAYS = ("tokens", "sentence_ends", "document_ends", "shard_ends")
+
+
+def tokenise_block(task):
+    """Phase A for one block (see the module docstring); returns its counts. A block directory
+    that exists is finished (it is renamed into place whole), so a rerun only reads it."""
+    final = _block_dir(task["work"], task["index"])
+    if not os.path.isdir(final):
+        tokens, sentence_lengths, document_sizes = _tokenise(task)
+        arrays = _group_by_shard(tokens, sentence_lengths, document_sizes, task)
+        parent = os.path.dirname(final)
+        with _writing(final):
+            os.makedirs(parent, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-block-{task['index']:06d}-")
+            try:
+                for name in BLOCK_ARRAYS:
+                    _save_npy(os.path.join(tmp, name + ".npy"), arrays[name])
+                os.rename(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not os.path.isdir(final):  # another run of the same task may have finished it
+                    raise
+    shard_ends = np.load(os.path.join(final, "shard_ends.npy"))
+    return {"documents": np.diff(shard_ends, prepend=0)}
+
+
+def _remove_orphan_shards(output_dir):
+    """Temporary shard files of killed runs, on any host (``io.remove_orphans`` only knows this
+    host's processes): every shard is finished and the directory is locked, so none is live."""
+    for name in os.listdir(output_dir):
+        if name.startswith(TEMP_PREFIX) and name.endswith(".h5"):
+            os.unlink(os.path.join(output_dir, name))
+
+
+def _remove_unfinished_blocks(work):
+    """Temporary block directories of a killed run (never read: only renamed ones count)."""
+    folder = os.path.join(work, "blocks")
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name.startswith(".tmp-block-"):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def _save_npy(path, array):
+    """np.save through Python's own file writes: np.save to a file writes with its own FILE* and
+    can lose a failed write (a full disk left a truncated tokens.npy behind, measured), where
+    Python raises the OSError."""
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    with open(path, "wb") as handle:
+        handle.write(buffer.getbuffer())
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _tokenise(task, batch_sentences=4096):
+    """The block's documents as token ids: flat int32 tokens, tokens per sentence, sentences per
+    document (sentences without tokens and documents without sentences are left out)."""
+    tokenizer = _tokenizer(task["vocab"], task["options"]["do_lower_case"])
+    chunks, sentence_lengths, document_sizes = [], [], []
+    pending, owners = [], []
+
+    def flush():
+        for owner, encoding in zip(owners, tokenizer.encode_batch(pending, add_special_tokens=False)):
+            ids = encoding.ids
+            if ids:
+                chunks.append(np.asarray(ids, np.int32))
+                sentence_lengths.append(len(ids))
+                document_sizes[owner] += 1
+        pending.clear()
+        owners.clear()
+
+    for document in corpus.read_block(task["path"], task["format"], task["start"], task["stop"],
+                                      task["options"]["text_column"]):
+        document_sizes.append(0)
+        for sentence in document:
+            pending.append(sentence)
+            owners.append(len(document_sizes) - 1)
+        if len(pending) >= batch_sentences:
+            flush()
+    flush()
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
+    document_sizes = np.asarray(document_sizes, np.int64)
+    return tokens, np.asarray(sentence_lengths, np.int64), document_sizes[document_sizes > 0]
+
+
+def _mix64(x):
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): a fixed hash, so shard
+    assignment never depends on a library's random stream (NumPy keeps no stream stability)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def document_shards(seed, block, num_documents, num_shards):
+    """The shard of each document of a block: hash(seed, block, document index) mod N."""
+    key = _mix64(_mix64(np.array([seed & (2**64 - 1)], np.uint64)) ^ np.uint64(block))
+    hashed = _mix64(key ^ np.arange(num_documents, dtype=np.uint64))
+    return (hashed % np.uint64(num_shards)).astype(np.int64)
+
+
+def _group_by_shard(tokens, sentence_lengths, document_sizes, task):
+    """Assign the documents to shards and lay the block out grouped by shard (stable order)."""
+    num_shards = task["options"]["num_shards"]
+    shard_of = document_shards(task["options"]["seed"], task["index"], len(document_sizes), num_shards)
+    order = np.argsort(shard_of, kind="stable")
+    document_ends = np.cumsum(document_sizes)
+    sentence_ends = np.cumsum(sentence_lengths)
+    doc_sentence = np.stack([document_ends - document_sizes, document_ends], axis=1)[order]
+    sentence_order = np.concatenate([np.arange(a, b) for a, b in doc_sentence]) if len(order) else np.zeros(0, int)
+    token_ranges = np.stack([sentence_ends - sentence_lengths, sentence_ends], axis=1)[sentence_order]
+    new_tokens = (np.concatenate([tokens[a:b] for a, b in _merge_ranges(token_ranges)])
+                  if len(token_ranges) else np.zeros(0, np.int32))
+    return {"tokens": new_tokens.astype(np.int32),
+            "sentence_ends": np.cumsum(sentence_lengths[sentence_order]).astype(np.int64),
+            "document_ends": np.cumsum(document_sizes[order]).astype(np.int64),
+            "shard_ends": np.cumsum(np.bincount(shard_of, minlength=num_shards)).astype(np.int64)}
+
+
+def _merge_ranges(ranges):
+    """Adjacent [a, b) ranges joined (whole documents move together: one copy per run)."""
+    merged = []
+    for a, b in ranges:
+        if merged and merged[-1][1] == a:
+            merged[-1][1] = b
+        else:
+            merged.append([a, b])
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------- phase B
+
+
+def _shard_tasks(common, output_dir, results, paths):
+    """One task per shard that received documents (empty ones are left out; outputs are
+    numbered densely in shard order)."""
+    per_shard = np.sum([r["documents"] for r in results], axis=0) if results else np.zeros(0, np.int64)
+    if not int(np.sum(per_shard)):
+        raise DataError(f"{', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}: no text found; give documents "
+                        f"(lines: one sentence per line, blank line between documents; or WikiExtractor, JSONL, "
+                        f"Parquet)")
+    tasks = []
+    for assigned in np.nonzero(per_shard)[0]:
+        output = os.path.join(output_dir, shards.shard_name(len(tasks)))
+        seed = int.from_bytes(hashlib.sha256(f"{common['options']['seed']}/{assigned}".encode()).digest()[:7], "big")
+        tasks.append(dict(common, assigned=int(assigned), output=output, shard_seed=seed, num_blocks=len(results)))
+    return tasks
+
+
+@functools.lru_cache(maxsize=4)
+def _vocab_ids(vocab_path):
+    vocab = load_vocab(vocab_path)
+    special_ids = {token: vocab[token] for token in SPECIAL_TOKENS}
+    continuation_ids = frozenset(i for token, i in vocab.items() if token.startswith("##"))
+    return special_ids, continuation_ids, max(vocab.values()) + 1
+
+
+def write_shard(task):
+    """Phase B for one shard; returns its manifest entry and counts. A shard file that exists is
+    finished (written atomically), so a rerun only reads its statistics."""
+    path = task["output"]
+    if not os.path.exists(path):
+        documents = _shard_documents(task)
+        options = task["options"]
+        special_ids, continuation_ids, vocab_size = _vocab_ids(task["vocab"])
+        instances = create_instances(
+            documents, vocab_size, special_ids, max_seq_length=options["max_seq_length"],
+            max_predictions=options["max_predictions"], dupe_factor=options["dupe_factor"],
+            short_seq_prob=options["short_seq_prob"], masked_lm_prob=options["masked_lm_prob"],
+            whole_word_mask=options["whole_word_mask"], continuation_ids=continuation_ids,
+            seed=task["shard_seed"])
+        attrs = {"max_seq_length": options["max_seq_length"], "max_predictions_per_seq": options["max_predictions"],
+                 "dupe_factor": options["dupe_factor"], "seed": task["shard_seed"],
+                 "short_seq_prob": options["short_seq_prob"], "masked_lm_prob": options["masked_lm_prob"],
+                 "do_lower_case": options["do_lower_case"], "whole_word_mask": options["whole_word_mask"],
+                 "vocab_size": vocab_size, "num_documents": len(documents)}
+        del documents
+        with _writing(path):
+            _write_instances(path, instances, options["max_seq_length"], options["max_predictions"], attrs)
+    return _shard_summary(path)
+
+
+def _shard_documents(task):
+    """The shard's documents from every block, in block order: lists of sentences of token ids."""
+    documents = []
+    shard = task["assigned"]
+    for index in range(task["num_blocks"]):
+        folder = _block_dir(task["work"], index)
+        arrays = {name: np.load(os.path.join(folder, name + ".npy"), mmap_mode="r") for name in BLOCK_ARRAYS}
+        shard_ends, document_ends = arrays["shard_ends"], arrays["document_ends"]
+        sentence_ends = arrays["sentence_ends"]
+        first_doc = int(shard_ends[shard - 1]) if shard else 0
+        last_doc = int(shard_ends[shard])
+        if first_doc == last_doc:
+            continue
+        first_sentence = int(document_ends[first_doc - 1]) if first_doc else 0
+        doc_ends = np.asarray(document_ends[first_doc:last_doc]) - first_sentence
+        last_sentence = first_sentence + int(doc_ends[-1])
+        first_token = int(sentence_ends[first_sentence - 1]) if first_sentence else 0
+        sent_ends = np.asarray(sentence_ends[first_sentence:last_sentence]) - first_token
+        tokens = np.asarray(arrays["tokens"][first_token:first_token + int(sent_ends[-1])]).tolist()
+        sent_starts = np.concatenate([[0], sent_ends[:-1]])
+        sentences = [tokens[a:b] for a, b in zip(sent_starts.tolist(), sent_ends.tolist())]
+        doc_starts = np.concatenate([[0], doc_ends[:-1]])
+        documents.extend(sentences[a:b] for a, b in zip(doc_starts.tolist(), doc_ends.tolist()))
+        del arrays
+    return documents
+
+
+def _write_instances(path, instances, max_seq_length, max_predictions, attrs):
+    """The shard in the NVIDIA/MLPerf layout, laid out ROW_CHUNK instances at a time (the padded
+    arrays of a whole shard are never held; the compressed file is, see h5io.atomic_h5_image)."""
+    shapes = h5io.unpacked_shapes(len(instances), max_seq_length, max_predictions)
+    with h5io.atomic_h5_image(path) as handle:
+        datasets = {name: h5io.create_dataset(handle, name, shape=shape, dtype=dtype)
+                    for name, (shape, dtype) in shapes.items()}
+        for start in range(0, len(instances), ROW_CHUNK):
+            arrays = instances_to_arrays(instances[start:start + ROW_CHUNK], max_seq_length, max_predictions)
+            for name, dataset in datasets.items():
+                dataset[start:start + len(arrays[name])] = arrays[name]
+        handle.attrs.update(attrs)
+
+
+def _shard_summary(path, rows=1 << 16):
+    """A shard's manifest entry and counts, read from the file (the same after a resume)."""
+    entry = shards.shard_entry(path)
+    masked = random_next = 0
+    with h5io.open_h5(path) as handle, h5io.read_errors(path):
+        num_documents = int(handle.attrs["num_documents"])
+        for start in range(0, entry["num_items"], rows):
+            masked += int((handle["masked_lm_ids"][start:start + rows] != 0).sum())
+            random_next += int(handle["next_sentence_labels"][start:start + rows].sum())
+    return {"entry": entry, "num_documents": num_documents, "num_masked_tokens": masked,
+            "num_random_next": random_next}
