@@ -198,7 +198,7 @@ def test_default_shard_count_follows_the_input_size(corpus_dir, tmp_path):
     _, text, vocab = corpus_dir
     options = dict(OPTIONS, output_shards=None)
     summary = cs.create_shards([text], vocab, tmp_path / "default", workers=1, **options)
-    assert summary["num_shards"] == 1  # a few kB of text: one shard (one per ~8 MiB)
+    assert summary["num_shards"] == 1  # a few kB of text: one shard (one per ~4 MiB)
     assert load_manifest(tmp_path / "default")["options"]["num_shards"] == 1
 
 

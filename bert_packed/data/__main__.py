@@ -45,7 +45,7 @@ def _parser():
                    help="local worker processes (default: every core; ignored with --scheduler)")
     p.add_argument("--scheduler", default=None, help="address of an existing Dask scheduler, e.g. tcp://host:8786")
     p.add_argument("--output-shards", type=int, default=None,
-                   help="number of shards (default: one per ~8 MiB of input)")
+                   help="number of shards (default: one per ~4 MiB of input)")
     p.add_argument("--block-bytes", type=int, default=None,
                    help="input block size of a tokenising task (default: 32 MiB)")
     p.add_argument("--progress", dest="progress", action="store_true", default=None,

@@ -23,7 +23,9 @@ One deliberate difference: the random replacement token is drawn from the vocabu
 without its special tokens ([PAD] is id 0 and would read as padding in the packed layout).
 Everything is driven by one `random.Random(seed)`, so a seed gives identical files.
 """
+import array
 import collections
+import collections.abc
 import os
 import random
 
@@ -88,7 +90,8 @@ def create_instances(documents, vocab_size, special_ids, *, max_seq_length, max_
                      dupe_factor, short_seq_prob=0.1, masked_lm_prob=0.15,
                      whole_word_mask=False, continuation_ids=frozenset(), seed=12345,
                      show_progress=False):
-    """Run the algorithm on tokenised documents; return the shuffled list of `Instance`.
+    """Run the algorithm on tokenised documents; return the shuffled instances (an
+    `InstanceStore`: a sequence of `Instance`, held in flat typed arrays).
 
     `special_ids`: dict with the ids of [CLS] [SEP] [MASK] (and the other specials, which
     are never drawn as random replacements). `continuation_ids`: ids of `##` pieces, used
@@ -99,7 +102,7 @@ def create_instances(documents, vocab_size, special_ids, *, max_seq_length, max_
     rng.shuffle(documents)
     excluded = set(special_ids.values())
     replacement_ids = [i for i in range(vocab_size) if i not in excluded]
-    instances = []
+    instances = InstanceStore()
     total = dupe_factor * len(documents)
     with tqdm(total=total, desc="create", unit=" docs", disable=not show_progress) as bar:
         for _ in range(dupe_factor):
@@ -109,8 +112,62 @@ def create_instances(documents, vocab_size, special_ids, *, max_seq_length, max_
                     masked_lm_prob, special_ids, replacement_ids, whole_word_mask,
                     continuation_ids))
                 bar.update()
-    rng.shuffle(instances)
+    instances.shuffle(rng)
     return instances
+
+
+class InstanceStore(collections.abc.Sequence):
+    """The instances of a run in flat typed arrays: about 4 bytes a token where Python lists of
+    ints take 16-20 (a pointer per token in each of two lists, plus the list objects), so
+    `create` holds dupe_factor x its text in instances at a quarter of the memory. Items are
+    `Instance`s of int32/int8 numpy views, in the shuffled order once `shuffle` has run.
+
+    `shuffle(rng)` permutes exactly as `rng.shuffle` permutes a list of the same length (the
+    permutation depends on the length alone), so the output equals the list version's.
+    """
+
+    def __init__(self):
+        self._tokens, self._segments = array.array("i"), array.array("b")
+        self._positions, self._labels = array.array("i"), array.array("i")
+        self._token_ends, self._masked_ends = array.array("q"), array.array("q")
+        self._random_next = array.array("b")
+        self._order = None
+
+    def extend(self, instances):
+        if self._order is not None:
+            raise RuntimeError("InstanceStore is read-only once shuffled")
+        for instance in instances:
+            self._tokens.extend(instance.tokens)
+            self._segments.extend(instance.segment_ids)
+            self._positions.extend(instance.masked_positions)
+            self._labels.extend(instance.masked_labels)
+            self._token_ends.append(len(self._tokens))
+            self._masked_ends.append(len(self._positions))
+            self._random_next.append(int(instance.is_random_next))
+
+    def shuffle(self, rng):
+        order = list(range(len(self._token_ends)))
+        rng.shuffle(order)
+        self._order = array.array("q", order)
+
+    def __len__(self):
+        return len(self._token_ends)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if self._order is not None:
+            index = self._order[index]
+        t0 = self._token_ends[index - 1] if index else 0
+        m0 = self._masked_ends[index - 1] if index else 0
+        t1, m1 = self._token_ends[index], self._masked_ends[index]
+        view = memoryview
+        return Instance(np.frombuffer(view(self._tokens)[t0:t1], np.intc),
+                        np.frombuffer(view(self._segments)[t0:t1], np.int8),
+                        np.frombuffer(view(self._positions)[m0:m1], np.intc),
+                        np.frombuffer(view(self._labels)[m0:m1], np.intc), bool(self._random_next[index]))
 
 
 def _instances_from_document(documents, index, rng, max_seq_length, max_predictions,

@@ -14,7 +14,7 @@ arrays (int32 tokens, sentence and document ends, shard ends) that phase B maps,
 Phase B, one task per shard: gather the shard's documents from every block in block order and
 run Google's algorithm on them (``create.create_instances``: random-next B segments come from
 the shard's own documents, as NVIDIA LDDL does), seeded by (seed, shard); write the shard
-atomically, in row chunks. N defaults to one shard per ~8 MiB of text (Parquet: uncompressed), so a shard's documents,
+atomically, in row chunks. N defaults to one shard per ~4 MiB of text (Parquet: uncompressed), so a shard's documents,
 instances and arrays stay a few hundred MB at --dupe-factor 10 however large the corpus.
 
 Then ``manifest.json`` (counts, length histograms, options, vocabulary, inputs) and ``.work/``
@@ -46,7 +46,7 @@ from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
 from ..io import TEMP_PREFIX, DirectoryLock, OutputInUseError, write_text_atomic
 
 DEFAULT_BLOCK_BYTES = 32 << 20
-DEFAULT_SHARD_BYTES = 8 << 20
+DEFAULT_SHARD_BYTES = 4 << 20
 MAX_SHARDS = 100_000  # shard names have five digits (shards.shard_name)
 MAX_BLOCK_BYTES = 1 << 30  # a block is decoded whole in one task's memory
 WORK = ".work"
