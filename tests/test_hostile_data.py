@@ -161,7 +161,7 @@ UNPACKED_DAMAGE = [
                                 "the data's vocabulary is larger than the model's"),
     ("segment_ids", (7, 1), 2, "segment_ids of row 7: value 2 is outside [0, 2) (model.type_vocab_size)"),
     ("next_sentence_labels", (9,), 3, "next_sentence_labels of row 9: value 3 is not 0 or 1"),
-    ("masked_lm_positions", (4, 0), 63, "masked_lm_positions of row 4: value 63 is not a position inside its sequence "
+    ("masked_lm_positions", (None, 0), 63, "masked_lm_positions of row {row}: value 63 is not a position inside its sequence "
                                         "(0 .. length - 1)"),
     ("masked_lm_ids", (6, 0), 300, "masked_lm_ids of row 6: value 300 is outside the vocabulary [0, 256) "
                                    "(model.vocab_size)"),
@@ -173,9 +173,9 @@ def test_out_of_range_unpacked_data_names_file_field_row_and_value(work, tmp_pat
     path = work / "train.h5"
     with h5py.File(path, "r+") as handle:
         dataset = handle[field]
-        if field == "masked_lm_positions":  # a used slot pointing past its sequence's end
-            lengths = handle["input_mask"][where[0]].sum()
-            assert lengths < 63
+        if field == "masked_lm_positions":  # a used slot pointing past its sequence's end: a row shorter than 63
+            row = int(np.flatnonzero(handle["input_mask"][...].sum(axis=1) < 63)[0])
+            where, message = (row, 0), message.format(row=row)
         data = dataset[...]
         data[where] = value
         dataset[...] = data

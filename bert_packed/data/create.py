@@ -221,43 +221,61 @@ def _instances_from_document(documents, index, rng, max_seq_length, max_predicti
 
 
 def _truncate_pair(tokens_a, tokens_b, max_num_tokens, rng):
-    """Trim the longer segment (front or back at random) until the pair fits."""
-    while len(tokens_a) + len(tokens_b) > max_num_tokens:
-        longer = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+    """Trim the longer segment (front or back at random) until the pair fits. One draw per
+    removed token, as the reference does, but the cuts are counted first and applied once (the
+    reference deletes token by token from the front of a list: quadratic in the cut)."""
+    lengths, cuts = [len(tokens_a), len(tokens_b)], [[0, 0], [0, 0]]
+    while lengths[0] + lengths[1] > max_num_tokens:
+        longer = 0 if lengths[0] > lengths[1] else 1
         # Both ends, so the model does not learn that text always ends at a sentence end.
-        if rng.random() < 0.5:
-            del longer[0]
-        else:
-            longer.pop()
+        cuts[longer][0 if rng.random() < 0.5 else 1] += 1
+        lengths[longer] -= 1
+    for segment, (front, back) in zip((tokens_a, tokens_b), cuts):
+        if front or back:
+            segment[:] = segment[front:len(segment) - back]
 
 
 def _mask_tokens(tokens, masked_lm_prob, max_predictions, special_ids, replacement_ids, rng,
                  whole_word_mask, continuation_ids):
+    """Google's masking: candidates (words with --whole-word-mask, else tokens; never [CLS] or
+    [SEP]) visited in a uniformly random order until num_to_predict positions are masked.
+
+    The random order is drawn lazily (Fisher-Yates, one draw per candidate visited) instead of
+    shuffling every candidate as the reference does: the same distribution, but about 20 draws
+    per sequence instead of about 115 at S=128 (the full shuffle was 40 % of `create`'s time)."""
     cls_id, sep_id, mask_id = special_ids["[CLS]"], special_ids["[SEP]"], special_ids["[MASK]"]
-    candidates = []
-    for position, token in enumerate(tokens):
-        if token == cls_id or token == sep_id:
-            continue
-        if whole_word_mask and candidates and token in continuation_ids:
-            candidates[-1].append(position)
-        else:
-            candidates.append([position])
-    rng.shuffle(candidates)
+    if whole_word_mask:
+        candidates = []
+        for position, token in enumerate(tokens):
+            if token == cls_id or token == sep_id:
+                continue
+            if candidates and token in continuation_ids:
+                candidates[-1].append(position)
+            else:
+                candidates.append([position])
+    else:  # single tokens: the same draws as one-token groups, without the group objects
+        candidates = [p for p, token in enumerate(tokens) if token != cls_id and token != sep_id]
     num_to_predict = min(max_predictions, max(1, int(round(len(tokens) * masked_lm_prob))))
     output = list(tokens)
     masked = []
-    for group in candidates:
+    random, num_candidates, num_replacements = rng.random, len(candidates), len(replacement_ids)
+    for k in range(num_candidates):
         if len(masked) >= num_to_predict:
             break
-        if len(masked) + len(group) > num_to_predict:
+        j = k + int(random() * (num_candidates - k))
+        candidates[k], candidates[j] = candidates[j], candidates[k]
+        group = candidates[k]
+        if not whole_word_mask:
+            group = (group,)
+        elif len(masked) + len(group) > num_to_predict:
             continue
         for position in group:
-            if rng.random() < 0.8:
+            if random() < 0.8:
                 replacement = mask_id
-            elif rng.random() < 0.5:
+            elif random() < 0.5:
                 replacement = tokens[position]
             else:
-                replacement = replacement_ids[rng.randint(0, len(replacement_ids) - 1)]
+                replacement = replacement_ids[int(random() * num_replacements)]
             output[position] = replacement
             masked.append((position, tokens[position]))
     masked.sort()
