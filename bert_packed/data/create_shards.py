@@ -87,7 +87,8 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
            "vocab": dict(vocab_record, path=os.path.abspath(vocab_path), sha256=_sha256(vocab_path))}
     created = not os.path.lexists(output_dir)
     work, resumed = _start_job(output_dir, job)
-    with _locked(work, output_dir):
+    # One engine for both phases: a local cluster starts once.
+    with _locked(work, output_dir), engine.Engine(workers=workers, scheduler=scheduler) as runner:
         _remove_unfinished_blocks(work)
         common = {"work": work, "vocab": job["vocab"]["path"], "options": options}
         try:
@@ -96,8 +97,8 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
                                                             text_column)]
             block_tasks = [dict(common, index=i, path=p, format=f, start=a, stop=b)
                            for i, (p, f, a, b) in enumerate(blocks)]
-            results = engine.run_tasks(tokenise_block, block_tasks, workers=workers, scheduler=scheduler,
-                                       desc="tokenise", unit=" blocks", show_progress=show_progress)
+            results = runner.run(tokenise_block, block_tasks, desc="tokenise", unit=" blocks",
+                                 show_progress=show_progress)
             shard_tasks = _shard_tasks(common, output_dir, results, paths)
         except DataError as exc:
             # Bad input found before any shard: leave no job behind that would refuse the fixed rerun
@@ -107,8 +108,7 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
                 if created and not os.listdir(output_dir):
                     os.rmdir(output_dir)
             raise
-        summaries = engine.run_tasks(write_shard, shard_tasks, workers=workers, scheduler=scheduler,
-                                     desc="shards", unit=" shards", show_progress=show_progress)
+        summaries = runner.run(write_shard, shard_tasks, desc="shards", unit=" shards", show_progress=show_progress)
         _remove_orphan_shards(output_dir)
         entries = [summary.pop("entry") for summary in summaries]
         totals = {key: int(sum(s[key] for s in summaries)) for key in ("num_documents", "num_masked_tokens",

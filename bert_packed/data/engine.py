@@ -63,51 +63,83 @@ def run_tasks(function: Callable[[Any], Any], tasks: Iterable[Any], *, workers: 
               show_progress: bool = False) -> List[Any]:
     """``[function(task) for task in tasks]`` on the chosen engine (see module doc), with a
     progress bar over tasks. ``function`` must be importable by name (a module-level function)
-    when it runs on Dask workers."""
-    tasks = list(tasks)
-    workers = check_workers(workers, scheduler)
-    if not tasks:
-        return []
-    bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=not show_progress)
-    try:
-        if scheduler is None and (workers == 1 or len(tasks) == 1):
-            results = []
-            for task in tasks:
-                results.append(function(task))
-                bar.update()
-            return results
-        return _run_on_dask(function, tasks, workers=min(workers, len(tasks)), scheduler=scheduler, bar=bar)
-    finally:
-        bar.close()
+    when it runs on Dask workers. One call, one cluster: use ``Engine`` for several phases."""
+    with Engine(workers=workers, scheduler=scheduler) as engine:
+        return engine.run(function, tasks, desc=desc, unit=unit, show_progress=show_progress)
 
 
-def _run_on_dask(function, tasks, *, workers, scheduler, bar):
-    try:
-        from dask.distributed import Client, LocalCluster, as_completed
-    except ImportError:  # pragma: no cover - dask[distributed] is in requirements.txt
-        raise DataError("--workers > 1 and --scheduler need dask.distributed: pip install 'dask[distributed]'") from None
-    if scheduler is not None:
-        try:
-            client = Client(scheduler, timeout="20s")
-        except (OSError, TimeoutError) as exc:
-            raise DataError(f"--scheduler {scheduler}: cannot reach a Dask scheduler there "
-                            f"({str(exc).splitlines()[0][:160]})") from None
-        cluster = None
-    else:
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                               dashboard_address=None, silence_logs=logging.ERROR, memory_limit=0,
-                               env=dict(WORKER_ENV))
-        client = Client(cluster)
-    try:
-        # pure=False: a task is never answered from another call's cache; key order = task order.
-        futures = client.map(function, tasks, pure=False)
-        index = {future.key: i for i, future in enumerate(futures)}
-        results = [None] * len(tasks)
-        for future in as_completed(futures):
-            results[index[future.key]] = future.result()  # re-raises the task's exception
-            bar.update()
-        return results
-    finally:
-        client.close()
+class Engine:
+    """Several ``run`` calls on one cluster: a local cluster starts (about 1-3 s) at the first
+    call that needs one and stops when the ``with`` block ends, so a job of several phases
+    (``create``: tokenise, then shards) starts it once."""
+
+    def __init__(self, *, workers: Optional[int] = 1, scheduler: Optional[str] = None):
+        self.workers, self.scheduler = check_workers(workers, scheduler), scheduler
+        self._client = self._cluster = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def close(self):
+        client, cluster, self._client, self._cluster = self._client, self._cluster, None, None
+        if client is not None:
+            client.close()
         if cluster is not None:
             cluster.close()
+
+    def run(self, function: Callable[[Any], Any], tasks: Iterable[Any], *, desc: str = "tasks",
+            unit: str = " tasks", show_progress: bool = False) -> List[Any]:
+        """``[function(task) for task in tasks]`` (see ``run_tasks``)."""
+        tasks = list(tasks)
+        if not tasks:
+            return []
+        bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=not show_progress)
+        try:
+            if self.scheduler is None and (self.workers == 1 or len(tasks) == 1):
+                results = []
+                for task in tasks:
+                    results.append(function(task))
+                    bar.update()
+                return results
+            return self._run_on_dask(function, tasks, bar)
+        finally:
+            bar.close()
+
+    def _connect(self):
+        try:
+            from dask.distributed import Client, LocalCluster
+        except ImportError:  # pragma: no cover - dask[distributed] is in requirements.txt
+            raise DataError("--workers > 1 and --scheduler need dask.distributed: pip install 'dask[distributed]'") \
+                from None
+        if self.scheduler is not None:
+            try:
+                self._client = Client(self.scheduler, timeout="20s")
+            except (OSError, TimeoutError) as exc:
+                raise DataError(f"--scheduler {self.scheduler}: cannot reach a Dask scheduler there "
+                                f"({str(exc).splitlines()[0][:160]})") from None
+            return
+        self._cluster = LocalCluster(n_workers=self.workers, threads_per_worker=1, processes=True,
+                                     dashboard_address=None, silence_logs=logging.ERROR, memory_limit=0,
+                                     env=dict(WORKER_ENV))
+        self._client = Client(self._cluster)
+
+    def _run_on_dask(self, function, tasks, bar):
+        from dask.distributed import as_completed
+
+        if self._client is None:
+            self._connect()
+        # pure=False: a task is never answered from another call's cache; key order = task order.
+        futures = self._client.map(function, tasks, pure=False)
+        try:
+            index = {future.key: i for i, future in enumerate(futures)}
+            results = [None] * len(tasks)
+            for future in as_completed(futures):
+                results[index[future.key]] = future.result()  # re-raises the task's exception
+                bar.update()
+            return results
+        except BaseException:
+            self._client.cancel(futures)
+            raise
