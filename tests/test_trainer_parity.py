@@ -1,0 +1,340 @@
+"""Same recipe, same result as the Hugging Face Trainer (issue 33).
+
+Each test fine-tunes one tiny checkpoint twice on the same data: with ``run.py`` (packed, the
+fine-tuning config's defaults) and with the real ``transformers.Trainer`` (its own defaults;
+TrainingArguments only say what must be said: batches, rate, steps, seed, the warm-up our config
+uses, the weight decay our config uses so that its parameter groups are compared too). Dropout
+is off, the checkpoint carries the task's head (both sides start from the same weights), and
+every Trainer batch holds exactly the sentences of our packed step (a batch sampler built from
+our pack order), so the loss of every step must agree to 1e-5 relative and the final weights
+to ``WEIGHT_TOL``. What the comparison covers: gradient clipping, AdamW's betas/eps, which
+parameters are decayed, the warm-up's rounding and first step, the linear decay, the loss's
+normalisation (the Trainer's batch mean over labelled tokens or sequences equals our mean
+over the step's, ``add_step_normalizers``) and the labels (-100 for non-first sub-tokens).
+
+Each comparison is also run with one recipe drift on our side (no clipping, LayerNorm
+weights decayed, one more warm-up step) and must then fail: the tests can see a drift.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import run
+from bert_packed import optim
+from bert_packed.config import load_config
+from bert_packed.task import get_task
+from finetune_fixtures import classification_rows, save_hf_checkpoint, write_rows, write_vocab
+from ner_fixtures import TAGS, ner_sentences, write_jsonl, write_ner_vocab
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # the Trainer's requirement
+pytest.importorskip("seqeval")
+
+LOSS_RTOL = 1e-5
+WEIGHT_TOL = 1e-6  # largest |ours - Trainer's| of a final weight (fp32, 32 AdamW steps; measured <= 1.2e-7)
+S = 64  # data.max_sequence_length = the tiny checkpoint's max_position_embeddings
+NUM_STEPS = 32
+LEARNING_RATE = 1e-3
+WARMUP_FRACTION = 0.1  # every fine-tuning config's; the Trainer gets it as warmup_steps=0.1 (a ratio)
+WEIGHT_DECAY = 0.01  # every fine-tuning config's (the Trainer's default is 0.0, see docs/finetuning.md)
+
+
+# ----------------------------------------------------------------------------- the two runs
+
+
+def run_ours(directory, config_name: str, sets) -> dict:
+    """``run.py`` on the cpu backend; the loss of every step and the exported final weights."""
+    from safetensors.torch import load_file
+
+    argv = ["--config", config_name, "--backend", "cpu", "--output-dir", str(directory), "--no-progress"]
+    for item in sets:
+        argv += ["--set", item]
+    assert run.main(argv) == 0
+    lines = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, len(lines) + 1))
+    return {"losses": [line["loss"] for line in lines], "grad_norms": [line["grad_norm"] for line in lines],
+            "weights": load_file(str(directory / "hf" / "model.safetensors"))}
+
+
+def common_sets(checkpoint: str, train_file: str, validation_file: str, **more) -> list:
+    """The run's shape (not its recipe): tiny rows, explicit steps, one line per step, the last
+    weights exported (not the best evaluation's), no accumulation adjustment (the step's
+    sequences are then known from the pack order)."""
+    values = {"model.init_checkpoint": json.dumps(checkpoint), "finetune.train_file": train_file,
+              "finetune.validation_file": validation_file, "data.max_sequence_length": S,
+              "train.steps": NUM_STEPS, "train.log_every": 1, "train.eval_every": 0, "train.checkpoint_every": 0,
+              "train.tensorboard": "false", "train.num_threads": 1, "train.packing_adjustment": "none",
+              "train.micro_batch_size": 1, "train.gradient_accumulation": 2,
+              "finetune.load_best_model_at_end": "false", "optimizer.learning_rate": LEARNING_RATE}
+    values.update(more)
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+def step_sequences(config_name: str, sets) -> list:
+    """The training sequences (indices into the training file) of every optimizer step of our run:
+    the packed stream of ``PackedSource`` (global micro-batch g holds packs [gB, (g+1)B) of the
+    epochs' pack orders, one after the other), rebuilt from the task the run builds."""
+    config = load_config(config_name, list(sets))
+    task = get_task(config)
+    task.setup(show_progress=False)
+    data, t = task.train_data, config.train
+    per_step = t.micro_batch_size * t.gradient_accumulation
+    steps = []
+    for step in range(t.steps):
+        stream = np.arange(step * per_step, (step + 1) * per_step)
+        members = []
+        for pack_epoch, position in zip(stream // data.num_packs, stream % data.num_packs):
+            _, rows = data._batch(data.assignment(int(pack_epoch)), np.array([position]))
+            members += [int(i) for i in rows[0] if i >= 0]
+        steps.append(members)
+    return steps, task
+
+
+class StepTrainer(transformers.Trainer):
+    """The Trainer, fed our steps' sequences as its batches (a batch sampler), recording the loss
+    of every step in full precision (its logs round to 4 digits). Nothing else is changed."""
+
+    def __init__(self, *args, step_batches, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_batches, self.step_losses = step_batches, []
+
+    def get_train_dataloader(self):
+        loader = torch.utils.data.DataLoader(self.train_dataset, batch_sampler=self.step_batches,
+                                             collate_fn=self.data_collator)
+        return self.accelerator.prepare(loader)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        self.step_losses.append(float((result[0] if return_outputs else result).detach()))
+        return result
+
+
+def run_trainer(directory, model, dataset, collator, step_batches) -> dict:
+    """``transformers.Trainer`` with its defaults but for what the comparison must fix."""
+    args = transformers.TrainingArguments(
+        output_dir=str(directory), per_device_train_batch_size=max(len(b) for b in step_batches),
+        learning_rate=LEARNING_RATE, max_steps=len(step_batches), warmup_steps=WARMUP_FRACTION,
+        weight_decay=WEIGHT_DECAY, seed=0, report_to=[], save_strategy="no", use_cpu=True,
+        logging_strategy="no", disable_tqdm=True)
+    trainer = StepTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                          step_batches=step_batches)
+    trainer.train()
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return {"losses": trainer.step_losses, "weights": weights}
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+
+def max_relative_loss_gap(ours: dict, theirs: dict) -> float:
+    a, b = np.asarray(ours["losses"]), np.asarray(theirs["losses"])
+    assert len(a) == len(b) == NUM_STEPS
+    return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+def compared_weights(names) -> list:
+    """The parameters whose final values are compared: all but the attention key biases. A key
+    bias adds the same q.b to every score of a query, which softmax ignores: its gradient is 0
+    in exact arithmetic, so each side's AdamW steps it by its own rounding noise divided by that
+    noise's RMS (up to the learning rate per step), and it changes no output."""
+    return sorted(name for name in names if not name.endswith("attention.self.key.bias"))
+
+
+def max_weight_gap(ours: dict, theirs: dict) -> float:
+    """Largest |difference| over the parameters both hold (our export has no pooler for token
+    classification and QA, as transformers' own models of those tasks)."""
+    shared = compared_weights(set(ours["weights"]) & set(theirs["weights"]))
+    assert len(shared) >= 30
+    return max(float((ours["weights"][k].float() - theirs["weights"][k].float()).abs().max()) for k in shared)
+
+
+def assert_same_trajectory(ours: dict, theirs: dict) -> None:
+    gap = max_relative_loss_gap(ours, theirs)
+    assert gap <= LOSS_RTOL, f"loss differs by {gap:.2e} relative"
+    weight_gap = max_weight_gap(ours, theirs)
+    assert weight_gap <= WEIGHT_TOL, f"final weights differ by {weight_gap:.2e}"
+
+
+def decayed_layer_norm(name: str, param) -> bool:
+    """The drift "LayerNorm weights decayed": only biases escape weight decay."""
+    return name.endswith("bias")
+
+
+def one_more_warmup_step() -> str:
+    """``optimizer.warmup_fraction`` whose rounding up gives one warm-up step more than 0.1's."""
+    return f"optimizer.warmup_fraction={(math.ceil(WARMUP_FRACTION * NUM_STEPS) + 0.5) / NUM_STEPS}"
+
+
+DRIFTS = {
+    "no_clipping": (["optimizer.max_grad_norm=null"], None),
+    "layer_norm_decayed": ([], decayed_layer_norm),
+    "warmup_off_by_one": ([one_more_warmup_step()], None),
+    "warmup_not_from_zero": (["optimizer.warmup_from_zero=false"], None),  # the configs' earlier schedule
+}
+
+
+def check_drift_is_seen(tmp_path, monkeypatch, config_name, sets, theirs, drift):
+    """Our run with one recipe drift: the comparison must then fail (losses or weights apart)."""
+    more, no_decay = DRIFTS[drift]
+    if no_decay is not None:
+        monkeypatch.setattr(optim, "_no_decay", no_decay)
+    ours = run_ours(tmp_path / drift, config_name, list(sets) + more)
+    with pytest.raises(AssertionError):
+        assert_same_trajectory(ours, theirs)
+    return max_relative_loss_gap(ours, theirs), max_weight_gap(ours, theirs)
+
+
+# ----------------------------------------------------------------------------- token classification
+
+
+def ner_checkpoint_with_head(directory) -> str:
+    """A tiny BertForTokenClassification (head included, so both sides start from it) with the
+    tags in the order our string tags get (sorted)."""
+    vocab = write_ner_vocab(os.path.join(directory, "vocab"))
+    tags = sorted(TAGS)
+    path = os.path.join(directory, "bert")
+    save_hf_checkpoint(transformers, path, vocab, "BertForTokenClassification", num_labels=len(tags),
+                       id2label=dict(enumerate(tags)), label2id={t: i for i, t in enumerate(tags)})
+    return path
+
+
+def ner_features(tokenizer, sentences, label2id):
+    """run_ner.py's tokenize_and_align_labels (label_all_tokens False): the first sub-token of
+    a word carries its tag, the other sub-tokens and [CLS]/[SEP] -100."""
+    rows = []
+    for words, tags in sentences:
+        encoding = tokenizer(words, is_split_into_words=True, truncation=True, max_length=S)
+        labels, previous = [], None
+        for word in encoding.word_ids():
+            labels.append(-100 if word is None or word == previous else label2id[tags[word]])
+            previous = word
+        rows.append({**encoding, "labels": labels})
+    return rows
+
+
+def trainer_job(root, config_name: str, sets, model, features, collator) -> dict:
+    """Our run's steps (from its pack order), the same tokens checked on both sides, and the
+    Trainer's run over those steps (one thread, as ours)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batches, task = step_sequences(config_name, sets)
+        ours_ids = task.train_data.samples["input_ids"]
+        assert len(ours_ids) == len(features)
+        for i, row in enumerate(features):
+            assert list(ours_ids[i][:len(row["input_ids"])]) == list(row["input_ids"])
+        theirs = run_trainer(root / "trainer", model, features, collator, batches)
+    finally:
+        torch.set_num_threads(previous)
+    assert sum(len(b) for b in batches) > len(features)  # more than one epoch: the re-shuffle counts too
+    return {"config": config_name, "sets": sets, "theirs": theirs, "batches": batches}
+
+
+def check_parity(job, tmp_path, what: str) -> None:
+    ours = run_ours(tmp_path / "ours", job["config"], job["sets"])
+    sizes = [len(b) for b in job["batches"]]
+    assert max(ours["grad_norms"]) > 1.0  # the clip (1.0) did act: the comparison covers it
+    print(f"{what}: {min(sizes)}-{max(sizes)} sequences a step; loss gap "
+          f"{max_relative_loss_gap(ours, job['theirs']):.2e} relative, weights {max_weight_gap(ours, job['theirs']):.2e}")
+    assert_same_trajectory(ours, job["theirs"])
+
+
+def check_drift(job, tmp_path, monkeypatch, drift: str, what: str) -> None:
+    gaps = check_drift_is_seen(tmp_path, monkeypatch, job["config"], job["sets"], job["theirs"], drift)
+    print(f"{what} with {drift}: loss gap {gaps[0]:.2e}, weights {gaps[1]:.2e}")
+
+
+@pytest.fixture(scope="module")
+def ner_job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ner_parity")
+    sentences = ner_sentences(120, 3)
+    checkpoint = ner_checkpoint_with_head(str(root))
+    sets = common_sets(checkpoint, write_jsonl(root / "train.jsonl", sentences),
+                       write_jsonl(root / "dev.jsonl", ner_sentences(10, 4)))
+    model = transformers.AutoModelForTokenClassification.from_pretrained(checkpoint)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    features = ner_features(tokenizer, sentences, model.config.label2id)
+    collator = transformers.DataCollatorForTokenClassification(tokenizer)
+    return trainer_job(root, "finetune_token_classification", sets, model, features, collator)
+
+
+def test_token_classification_follows_the_trainer_step_by_step(ner_job, tmp_path, one_thread):
+    check_parity(ner_job, tmp_path, "token classification")
+
+
+@pytest.mark.parametrize("drift", sorted(DRIFTS))
+def test_token_classification_parity_sees_a_drift(ner_job, tmp_path, monkeypatch, drift, one_thread):
+    check_drift(ner_job, tmp_path, monkeypatch, drift, "token classification")
+
+
+# ----------------------------------------------------------------------------- sequence classification, regression
+
+
+def classification_job(root, problem_type: str, pairs: bool) -> dict:
+    """A tiny BertForSequenceClassification checkpoint (head included; labels named as ours name
+    them, sorted) and rows of ``finetune_fixtures``: sentence pairs for classification, single
+    texts with a score for regression."""
+    rows = classification_rows(100, 5, problem_type)
+    if problem_type == "regression":  # scores 0-10: gradients large enough to be clipped
+        rows = [{**row, "label": round(10 * row["label"], 4)} for row in rows]
+    columns = ["text", "pair", "label"]
+    vocab = write_vocab(os.path.join(root, "vocab"))
+    path = os.path.join(root, "bert")
+    if problem_type == "regression":
+        head = dict(num_labels=1, problem_type="regression")
+    else:
+        names = sorted({row["label"] for row in rows})
+        head = dict(num_labels=len(names), id2label=dict(enumerate(names)),
+                    label2id={name: i for i, name in enumerate(names)})
+    # Weights drawn wider than BERT's 0.02: gradient norms around the clip of 1.0 (clipped in some steps).
+    save_hf_checkpoint(transformers, path, vocab, "BertForSequenceClassification", initializer_range=0.2, **head)
+    more = {"finetune.problem_type": problem_type, "train.gradient_accumulation": 4}
+    if pairs:
+        more["finetune.text_pair_column"] = "pair"
+    sets = common_sets(path, write_rows(os.path.join(root, "train.csv"), rows, columns),
+                       write_rows(os.path.join(root, "dev.csv"), classification_rows(10, 6, problem_type), columns),
+                       **more)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    features = []
+    for row in rows:
+        encoding = tokenizer(row["text"], row["pair"] if pairs else None, truncation=True, max_length=S)
+        label = float(row["label"]) if problem_type == "regression" else model.config.label2id[row["label"]]
+        features.append({**encoding, "labels": label})
+    collator = transformers.DataCollatorWithPadding(tokenizer)
+    return trainer_job(root, "finetune_classification", sets, model, features, collator)
+
+
+@pytest.fixture(scope="module")
+def classification(tmp_path_factory):
+    return classification_job(tmp_path_factory.mktemp("classification_parity"), "single_label_classification", True)
+
+
+@pytest.fixture(scope="module")
+def regression(tmp_path_factory):
+    return classification_job(tmp_path_factory.mktemp("regression_parity"), "regression", False)
+
+
+def test_sequence_classification_follows_the_trainer_step_by_step(classification, tmp_path, one_thread):
+    check_parity(classification, tmp_path, "sequence-pair classification")
+
+
+@pytest.mark.parametrize("drift", sorted(DRIFTS))
+def test_sequence_classification_parity_sees_a_drift(classification, tmp_path, monkeypatch, drift, one_thread):
+    check_drift(classification, tmp_path, monkeypatch, drift, "sequence-pair classification")
+
+
+def test_regression_follows_the_trainer_step_by_step(regression, tmp_path, one_thread):
+    check_parity(regression, tmp_path, "regression")
+
+
+@pytest.mark.parametrize("drift", sorted(DRIFTS))
+def test_regression_parity_sees_a_drift(regression, tmp_path, monkeypatch, drift, one_thread):
+    check_drift(regression, tmp_path, monkeypatch, drift, "regression")
