@@ -267,13 +267,14 @@ def ner_job(tmp_path_factory):
     root = tmp_path_factory.mktemp("ner_parity")
     sentences = ner_sentences(120, 3)
     checkpoint = ner_checkpoint_with_head(str(root))
-    sets = common_sets(checkpoint, write_jsonl(root / "train.jsonl", sentences),
-                       write_jsonl(root / "dev.jsonl", ner_sentences(10, 4)))
+    dev = ner_sentences(60, 4)
+    sets = common_sets(checkpoint, write_jsonl(root / "train.jsonl", sentences), write_jsonl(root / "dev.jsonl", dev))
     model = transformers.AutoModelForTokenClassification.from_pretrained(checkpoint)
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     features = ner_features(tokenizer, sentences, model.config.label2id)
     collator = transformers.DataCollatorForTokenClassification(tokenizer)
-    return trainer_job(root, "finetune_token_classification", sets, model, features, collator)
+    job = trainer_job(root, "finetune_token_classification", sets, model, features, collator)
+    return {**job, "dev": dev}
 
 
 def test_token_classification_follows_the_trainer_step_by_step(ner_job, tmp_path, one_thread):
@@ -283,6 +284,41 @@ def test_token_classification_follows_the_trainer_step_by_step(ner_job, tmp_path
 @pytest.mark.parametrize("drift", sorted(DRIFTS))
 def test_token_classification_parity_sees_a_drift(ner_job, tmp_path, monkeypatch, drift, one_thread):
     check_drift(ner_job, tmp_path, monkeypatch, drift, "token classification")
+
+
+def run_ner_metrics(directory, sentences) -> dict:
+    """What run_ner.py reports for the model in ``directory`` (transformers' export) on
+    ``sentences``: the Trainer's predictions, the argmax of every scored token (first sub-tokens),
+    and ``evaluate``'s seqeval metric, i.e. seqeval's classification_report micro average
+    (``overall_*``) and accuracy_score (``evaluate`` fetches its metric scripts from the Hub,
+    so seqeval is called as that script calls it)."""
+    from seqeval.metrics import accuracy_score, classification_report
+
+    model = transformers.AutoModelForTokenClassification.from_pretrained(str(directory))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    features = ner_features(tokenizer, sentences, model.config.label2id)
+    args = transformers.TrainingArguments(output_dir=str(directory / "run_ner"), per_device_eval_batch_size=8,
+                                          report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args,
+                                   data_collator=transformers.DataCollatorForTokenClassification(tokenizer))
+    logits, labels, _ = trainer.predict(features)
+    names = model.config.id2label
+    predicted = [[names[p] for p, l in zip(row, gold) if l != -100] for row, gold in zip(logits.argmax(-1), labels)]
+    true = [[names[l] for l in gold if l != -100] for gold in labels]
+    overall = classification_report(true, predicted, output_dict=True, zero_division=0)["micro avg"]
+    return {"precision": overall["precision"], "recall": overall["recall"], "f1": overall["f1-score"],
+            "accuracy": accuracy_score(true, predicted)}
+
+
+def test_token_classification_reports_run_ner_metrics(ner_job, tmp_path, one_thread):
+    """Our summary.json's entity scores are run_ner.py's for the weights we export (item 4)."""
+    ours = tmp_path / "ours"
+    run_ours(ours, ner_job["config"], ner_job["sets"] + ["train.steps=120"])
+    reported = json.loads((ours / "summary.json").read_text())["eval"]
+    expected = run_ner_metrics(ours / "hf", ner_job["dev"])
+    print(f"token classification: ours {reported}, run_ner.py's {expected}")
+    assert 0.2 < expected["f1"] < 1.0  # entities found and missed: the scores say something
+    assert {k: reported[k] for k in expected} == pytest.approx(expected, abs=1e-12)
 
 
 # ----------------------------------------------------------------------------- sequence classification, regression
@@ -425,9 +461,9 @@ def qa_job(tmp_path_factory):
     save_hf_checkpoint(transformers, path, vocab, "BertForQuestionAnswering", max_position_embeddings=QA_S,
                        initializer_range=0.1)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    document = qa_document(tokenizer, 0, 90)
+    document, dev = qa_document(tokenizer, 0, 90), qa_document(tokenizer, 1, 40)
     sets = common_sets(path, write_squad(root / "train.json", document),
-                       write_squad(root / "dev.json", qa_document(tokenizer, 1, 10)),
+                       write_squad(root / "dev.json", dev),
                        **{"data.max_sequence_length": QA_S, "train.global_batch_size": "null",
                           "finetune.doc_stride": 32, "finetune.max_query_length": 24})
     features = qa_features(tokenizer, document)
@@ -440,7 +476,7 @@ def qa_job(tmp_path_factory):
     assert [f["start_positions"] for f in features] == list(samples["start_positions"])  # the same answers
     assert [f["end_positions"] for f in features] == list(samples["end_positions"])
     assert sum(f["start_positions"] > 0 for f in features) > 60
-    return job
+    return {**job, "dev": dev}
 
 
 def test_question_answering_follows_the_trainer_step_by_step(qa_job, tmp_path, one_thread):
@@ -451,3 +487,39 @@ def test_question_answering_follows_the_trainer_step_by_step(qa_job, tmp_path, o
 @pytest.mark.parametrize("drift", sorted(DRIFTS))
 def test_question_answering_parity_sees_a_drift(qa_job, tmp_path, monkeypatch, drift, one_thread):
     check_drift(qa_job, tmp_path, monkeypatch, drift, "question answering")
+
+
+def official_squad_scores(predictions: dict, document: dict) -> dict:
+    """EM and F1 of the official SQuAD scripts by torchmetrics' ``squad`` (its port of the
+    official v1.1 script; ``evaluate`` fetches its metric scripts from the Hub): over the
+    answerable questions as v1.1 scores them, and over all with v2.0's rule for unanswerable
+    ones (the only gold answer is "", so only the empty prediction scores; torchmetrics' F1
+    already follows v2.0 for empty strings)."""
+    from torchmetrics.functional.text.squad import squad
+
+    answerable, everything = [], []
+    for article in document["data"]:
+        for qa in (qa for paragraph in article["paragraphs"] for qa in paragraph["qas"]):
+            gold = [answer["text"] for answer in qa["answers"]]
+            target = {"id": qa["id"], "answers": {"text": gold or [""], "answer_start": [0] * max(1, len(gold))}}
+            everything.append(target)
+            if gold:
+                answerable.append(target)
+    out = {}
+    for name, targets in (("has_ans_", answerable), ("", everything)):
+        preds = [{"id": t["id"], "prediction_text": predictions[t["id"]]} for t in targets]
+        scores = squad(preds, targets)
+        out[f"{name}exact_match"], out[f"{name}f1"] = float(scores["exact_match"]), float(scores["f1"])
+    return out
+
+
+def test_question_answering_reports_official_squad_scores(qa_job, tmp_path, one_thread):
+    """Our summary.json's EM / F1 are the official scripts' for the predictions we write (item 4)."""
+    ours = tmp_path / "ours"
+    run_ours(ours, qa_job["config"], qa_job["sets"] + ["train.steps=200"])
+    reported = json.loads((ours / "summary.json").read_text())["eval"]
+    predictions = json.loads((ours / "predictions.json").read_text())
+    expected = official_squad_scores(predictions, qa_job["dev"])
+    print(f"question answering: ours {reported}, official {expected}")
+    assert 0.0 < expected["has_ans_f1"] < 100.0 and sum(text == "" for text in predictions.values()) > 0
+    assert {k: reported[k] for k in expected} == pytest.approx(expected, abs=1e-9)
