@@ -1,7 +1,8 @@
 """Same recipe, same result as the Hugging Face Trainer (issue 33).
 
-Each test fine-tunes one tiny checkpoint twice on the same data: with ``run.py`` (packed, the
-fine-tuning config's defaults) and with the real ``transformers.Trainer`` (its own defaults;
+Each test trains one tiny checkpoint twice on the same data: with ``run.py`` (packed, the
+fine-tuning config's defaults; pre-training with the Trainer's AdamW recipe, see
+``PRETRAINING_RECIPE``) and with the real ``transformers.Trainer`` (its own defaults;
 TrainingArguments only say what must be said: batches, rate, steps, seed, the warm-up our config
 uses, the weight decay our config uses so that its parameter groups are compared too). Dropout
 is off, the checkpoint carries the task's head (both sides start from the same weights), and
@@ -13,7 +14,10 @@ normalisation (the Trainer's batch mean over labelled tokens or sequences equals
 over the step's, ``add_step_normalizers``) and the labels (-100 for non-first sub-tokens).
 
 Each comparison is also run with one recipe drift on our side (no clipping, LayerNorm
-weights decayed, one more warm-up step) and must then fail: the tests can see a drift.
+weights decayed, one more warm-up step, the warm-up's first step not at rate 0) and must then
+fail: the tests can see a drift. Evaluation: our reported NER and SQuAD scores are those of
+run_ner.py (seqeval) and of the official SQuAD script (torchmetrics' port) on the same model
+and predictions.
 """
 from __future__ import annotations
 
@@ -78,10 +82,10 @@ def common_sets(checkpoint: str, train_file: str, validation_file: str, **more) 
     return [f"{key}={value}" for key, value in values.items()]
 
 
-def step_sequences(config_name: str, sets) -> list:
-    """The training sequences (indices into the training file) of every optimizer step of our run:
-    the packed stream of ``PackedSource`` (global micro-batch g holds packs [gB, (g+1)B) of the
-    epochs' pack orders, one after the other), rebuilt from the task the run builds."""
+def step_sequences(config_name: str, sets) -> tuple:
+    """(steps, task): the training sequences (indices into the training file) of every optimizer
+    step of our run, and the task that packed them: the stream of ``PackedSource`` (global
+    micro-batch g holds packs [gB, (g+1)B) of the epochs' pack orders, one after the other)."""
     config = load_config(config_name, list(sets))
     task = get_task(config)
     task.setup(show_progress=False)
@@ -258,8 +262,9 @@ def check_parity(job, tmp_path, what: str) -> None:
     sizes = [len(b) for b in job["batches"]]
     assert max(ours["grad_norms"]) > 1.0  # the clip (1.0) did act: the comparison covers it
     assert job["theirs"]["moved"] > 1000 * WEIGHT_TOL  # and the weights did move
-    print(f"{what}: {min(sizes)}-{max(sizes)} sequences a step; loss gap "
-          f"{max_relative_loss_gap(ours, job['theirs']):.2e} relative, weights {max_weight_gap(ours, job['theirs']):.2e}")
+    loss_gap, weight_gap = max_relative_loss_gap(ours, job["theirs"]), max_weight_gap(ours, job["theirs"])
+    print(f"{what}: {min(sizes)}-{max(sizes)} sequences a step; loss gap {loss_gap:.2e} relative, "
+          f"weights {weight_gap:.2e}")
     assert_same_trajectory(ours, job["theirs"])
 
 
