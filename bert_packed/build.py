@@ -41,6 +41,7 @@ def build_optimizer(config, model, betas: Optional[Sequence[float]] = None, *, s
                                       weight_decay=o.weight_decay, max_weight_norm=o.max_weight_norm,
                                       bias_max_weight_norm=o.bias_max_weight_norm)
     scheduler = optim.build_schedule(optimizer, o.schedule, warmup_fraction=o.warmup_fraction,
+                                     warmup_from_zero=o.warmup_from_zero,
                                      total_steps=config.train.steps if steps is None else steps)
     return optimizer, scheduler
 

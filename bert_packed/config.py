@@ -172,8 +172,11 @@ class OptimizerConfig:
     name: str = field(default="lamb", metadata=_choices("lamb", "adamw"))
     learning_rate: float = bounded(0.002828, ge=0.0, unbounded="a rate too large diverges, and the divergence "
                                    "guard stops the run (exit 3, the last good checkpoint kept)")
-    # Fraction of train.steps spent warming up linearly from 0.
+    # Fraction of train.steps spent warming up linearly from 0 (rounded up to whole steps).
     warmup_fraction: float = bounded(0.128, ge=0.0, le=1.0)
+    # true: the first warm-up step runs at rate 0, as transformers' linear schedule (the Hugging
+    # Face Trainer's; the fine-tuning configs set it); false: at 1/warmup steps of the rate.
+    warmup_from_zero: bool = False
     schedule: str = field(default="linear", metadata=_choices("linear", "constant"))
     # Recipes use 0.01 to 0.1; far above, the decay outweighs the update and drives the weights to
     # zero (AdamW multiplies them by 1 - learning_rate x weight_decay per step).
@@ -183,7 +186,8 @@ class OptimizerConfig:
     beta2: float = bounded(0.999, ge=0.0, lt=1.0)
     # Added to the gradient's RMS (1e-8 to 1e-6): from about 1 on it replaces it, and Adam no longer normalises.
     eps: float = bounded(1e-6, gt=0.0, **at_most(1.0, "it would replace the gradient's RMS Adam divides by"))
-    # Global gradient-norm clip; null = none (LAMB's trust ratio already bounds steps).
+    # Global gradient-norm clip; null = none (LAMB's trust ratio already bounds steps). The
+    # fine-tuning configs clip at 1.0, as the Hugging Face Trainer does by default.
     max_grad_norm: Optional[float] = bounded(None, gt=0.0, unbounded=_CLAMP)
     # LAMB trust ratio phi(||w||) / ||u|| with phi(z) = min(z, max_weight_norm), for the
     # weight-decayed tensors; null = no clamp (the published LAMB).

@@ -389,11 +389,17 @@ def step_unless_non_finite(optimizer: torch.optim.Optimizer, found_inf: torch.Te
         optimizer.step()
 
 
-def linear_schedule(step: int, *, warmup_steps: int, total_steps: int, decay: bool = True) -> float:
+def linear_schedule(step: int, *, warmup_steps: int, total_steps: int, decay: bool = True,
+                    warmup_from_zero: bool = False) -> float:
     """LR multiplier at ``step`` (0-based): linear warm-up from 0 to 1 over ``warmup_steps``,
-    then linear decay to 0 at ``total_steps`` (or constant 1 if ``decay`` is False)."""
+    then linear decay to 0 at ``total_steps`` (or constant 1 if ``decay`` is False).
+
+    The warm-up's first step runs at ``1 / warmup_steps`` (no step is spent at rate 0), or with
+    ``warmup_from_zero`` at 0, ``step / warmup_steps`` as transformers'
+    ``get_linear_schedule_with_warmup`` (the Trainer's schedule: its first step leaves the
+    weights as they are and only fills AdamW's moments)."""
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return (step if warmup_from_zero else step + 1) / warmup_steps
     if not decay:
         return 1.0
     return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
@@ -406,11 +412,14 @@ def build_schedule(
     total_steps: int,
     warmup_steps: Optional[int] = None,
     warmup_fraction: Optional[float] = None,
+    warmup_from_zero: bool = False,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR with warm-up then ``"linear"`` decay to 0 or ``"constant"``.
 
     Give the warm-up as ``warmup_steps`` or as ``warmup_fraction`` of ``total_steps`` (not
-    both). Call ``scheduler.step()`` after every optimizer step.
+    both; a fraction is rounded up, ``ceil(fraction * total_steps)``, as the Trainer's
+    ``warmup_ratio``). ``warmup_from_zero``: see ``linear_schedule``. Call
+    ``scheduler.step()`` after every optimizer step.
     """
     if schedule not in SCHEDULES:
         raise OptimConfigError(f"unknown lr schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
@@ -427,7 +436,8 @@ def build_schedule(
         raise OptimConfigError(f"warmup_steps must be >= 0, got {warmup_steps}")
     decay = schedule == "linear"
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: linear_schedule(step, warmup_steps=warmup_steps, total_steps=total_steps, decay=decay)
+        optimizer, lambda step: linear_schedule(step, warmup_steps=warmup_steps, total_steps=total_steps, decay=decay,
+                                                warmup_from_zero=warmup_from_zero)
     )
 
 

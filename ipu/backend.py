@@ -236,7 +236,7 @@ class PopTorchBackend(Backend):
         self.plan, self.settings, self.scheduler, self.host_optimizer = plan, ipu, scheduler, optimizer
         ga = plan.gradient_accumulation
         self.model = _annotate(model, ipu, poptorch)
-        self.optimizer = pipeline.build_optimizer(optimizer, poptorch, ipu)
+        self.optimizer = pipeline.build_optimizer(optimizer, poptorch, ipu, max_grad_norm=plan.max_grad_norm)
         self._pending_rng_state = None
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])

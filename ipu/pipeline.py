@@ -161,8 +161,12 @@ class PredictWrapper(nn.Module):
         return tuple(out[name].float() for name in self.names)
 
 
-def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, ipu_config):
+def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, ipu_config, max_grad_norm=None):
     """The PopTorch optimizer equivalent to the loop's ``torch_optimizer`` (same param groups).
+
+    ``max_grad_norm`` (``optimizer.max_grad_norm``; None = no clipping): PopTorch's own global
+    gradient-norm clip, applied on the device to the unscaled, accumulated gradients, as the
+    cpu/cuda backends clip before their step (the fine-tuning configs clip at 1.0, the Trainer's).
 
     ``bert_packed.optim.Lamb`` -> ``poptorch.optim.LAMB``: same update (see bert_packed/optim.py);
     per-group ``weight_decay`` and ``max_weight_norm`` carry over; a group without a clamp
@@ -180,6 +184,7 @@ def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, ipu_config
         groups.append(entry)
     defaults = torch_optimizer.defaults
     loss_scaling = float(ipu_config.loss_scaling)
+    clip = {} if max_grad_norm is None else {"max_grad_norm": float(max_grad_norm)}
     if type(torch_optimizer).__name__ == "Lamb":
         bias_correction = {bool(g.get("bias_correction", True)) for g in torch_optimizer.param_groups}
         if len(bias_correction) != 1:
@@ -195,14 +200,14 @@ def build_optimizer(torch_optimizer: torch.optim.Optimizer, poptorch, ipu_config
                                    bias_correction=bias_correction.pop(), loss_scaling=loss_scaling,
                                    max_weight_norm=defaults.get("max_weight_norm"),
                                    accum_type=accum, first_order_momentum_accum_type=torch.float32,
-                                   second_order_momentum_accum_type=torch.float32)
+                                   second_order_momentum_accum_type=torch.float32, **clip)
     if isinstance(torch_optimizer, torch.optim.AdamW):
         return poptorch.optim.AdamW(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]),
                                     eps=float(defaults["eps"]), weight_decay=float(defaults["weight_decay"]),
                                     loss_scaling=loss_scaling,
                                     accum_type=torch.float16 if ipu_config.fp16_accumulators else torch.float32,
                                     first_order_momentum_accum_type=torch.float32,
-                                    second_order_momentum_accum_type=torch.float32)
+                                    second_order_momentum_accum_type=torch.float32, **clip)
     raise ConfigError(f"the IPU path supports optimizer.name lamb or adamw, not {type(torch_optimizer).__name__}")
 
 

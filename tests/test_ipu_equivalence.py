@@ -12,6 +12,7 @@ real SDK would). The exact batch split rf 2 x GA 4 x di 2 is tested on one IPU p
 """
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -115,6 +116,24 @@ def test_mock_equals_cpu_with_output_mode_sum():
     config = fp32_config([4], ga=4, extra=["ipu.output_mode=sum", "ipu.device_iterations=1"])
     mock, model, reference, mock_steps, cpu_steps = train_both(config, num_calls=2)
     assert_same_training(mock, model, reference, mock_steps, cpu_steps)
+
+
+def test_mock_clips_gradients_as_the_cpu_does():
+    """optimizer.max_grad_norm reaches PopTorch's optimizer (the fine-tuning configs clip at 1.0,
+    as the Trainer does) and the mock clips as the cpu backend: the same steps with AdamW, whose
+    update depends on the clip factor of every step; without a clip PopTorch gets none."""
+    config = fp32_config([4], ga=4, extra=["optimizer.name=adamw", "optimizer.eps=1e-8",
+                                           "optimizer.max_grad_norm=0.05"])
+    mock, model, reference, mock_steps, cpu_steps = train_both(config, num_calls=2)
+    assert mock.optimizer.max_grad_norm == 0.05
+    assert min(float(step["grad_norm"]) for step in cpu_steps) > 0.05  # clipped at every step
+    assert_same_training(mock, model, reference, mock_steps, cpu_steps)
+    unclipped = fp32_config([4], ga=4)
+    torch.manual_seed(0)
+    model = build_model(unclipped)
+    backend = MockBackend()
+    backend.prepare(model, build_optimizer(unclipped, model)[0], make_plan(unclipped, backend))
+    assert unclipped.optimizer.max_grad_norm is None and backend.optimizer.max_grad_norm == math.inf
 
 
 def test_mock_equals_cpu_rf2_di2_four_ipu_pipeline():

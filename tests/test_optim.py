@@ -3,6 +3,8 @@
 non-finite skip and gradient norm; schedule; packing adjustments."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -256,6 +258,28 @@ def test_linear_schedule_warms_up_then_decays_to_zero():
         build_schedule(optimizer, "linear", total_steps=10, warmup_steps=1, warmup_fraction=0.1)
     with pytest.raises(OptimConfigError, match="unknown lr schedule"):
         build_schedule(optimizer, "cosine", total_steps=10)
+
+
+@pytest.mark.parametrize("total_steps, fraction", [(10, 0.2), (32, 0.1), (7, 0.0), (5, 1.0)])
+def test_warmup_from_zero_is_transformers_linear_schedule(total_steps, fraction):
+    """The fine-tuning configs' schedule: the Trainer's (ceil(ratio x steps) warm-up steps, the first
+    at rate 0), rate for rate against transformers' own scheduler."""
+    transformers = pytest.importorskip("transformers")
+    rates = {}
+    for side in ("ours", "theirs"):
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=2.0)
+        if side == "ours":
+            scheduler = build_schedule(optimizer, "linear", total_steps=total_steps, warmup_fraction=fraction,
+                                       warmup_from_zero=True)
+        else:
+            warmup = math.ceil(fraction * total_steps)
+            scheduler = transformers.get_linear_schedule_with_warmup(optimizer, warmup, total_steps)
+        rates[side] = []
+        for _ in range(total_steps):
+            rates[side].append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+    assert rates["ours"] == rates["theirs"]
 
 
 def test_packing_adjustments():

@@ -46,6 +46,7 @@ import copy
 import gc
 import hashlib
 import json
+import math
 import os
 import time
 import types
@@ -613,6 +614,7 @@ class PoplarExecutor:
         for name, param in self._trainable():
             if name in self._device_optimizer_state:
                 optimizer.state[param] = self._device_optimizer_state[name]
+        self._clip_gradients(float(getattr(optimizer, "max_grad_norm", math.inf)))
         try:
             optimizer.step()
         finally:
@@ -621,6 +623,17 @@ class PoplarExecutor:
             for name, param in self._trainable():
                 if param in optimizer.state:
                     self._device_optimizer_state[name] = optimizer.state.pop(param)
+
+    def _clip_gradients(self, max_norm):
+        """The optimizer's ``max_grad_norm`` (PopART's clip-norm settings): every trainable
+        gradient scaled by ``max_norm / max(norm, max_norm)``, the norm over all of them (fp32)."""
+        if not math.isfinite(max_norm):
+            return
+        grads = [param.grad for _, param in self._trainable() if param.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        scale = max_norm / torch.clamp(norm, min=max_norm)
+        for grad in grads:
+            grad.mul_(scale.to(grad.dtype))
 
     # -- batching ---------------------------------------------------------------------------
     def _check_batch(self, args, kwargs):

@@ -103,7 +103,7 @@ class LAMB(Optimizer, torch.optim.Optimizer):
 
     def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None, bias_correction=None,
                  loss_scaling=None, max_weight_norm=None, accum_type=None,
-                 first_order_momentum_accum_type=None, second_order_momentum_accum_type=None):
+                 first_order_momentum_accum_type=None, second_order_momentum_accum_type=None, max_grad_norm=None):
         # PopTorch's _parseArgs(locals()): every argument given (not None) is variable.
         variables = [name for name, value in locals().items() if name != "self" and value is not None]
         defaults = dict(lr=1e-3 if lr is None else lr,
@@ -116,6 +116,7 @@ class LAMB(Optimizer, torch.optim.Optimizer):
         self.bias_correction = True if bias_correction is None else bias_correction
         self.loss_scaling = 1.0 if loss_scaling is None else loss_scaling
         self.max_weight_norm = defaults["max_weight_norm"]
+        self.max_grad_norm = math.inf if max_grad_norm is None else max_grad_norm
         self.accum_type = accum_type or torch.float32
         self.first_order_momentum_accum_type = first_order_momentum_accum_type or torch.float32
         self.second_order_momentum_accum_type = second_order_momentum_accum_type or torch.float32
