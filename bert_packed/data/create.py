@@ -26,6 +26,7 @@ Everything is driven by one `random.Random(seed)`, so a seed gives identical fil
 import array
 import collections
 import collections.abc
+import itertools
 import os
 import random
 
@@ -186,7 +187,7 @@ def _instances_from_document(documents, index, rng, max_seq_length, max_predicti
         chunk_length += len(document[i])
         if i == len(document) - 1 or chunk_length >= target_length:
             a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
-            tokens_a = [t for sentence in chunk[:a_end] for t in sentence]
+            tokens_a = list(itertools.chain.from_iterable(chunk[:a_end]))
             tokens_b = []
             if len(chunk) == 1 or rng.random() < 0.5:
                 is_random_next = True
@@ -206,7 +207,7 @@ def _instances_from_document(documents, index, rng, max_seq_length, max_predicti
                 i -= len(chunk) - a_end
             else:
                 is_random_next = False
-                tokens_b = [t for sentence in chunk[a_end:] for t in sentence]
+                tokens_b = list(itertools.chain.from_iterable(chunk[a_end:]))
             _truncate_pair(tokens_a, tokens_b, max_num_tokens, rng)
             tokens = [special_ids["[CLS]"]] + tokens_a + [special_ids["[SEP]"]] + tokens_b \
                 + [special_ids["[SEP]"]]
@@ -253,6 +254,10 @@ def _mask_tokens(tokens, masked_lm_prob, max_predictions, special_ids, replaceme
                 candidates[-1].append(position)
             else:
                 candidates.append([position])
+    elif tokens.count(cls_id) + tokens.count(sep_id) == 3 and tokens[0] == cls_id:
+        # [CLS] A [SEP] B [SEP] with no special id inside A or B (C-speed scans): every other position
+        second = tokens.index(sep_id)
+        candidates = list(range(1, second)) + list(range(second + 1, len(tokens) - 1))
     else:  # single tokens: the same draws as one-token groups, without the group objects
         candidates = [p for p, token in enumerate(tokens) if token != cls_id and token != sep_id]
     num_to_predict = min(max_predictions, max(1, int(round(len(tokens) * masked_lm_prob))))
