@@ -50,6 +50,18 @@ def run_measured(argv, env=None, interval=0.1):
     return wall, peak, out
 
 
+def digest(output):
+    """sha256 over the shard files and manifest in name order (equal digests: identical bytes)."""
+    import hashlib
+
+    hasher = hashlib.sha256()
+    names = sorted(os.listdir(output)) if os.path.isdir(output) else [""]
+    for name in names:
+        with open(os.path.join(output, name) if name else output, "rb") as handle:
+            hasher.update(handle.read())
+    return hasher.hexdigest()[:12]
+
+
 def prepare(folder, corpus, vocab_size):
     """The KJV corpus (or ``corpus``) and a vocabulary trained on it."""
     if corpus is None:
@@ -80,15 +92,16 @@ def main():
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--dupe-factor", type=int, default=5)
     parser.add_argument("--max-seq-length", type=int, default=128)
-    parser.add_argument("--output-shards", type=int, default=None, help="default: create's (one per ~8 MiB)")
+    parser.add_argument("--output-shards", type=int, default=None, help="default: create's (one per ~4 MiB)")
     parser.add_argument("--single-file", action="store_true", help="also time today's one-file create (.h5)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (its path is printed)")
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="create-scale-")
     corpus, vocab = prepare(folder, args.corpus, args.vocab_size)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    print(f"| copies | input MB | output | workers | wall s | MB/s | peak RSS MiB (all processes) | sequences |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| copies | input MB | output | workers | wall s | MB/s | peak RSS MiB (all processes) | sequences | "
+          f"sha256 of the shards |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for copies in args.copies:
         path = concatenated(folder, corpus, copies)
         megabytes = os.path.getsize(path) / 1e6
@@ -105,7 +118,7 @@ def main():
             wall, peak, out = run_measured(argv, env=env)
             sequences = out.split(": ", 1)[1].split(" sequences")[0] if ": " in out else "?"
             print(f"| {copies} | {megabytes:.1f} | {mode} | {workers} | {wall:.1f} | {megabytes / wall:.2f} | "
-                  f"{peak / 2**20:.0f} | {sequences} |", flush=True)
+                  f"{peak / 2**20:.0f} | {sequences} | {digest(output)} |", flush=True)
             if mode == "shards":
                 with open(os.path.join(output, "manifest.json")) as handle:
                     assert json.load(handle)["num_sequences"] == int(sequences)
