@@ -124,11 +124,28 @@ def complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed=
     return Plan.from_strategies(strategies, repeats, part.max_sequence_length), extra.num_packs
 
 
+def plan_shard(part, leftover, counts, algorithm, max_sequences_per_pack, seed=0, **options):
+    """The plan a shard is packed by: ``(plan, which)``. ``which`` is "global" for its part of the
+    global plan plus its leftover packed with ``algorithm``, "own" for ``algorithm``'s plan of
+    the shard's histogram ``counts`` alone, whichever has fewer packs (ties: "global"). A pack
+    cannot cross shards, so the best plan of each shard is what counts; both are exact plans of
+    the shard. Deterministic where ``algorithm`` is."""
+    from .algorithms import pack
+
+    split, _ = complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed, **options)
+    counts = as_length_counts(counts)
+    histogram = Histogram.from_length_counts(counts.lengths, counts.counts, part.max_sequence_length, name="shard")
+    own = pack(histogram, algorithm=algorithm, max_sequences_per_pack=max_sequences_per_pack, seed=seed,
+               **options).plan
+    return (own, "own") if own.num_packs < split.num_packs else (split, "global")
+
+
 def pack_shards(shard_counts, max_sequence_length, algorithm="lp", max_sequences_per_pack=3, seed=0, **options):
-    """Plan a sharded dataset in one call: the global result, each shard's exact plan, and the
-    sharding gap. Returns ``(global PackingResult, [Plan per shard], summary dict)`` with
-    ``num_packs`` (sharded total), ``unsharded_packs``, ``sharding_gap`` (fraction),
-    ``lp_bound_packs``, ``gap`` (sharded total against the bound) and ``leftover_sequences``."""
+    """Plan a sharded dataset in one call, as ``python -m bert_packed.data pack`` does: the global
+    result, each shard's plan (:func:`plan_shard`), and the certificate. Returns ``(global
+    PackingResult, [Plan per shard], summary dict)`` with ``num_packs`` (sharded total),
+    ``unsharded_packs``, ``sharding_gap`` (fraction), ``lp_bound_packs``, ``gap`` (the sharded
+    total against the global bound), ``leftover_sequences`` and ``shards_on_global_plan``."""
     from .algorithms import pack
 
     shard_counts = [as_length_counts(counts) for counts in shard_counts]
@@ -137,12 +154,14 @@ def pack_shards(shard_counts, max_sequence_length, algorithm="lp", max_sequences
     histogram = Histogram.from_length_counts(lengths, total, max_sequence_length, name="shards")
     result = pack(histogram, algorithm=algorithm, max_sequences_per_pack=max_sequences_per_pack, seed=seed,
                   **options)
-    plans, leftover = [], 0
-    for part, rest in split_plan(result.plan, shard_counts):
-        plans.append(complete_shard_plan(part, rest, algorithm, max_sequences_per_pack, seed, **options)[0])
+    plans, leftover, on_global = [], 0, 0
+    for counts, (part, rest) in zip(shard_counts, split_plan(result.plan, shard_counts)):
+        plan, which = plan_shard(part, rest, counts, algorithm, max_sequences_per_pack, seed, **options)
+        plans.append(plan)
         leftover += int(rest.counts.sum())
+        on_global += which == "global"
     summary = sharding_summary(sum(p.num_packs for p in plans), result)
-    summary["leftover_sequences"] = leftover
+    summary.update({"leftover_sequences": leftover, "shards_on_global_plan": on_global})
     return result, plans, summary
 
 

@@ -255,22 +255,17 @@ def _read_records(handle, record_dtype):
 
 
 def _shard_plan(task):
-    """(exact plan of the shard, which): its part of the global plan plus its leftover packed
-    with the algorithm ("global"), or the algorithm's plan of its own histogram ("own") when
-    that has fewer packs. Both are deterministic functions of the task."""
+    """(exact plan of the shard, "global" or "own"): ``packing.split.plan_shard``."""
     import packing
-    from packing.split import complete_shard_plan
+    from packing.split import plan_shard
 
     options = task["options"]
-    algorithm, depth = options["algorithm"], options["max_sequences_per_pack"]
-    extra = _algorithm_options(algorithm)
     try:
-        split, _ = complete_shard_plan(task["part"], task["leftover"], algorithm, depth, options["seed"], **extra)
-        own = packing.pack(packing.Histogram(task["counts"], options["max_sequence_length"]), algorithm=algorithm,
-                           max_sequences_per_pack=depth, seed=options["seed"], **extra).plan
+        return plan_shard(task["part"], task["leftover"], task["counts"], options["algorithm"],
+                          options["max_sequences_per_pack"], options["seed"],
+                          **_algorithm_options(options["algorithm"]))
     except packing.PackingError as exc:
         raise DataError(f"{task['input']}: {exc}") from None
-    return (own, "own") if own.num_packs < split.num_packs else (split, "global")
 
 
 def _finish(output_dir, entries, result, histogram, input_manifest, options, source):

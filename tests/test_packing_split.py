@@ -1,0 +1,70 @@
+"""packing.split: one global plan apportioned over shards (numpy only), and its certificate."""
+import numpy as np
+import pytest
+
+import packing
+from packing.split import complete_shard_plan, pack_shards, plan_shard, split_plan
+
+NO_MILP = {"max_milp_sequences": 0}  # as `bert_packed.data pack` runs lp on shards (deterministic)
+
+
+def wikipedia_shards(num_shards, scale, seed=0):
+    """Shards drawn at random from the Wikipedia-512 histogram scaled by ``scale``: dense [m, 512]."""
+    counts = (np.asarray(packing.Histogram.load("wikipedia-512").counts) * scale).astype(np.int64)
+    rng = np.random.default_rng(seed)
+    shards = np.zeros((num_shards, counts.size), np.int64)
+    for j, count in enumerate(counts):
+        shards[:, j] = rng.multinomial(count, np.ones(num_shards) / num_shards)
+    return shards
+
+
+def test_split_covers_every_shard_exactly_and_uses_the_plan_at_most_once():
+    shards = wikipedia_shards(5, 0.002, seed=1)
+    result = packing.pack(packing.Histogram(shards.sum(axis=0)), algorithm="lpfhp", max_sequences_per_pack=3)
+    parts = split_plan(result.plan, list(shards))
+    used = {}
+    for counts, (part, leftover) in zip(shards, parts):
+        dense = part.slot_counts() if part.num_strategies else np.zeros(512, np.int64)
+        dense[leftover.lengths - 1] += leftover.counts
+        np.testing.assert_array_equal(dense, counts)  # part + leftover = the shard
+        for strategy, repeat in zip(part.strategies, part.repeats.tolist()):
+            used[strategy] = used.get(strategy, 0) + repeat
+        plan, which = plan_shard(part, leftover, counts, "lpfhp", 3)
+        plan.validate(counts, 3)
+        assert which in ("global", "own")
+    available = dict(zip(result.plan.strategies, result.plan.repeats.tolist()))
+    assert all(repeat <= available[strategy] for strategy, repeat in used.items())
+    # Most sequences follow the global plan; only the mismatch is left over.
+    assert sum(int(leftover.counts.sum()) for _, leftover in parts) < 0.2 * shards.sum()
+
+
+def test_one_shard_is_the_global_plan_itself():
+    counts = wikipedia_shards(1, 0.001)[0]
+    result = packing.pack(packing.Histogram(counts), algorithm="lp", max_sequences_per_pack=3, **NO_MILP)
+    [(part, leftover)] = split_plan(result.plan, [counts])
+    assert leftover.counts.size == 0 and part.num_packs == result.num_packs
+    plan, _ = complete_shard_plan(part, leftover, "lp", 3)
+    assert plan.num_packs == result.num_packs
+
+
+def test_sharded_lp_stays_within_a_tenth_of_a_percent_of_the_global_bound():
+    """4 shards of about 200 k sequences each drawn from Wikipedia-512 (K = 3)."""
+    shards = wikipedia_shards(4, 0.05, seed=2)
+    result, plans, summary = pack_shards(list(shards), 512, "lp", 3, **NO_MILP)
+    for counts, plan in zip(shards, plans):
+        plan.validate(counts, 3)
+    assert summary["num_packs"] == sum(plan.num_packs for plan in plans)
+    assert summary["lp_bound_packs"] == result.lp_bound_packs <= summary["num_packs"]
+    assert summary["gap"] < 1e-3 and summary["sharding_gap"] < 1e-3, summary
+
+
+def test_split_is_deterministic_and_refuses_a_plan_of_other_data():
+    shards = wikipedia_shards(3, 0.001, seed=3)
+    first = pack_shards(list(shards), 512, "lpfhp", 3)
+    second = pack_shards(list(shards), 512, "lpfhp", 3)
+    assert [p.strategies for p in first[1]] == [p.strategies for p in second[1]]
+    assert [p.repeats.tolist() for p in first[1]] == [p.repeats.tolist() for p in second[1]]
+    other = shards.copy()
+    other[0, 100] += 1
+    with pytest.raises(packing.PackingError, match="sum of the shards"):
+        split_plan(first[0].plan, list(other))
