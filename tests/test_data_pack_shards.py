@@ -132,16 +132,19 @@ def test_an_interrupted_pack_resumes_where_it_stopped(unpacked, packed, tmp_path
 
 def test_cli_prints_the_certificate_and_file_input_still_works(unpacked, tmp_path, capsys):
     assert data_main(["pack", "--input", str(unpacked), "--output", str(tmp_path / "cli"), "--algorithm", "lp",
-                      "--max-sequences-per-pack", "3", "--workers", "1", "--seed", "4"]) == 0
-    line = capsys.readouterr().out.strip()
+                      "--max-sequences-per-pack", "3", "--workers", "1", "--seed", "4", "--verify"]) == 0
+    line, verified = capsys.readouterr().out.strip().splitlines()
+    assert verified == f"verified: {sum(SIZES)} sequences, each exactly once"
     manifest = load_manifest(tmp_path / "cli")
     assert f"{manifest['num_packs']} packs over 3 shards" in line and "efficiency" in line
     assert f"LP bound {manifest['lp_bound_packs']} packs, gap {manifest['gap_percent']:.4f} %" in line
     assert "sharding gap" in line
     # A single file keeps the single-file command.
     assert data_main(["pack", "--input", str(unpacked / shard_name(0)), "--output", str(tmp_path / "one.h5"),
-                      "--no-progress"]) == 0
-    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'one.h5'}: 700 sequences")
+                      "--no-progress", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"wrote {tmp_path / 'one.h5'}: 700 sequences")
+    assert out.endswith("verified: 700 sequences, each exactly once\n")
 
 
 def test_shorter_packs_and_a_fixed_masked_width(unpacked, tmp_path):

@@ -56,6 +56,8 @@ def _parser():
     p.add_argument("--scheduler", default=None,
                    help="sharded input: address of an existing Dask scheduler (its workers do the shards; "
                         "--workers is ignored)")
+    p.add_argument("--verify", action="store_true",
+                   help="afterwards, check that every input sequence is in the output exactly once (digests)")
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="progress bars on stderr (default: when stderr is a terminal)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -116,6 +118,9 @@ def _run(args):
               f"{100 * stats['efficiency']:.2f} % (unpacked {100 * stats['unpacked_efficiency']:.2f} %), "
               f"speed-up {stats['speedup']:.3f}x"
               + (f"; LP bound {stats['lp_bound_packs']} packs" if stats.get("lp_bound_packs") else ""))
+        if args.verify:
+            from .pack import verify_packed_file
+            print(f"verified: {verify_packed_file(args.input, args.output)} sequences, each exactly once")
     elif args.command == "stats":
         from .stats import dataset_stats, format_stats, plot_stats
         stats = dataset_stats(args.file)
@@ -148,6 +153,9 @@ def _pack_dataset(args):
           f"{100 * manifest['efficiency']:.2f} % (unpacked {100 * manifest['unpacked_efficiency']:.2f} %); "
           f"LP bound {bound} packs, gap {manifest['gap_percent']:.4f} %; unsharded plan "
           f"{manifest['unsharded_packs']} packs, sharding gap {manifest['sharding_gap_percent']:.4f} %")
+    if args.verify:
+        from .pack_shards import verify_packed_dataset
+        print(f"verified: {verify_packed_dataset(args.input, args.output)} sequences, each exactly once")
 
 
 def _with_suffix(path, suffix):
