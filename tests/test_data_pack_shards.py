@@ -180,3 +180,16 @@ def test_verify_notices_a_dropped_sequence(unpacked, packed, tmp_path):
     (copy / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(DataError, match="multisets of sequences differ"):
         verify_packed_dataset(unpacked, copy)
+
+
+def test_an_existing_dask_cluster_writes_the_same_bytes(unpacked, packed, tmp_path):
+    """--scheduler: the shards go to a running cluster's workers (here a local one)."""
+    import logging
+
+    from dask.distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                      silence_logs=logging.ERROR) as cluster:
+        pack_dataset(unpacked, tmp_path / "cluster", algorithm="lp", max_sequences_per_pack=3, seed=4,
+                     scheduler=cluster.scheduler_address, show_progress=False)
+    assert digests(tmp_path / "cluster") == digests(packed)
