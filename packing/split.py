@@ -135,17 +135,20 @@ def complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed=
 def plan_shard(part, leftover, counts, algorithm, max_sequences_per_pack, seed=0, **options):
     """The plan a shard is packed by: ``(plan, which)``. ``which`` is "global" for its part of the
     global plan plus its leftover packed with ``algorithm``, "own" for ``algorithm``'s plan of
-    the shard's histogram ``counts`` alone, whichever has fewer packs (ties: "global"). A pack
-    cannot cross shards, so the best plan of each shard is what counts; both are exact plans of
-    the shard. Deterministic where ``algorithm`` is."""
+    the shard's histogram ``counts`` alone, whichever has fewer packs (ties: "global"; the own
+    plan alone when it meets its bound, so is optimal). A pack cannot cross shards, so the best
+    plan of each shard is what counts; both are exact plans of the shard. Deterministic where
+    ``algorithm`` is."""
     from .algorithms import pack
 
-    split, _ = complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed, **options)
     counts = as_length_counts(counts)
     histogram = Histogram.from_length_counts(counts.lengths, counts.counts, part.max_sequence_length, name="shard")
     own = pack(histogram, algorithm=algorithm, max_sequences_per_pack=max_sequences_per_pack, seed=seed,
-               **options).plan
-    return (own, "own") if own.num_packs < split.num_packs else (split, "global")
+               **options)
+    if own.num_packs <= own.lp_bound_packs:  # certified optimal for the shard: nothing can beat it
+        return own.plan, "own"
+    split, _ = complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed, **options)
+    return (own.plan, "own") if own.num_packs < split.num_packs else (split, "global")
 
 
 def pack_shards(shard_counts, max_sequence_length, algorithm="lp", max_sequences_per_pack=3, seed=0, **options):

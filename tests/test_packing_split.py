@@ -5,7 +5,8 @@ import pytest
 import packing
 from packing.split import complete_shard_plan, pack_shards, plan_shard, split_plan
 
-NO_MILP = {"max_milp_sequences": 0}  # as `bert_packed.data pack` runs lp on shards (deterministic)
+# As `bert_packed.data pack` runs lp: the MILP bounded by nodes, not a clock (deterministic).
+TOOL = {"milp_node_limit": 1000, "max_milp_sequences": 100_000}
 
 
 def wikipedia_shards(num_shards, scale, seed=0):
@@ -40,7 +41,7 @@ def test_split_covers_every_shard_exactly_and_uses_the_plan_at_most_once():
 
 def test_one_shard_is_the_global_plan_itself():
     counts = wikipedia_shards(1, 0.001)[0]
-    result = packing.pack(packing.Histogram(counts), algorithm="lp", max_sequences_per_pack=3, **NO_MILP)
+    result = packing.pack(packing.Histogram(counts), algorithm="lp", max_sequences_per_pack=3, **TOOL)
     [(part, leftover)] = split_plan(result.plan, [counts])
     assert leftover.counts.size == 0 and part.num_packs == result.num_packs
     plan, _ = complete_shard_plan(part, leftover, "lp", 3)
@@ -50,7 +51,7 @@ def test_one_shard_is_the_global_plan_itself():
 def test_sharded_lp_stays_within_a_tenth_of_a_percent_of_the_global_bound():
     """4 shards of about 200 k sequences each drawn from Wikipedia-512 (K = 3)."""
     shards = wikipedia_shards(4, 0.05, seed=2)
-    result, plans, summary = pack_shards(list(shards), 512, "lp", 3, **NO_MILP)
+    result, plans, summary = pack_shards(list(shards), 512, "lp", 3, **TOOL)
     for counts, plan in zip(shards, plans):
         plan.validate(counts, 3)
     assert summary["num_packs"] == sum(plan.num_packs for plan in plans)
@@ -68,3 +69,19 @@ def test_split_is_deterministic_and_refuses_a_plan_of_other_data():
     other[0, 100] += 1
     with pytest.raises(packing.PackingError, match="sum of the shards"):
         split_plan(first[0].plan, list(other))
+
+
+def test_lp_milp_node_limit_is_deterministic_and_validated():
+    """milp_node_limit: the MILP bounded by nodes, not by a clock (what sharded `pack` uses so
+    its plans are the same under any load); on a shard-sized histogram it closes the rounding gap."""
+    counts = wikipedia_shards(1, 0.0005, seed=5)[0]  # about 8 k sequences
+    histogram = packing.Histogram(counts)
+    runs = [packing.pack(histogram, algorithm="lp", max_sequences_per_pack=3, milp_time_limit=None, **TOOL)
+            for _ in range(2)]
+    assert runs[0].plan.strategies == runs[1].plan.strategies
+    assert runs[0].plan.repeats.tolist() == runs[1].plan.repeats.tolist()
+    rounded = packing.pack(histogram, algorithm="lp", max_sequences_per_pack=3, max_milp_sequences=0)
+    assert runs[0].num_packs <= rounded.num_packs and runs[0].lp_bound_packs == rounded.lp_bound_packs
+    for bad in (0, 2.5, "10"):
+        with pytest.raises(packing.PackingError, match="milp_node_limit must be a positive integer"):
+            packing.pack(histogram, algorithm="lp", max_sequences_per_pack=3, milp_node_limit=bad)
