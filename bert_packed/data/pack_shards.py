@@ -92,7 +92,8 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
     entries = run_tasks(pack_shard, tasks, workers=workers, scheduler=scheduler, desc="pack: shards",
                         unit=" shards", show_progress=show_progress)
     return _finish(output_dir, entries, result, histogram, manifest, options,
-                   {"path": input_dir, "manifest_sha256": digest, "num_shards": len(inputs)})
+                   {"path": input_dir, "manifest_sha256": digest, "num_shards": len(inputs),
+                    "bytes": sum(int(entry["bytes"]) for entry in manifest["shards"])})
 
 
 def _check_options(algorithm, max_sequences_per_pack, chunk_packs, workers, scheduler, seed):
