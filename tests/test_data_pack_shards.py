@@ -70,6 +70,15 @@ def test_sharded_pack_holds_exactly_the_input_sequences(unpacked, packed):
         assert (seq_len, depth) == (128, 3) and num_packs == entry["num_items"]
         masked.append(max_m)
     assert manifest["max_masked_tokens_per_pack"] == max(masked)
+    # The training reader reads every shard at the manifest's widths (a narrower M is padded).
+    from bert_packed.data.hdf5 import HDF5Source
+    for entry in manifest["shards"]:
+        source = HDF5Source(os.path.join(packed, entry["file"]), micro_batch_size=4, max_sequence_length=128,
+                            max_sequences_per_pack=3, seed=0,
+                            max_masked_tokens_per_pack=manifest["max_masked_tokens_per_pack"])
+        batch = next(iter(source))
+        assert batch["mlm_positions"].shape == (4, manifest["max_masked_tokens_per_pack"])
+        source.close()
 
 
 def test_manifest_carries_the_certificate(unpacked, packed):
