@@ -75,7 +75,8 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
                "max_sequence_length": seq_len, "max_masked_tokens_per_pack": max_masked_tokens_per_pack,
                "seed": int(seed), "compression": compression, "chunk_packs": int(chunk_packs)}
     digest = _file_digest(os.path.join(input_dir, MANIFEST))
-    _prepare_output(output_dir, {"input_manifest_sha256": digest, "options": options})
+    state = {"input_manifest_sha256": digest, "options": options}
+    resuming = _check_output(output_dir, state)
     total = counts.sum(axis=0)
     try:
         histogram = packing.Histogram(total, seq_len, name=os.path.basename(os.path.abspath(input_dir)))
@@ -84,6 +85,9 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
         parts = split_plan(result.plan, list(counts))
     except packing.PackingError as exc:
         raise DataError(str(exc)) from None
+    if not resuming:  # only now: a refused input or plan leaves no directory behind
+        make_folder(output_dir)
+        write_text_atomic(os.path.join(output_dir, STATE), json.dumps(state, indent=1, sort_keys=True) + "\n")
     inputs = shard_paths(input_dir, manifest)
     tasks = [{"index": i, "input": path, "output": os.path.join(output_dir, shard_name(i)),
               "counts": counts[i], "part": part, "leftover": leftover, "options": options,
@@ -173,9 +177,10 @@ def _shard_seed(seed, index):
     return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1, np.uint32)[0])
 
 
-def _prepare_output(output_dir, state):
-    """Make ``output_dir`` or resume it. Refused: a file, a complete dataset, a non-empty
-    directory that is not an unfinished pack, or an unfinished pack with other options/input."""
+def _check_output(output_dir, state):
+    """True to resume an unfinished pack of the same input and options in ``output_dir``, False
+    for a new or empty directory. Refused: a file, a complete dataset, a non-empty directory
+    that is not an unfinished pack, or an unfinished pack of another input or options."""
     if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
         raise DataError(f"--output {output_dir} exists and is not a directory; choose a new directory")
     state_path = os.path.join(output_dir, STATE)
@@ -196,9 +201,8 @@ def _prepare_output(output_dir, state):
             if saved != state:
                 raise DataError(f"--output {output_dir} holds an unfinished pack of another input or with other "
                                 "options; rerun that command to finish it, or empty the directory")
-            return
-    make_folder(output_dir)
-    write_text_atomic(state_path, json.dumps(state, indent=1, sort_keys=True) + "\n")
+            return True
+    return False
 
 
 def pack_shard(task):
