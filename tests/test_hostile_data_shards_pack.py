@@ -138,3 +138,10 @@ def test_an_existing_complete_or_foreign_output(work, tmp_path, capsys):
 def test_a_sequence_longer_than_the_pack(work, tmp_path, capsys):
     refused(capsys, work, tmp_path / "out", "longer than --max-sequence-length 32", "--max-sequence-length", 32)
     assert not (tmp_path / "out").exists()
+
+
+def test_workers_for_a_single_file_are_refused(work, tmp_path, capsys):
+    code, line = main_error(capsys, ["pack", "--input", str(work / shard_name(0)), "--output",
+                                     str(tmp_path / "one.h5"), "--workers", "2"], entry=data_main)
+    assert code == 2 and "--workers and --scheduler are for a sharded dataset (a directory)" in line, line
+    assert not (tmp_path / "one.h5").exists()

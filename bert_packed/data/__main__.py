@@ -105,6 +105,10 @@ def _run(args):
         _pack_dataset(args)
     elif args.command == "pack":
         from .pack import pack_file
+        if args.workers is not None or args.scheduler is not None:
+            from .errors import DataError
+            raise DataError(f"--workers and --scheduler are for a sharded dataset (a directory); {args.input} is "
+                            "one file, packed in this process")
         stats = pack_file(args.input, args.output, algorithm=args.algorithm,
                           max_sequences_per_pack=args.max_sequences_per_pack,
                           max_sequence_length=args.max_sequence_length,
