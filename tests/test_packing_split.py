@@ -5,8 +5,10 @@ import pytest
 import packing
 from packing.split import complete_shard_plan, pack_shards, plan_shard, split_plan
 
-# As `bert_packed.data pack` runs lp: the MILP bounded by nodes, not a clock (deterministic).
-TOOL = {"milp_node_limit": 1000, "max_milp_sequences": 100_000}
+# As `bert_packed.data pack` runs lp: no clock-bounded MILP; small shards polished by a MILP
+# bounded by nodes (deterministic).
+POLISH = {"milp_node_limit": 1000, "max_milp_sequences": 1_000_000}
+TOOL = {"max_milp_sequences": 0, "polish": POLISH}
 
 
 def wikipedia_shards(num_shards, scale, seed=0):
@@ -41,7 +43,7 @@ def test_split_covers_every_shard_exactly_and_uses_the_plan_at_most_once():
 
 def test_one_shard_is_the_global_plan_itself():
     counts = wikipedia_shards(1, 0.001)[0]
-    result = packing.pack(packing.Histogram(counts), algorithm="lp", max_sequences_per_pack=3, **TOOL)
+    result = packing.pack(packing.Histogram(counts), algorithm="lp", max_sequences_per_pack=3, max_milp_sequences=0)
     [(part, leftover)] = split_plan(result.plan, [counts])
     assert leftover.counts.size == 0 and part.num_packs == result.num_packs
     plan, _ = complete_shard_plan(part, leftover, "lp", 3)
@@ -76,7 +78,7 @@ def test_lp_milp_node_limit_is_deterministic_and_validated():
     its plans are the same under any load); on a shard-sized histogram it closes the rounding gap."""
     counts = wikipedia_shards(1, 0.0005, seed=5)[0]  # about 8 k sequences
     histogram = packing.Histogram(counts)
-    runs = [packing.pack(histogram, algorithm="lp", max_sequences_per_pack=3, milp_time_limit=None, **TOOL)
+    runs = [packing.pack(histogram, algorithm="lp", max_sequences_per_pack=3, milp_time_limit=None, **POLISH)
             for _ in range(2)]
     assert runs[0].plan.strategies == runs[1].plan.strategies
     assert runs[0].plan.repeats.tolist() == runs[1].plan.repeats.tolist()

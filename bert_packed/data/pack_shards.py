@@ -26,11 +26,11 @@ process. So:
 Deterministic: every shard's output is a function of its task (the seed of shard i is
 derived from ``--seed`` and i), so any ``--workers`` writes the same bytes. ``lp``'s MILP
 polish is bounded by branch-and-bound nodes here, not by its usual 2 s clock (a clock would
-make the plan depend on the machine's load), and runs on shards of up to 100 k sequences:
-there the LP's rounding alone costs about 12 packs a shard (0.1 % of a 12 k-pack shard) and
-the MILP closes it (measured: each shard of 20 k-200 k Wikipedia sequences planned at its
-own LP bound, 3-12 s each); above, the rounding is under 0.02 % and the MILP's seconds are
-not worth it. Resumable: output shards are written atomically, so a rerun with the
+make the plan depend on the machine's load), and runs only where a plan is more than 0.02 %
+above its bound (``packing.split.pack_polished``): the LP's rounding alone costs about 12
+packs a shard, 0.1 % of a 12 k-pack shard, and the MILP closes it (measured: each shard of
+20 k-200 k Wikipedia sequences planned at its own LP bound, 3-12 s each); on big shards the
+rounding is under 0.02 % and the MILP's seconds are not worth it. Resumable: output shards are written atomically, so a rerun with the
 same options skips the shards that exist; ``.pack-state.json`` (removed at the end) records
 the options and the input manifest's digest, and another command on that directory is refused.
 """
@@ -48,14 +48,16 @@ from .shards import MANIFEST, load_manifest, shard_entry, shard_name, shard_path
 from ..io import TEMP_PREFIX, make_folder, write_text_atomic
 
 STATE = ".pack-state.json"
-# lp's MILP polish stops at a wall-clock limit by default, so its plan could depend on the
-# machine's load: here it stops at a node limit instead (the same plan on any machine), on
-# shards small enough for its rounding to matter (module doc).
-ALGORITHM_OPTIONS = {"lp": {"milp_node_limit": 1000, "max_milp_sequences": 100_000}}
+# lp's MILP stops at a wall-clock limit by default, so its plan could depend on the machine's
+# load: here the first run has no MILP, and a plan more than 0.02 % above its bound (a small
+# shard) is polished by a second run whose MILP stops at a node limit instead (module doc).
+ALGORITHM_OPTIONS = {"lp": ({"max_milp_sequences": 0}, {"milp_node_limit": 1000, "max_milp_sequences": 1_000_000})}
 
 
 def _algorithm_options(algorithm):
-    return dict(ALGORITHM_OPTIONS.get(algorithm, {}))
+    """Keyword arguments for packing.split's functions: the algorithm's options and ``polish``."""
+    options, polish = ALGORITHM_OPTIONS.get(algorithm, ({}, None))
+    return dict(options, polish=polish)
 
 
 def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_pack=3,
@@ -63,7 +65,7 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
                  compression="gzip", workers=1, scheduler=None, show_progress=True):
     """The whole sharded `pack` (module doc). Returns the output manifest (a dict)."""
     import packing
-    from packing.split import split_plan
+    from packing.split import pack_polished, split_plan
 
     _check_options(algorithm, max_sequences_per_pack, chunk_packs, workers, scheduler, seed)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
@@ -80,8 +82,7 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
     total = counts.sum(axis=0)
     try:
         histogram = packing.Histogram(total, seq_len, name=os.path.basename(os.path.abspath(input_dir)))
-        result = packing.pack(histogram, algorithm=algorithm, max_sequences_per_pack=max_sequences_per_pack,
-                              seed=seed, **_algorithm_options(algorithm))
+        result = pack_polished(histogram, algorithm, max_sequences_per_pack, seed, **_algorithm_options(algorithm))
         parts = split_plan(result.plan, list(counts))
     except packing.PackingError as exc:
         raise DataError(str(exc)) from None
