@@ -30,9 +30,11 @@ make the plan depend on the machine's load), and runs only where a plan is more 
 above its bound (``packing.split.pack_polished``): the LP's rounding alone costs about 12
 packs a shard, 0.1 % of a 12 k-pack shard, and the MILP closes it (measured: each shard of
 20 k-200 k Wikipedia sequences planned at its own LP bound, 3-12 s each); on big shards the
-rounding is under 0.02 % and the MILP's seconds are not worth it. Resumable: output shards are written atomically, so a rerun with the
-same options skips the shards that exist; ``.pack-state.json`` (removed at the end) records
-the options and the input manifest's digest, and another command on that directory is refused.
+rounding is under 0.02 % and the MILP's seconds are not worth it.
+
+Resumable: output shards are written atomically, so a rerun with the same options skips the
+shards that exist; ``.pack-state.json`` (removed at the end) records the options and the input
+manifest's digest, and another command on that directory is refused.
 """
 import hashlib
 import json
