@@ -155,19 +155,21 @@ def pack_polished(histogram, algorithm, max_sequences_per_pack, seed=0, polish=N
 
 
 def plan_shard(part, leftover, counts, algorithm, max_sequences_per_pack, seed=0, polish=None, **options):
-    """The plan a shard is packed by: ``(plan, which)``. ``which`` is "global" for its part of the
+    """The plan a shard is packed by: ``(plan, which, bound)``. ``which`` is "global" for its part of the
     global plan plus its leftover packed with ``algorithm``, "own" for ``algorithm``'s plan of
     the shard's histogram ``counts`` alone (:func:`pack_polished`), whichever has fewer packs
     (ties: "global"; the own plan alone when it meets its bound, so is optimal). A pack cannot
     cross shards, so the best plan of each shard is what counts; both are exact plans of the
-    shard. Deterministic where ``algorithm`` is."""
+    shard. ``bound``: the shard's own lower bound on packs (their sum over shards bounds every
+    packing whose packs stay within shards). Deterministic where ``algorithm`` is."""
     counts = as_length_counts(counts)
     histogram = Histogram.from_length_counts(counts.lengths, counts.counts, part.max_sequence_length, name="shard")
     own = pack_polished(histogram, algorithm, max_sequences_per_pack, seed, polish, **options)
-    if own.num_packs <= own.lp_bound_packs:  # certified optimal for the shard: nothing can beat it
-        return own.plan, "own"
+    bound = own.lp_bound_packs
+    if own.num_packs <= bound:  # certified optimal for the shard: nothing can beat it
+        return own.plan, "own", bound
     split, _ = complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed, **options)
-    return (own.plan, "own") if own.num_packs < split.num_packs else (split, "global")
+    return (own.plan, "own", bound) if own.num_packs < split.num_packs else (split, "global", bound)
 
 
 def pack_shards(shard_counts, max_sequence_length, algorithm="lp", max_sequences_per_pack=3, seed=0, polish=None,
@@ -176,28 +178,36 @@ def pack_shards(shard_counts, max_sequence_length, algorithm="lp", max_sequences
     result (:func:`pack_polished`), each shard's plan (:func:`plan_shard`), and the certificate.
     Returns ``(global PackingResult, [Plan per shard], summary dict)`` with ``num_packs``
     (sharded total), ``unsharded_packs``, ``sharding_gap`` (fraction), ``lp_bound_packs``,
-    ``gap`` (the sharded total against the global bound), ``leftover_sequences`` and
+    ``gap`` (the sharded total against the global bound), ``shards_lp_bound_packs`` (the sum of
+    the shards' own bounds: no packing within shards does better), ``leftover_sequences`` and
     ``shards_on_global_plan``."""
     shard_counts = [as_length_counts(counts) for counts in shard_counts]
     lengths = np.concatenate([c.lengths for c in shard_counts])
     total = np.concatenate([c.counts for c in shard_counts])
     histogram = Histogram.from_length_counts(lengths, total, max_sequence_length, name="shards")
     result = pack_polished(histogram, algorithm, max_sequences_per_pack, seed, polish, **options)
-    plans, leftover, on_global = [], 0, 0
+    plans, leftover, on_global, bounds = [], 0, 0, 0
     for counts, (part, rest) in zip(shard_counts, split_plan(result.plan, shard_counts)):
-        plan, which = plan_shard(part, rest, counts, algorithm, max_sequences_per_pack, seed, polish, **options)
+        plan, which, bound = plan_shard(part, rest, counts, algorithm, max_sequences_per_pack, seed, polish,
+                                        **options)
         plans.append(plan)
         leftover += int(rest.counts.sum())
         on_global += which == "global"
-    summary = sharding_summary(sum(p.num_packs for p in plans), result)
+        bounds += bound
+    summary = sharding_summary(sum(p.num_packs for p in plans), result, bounds)
     summary.update({"leftover_sequences": leftover, "shards_on_global_plan": on_global})
     return result, plans, summary
 
 
-def sharding_summary(num_packs, result):
-    """The certificate of a sharded plan: its packs against the global LP bound and against the
-    unsharded plan (``result``, the global histogram's)."""
+def sharding_summary(num_packs, result, shards_bound=None):
+    """The certificate of a sharded plan: its packs against the global LP bound, against the
+    unsharded plan (``result``, the global histogram's) and, given the sum of the shards' own
+    bounds, against the best any packing within shards can do."""
     bound = result.lp_bound_packs
-    return {"num_packs": int(num_packs), "unsharded_packs": result.num_packs,
-            "sharding_gap": num_packs / result.num_packs - 1.0, "lp_bound_packs": bound,
-            "gap": (num_packs / bound - 1.0) if bound else None}
+    summary = {"num_packs": int(num_packs), "unsharded_packs": result.num_packs,
+               "sharding_gap": num_packs / result.num_packs - 1.0, "lp_bound_packs": bound,
+               "gap": (num_packs / bound - 1.0) if bound else None}
+    if shards_bound is not None:
+        summary.update({"shards_lp_bound_packs": int(shards_bound),
+                        "gap_to_shards_bound": num_packs / shards_bound - 1.0 if shards_bound else None})
+    return summary

@@ -91,6 +91,9 @@ def test_manifest_carries_the_certificate(unpacked, packed):
     assert manifest["gap_percent"] == pytest.approx(100 * (num_packs / manifest["lp_bound_packs"] - 1))
     assert manifest["sharding_gap_percent"] == pytest.approx(100 * (num_packs / manifest["unsharded_packs"] - 1))
     assert manifest["lp_bound_components"]["lp"] == manifest["lp_bound_packs"]
+    shards_bound = sum(entry["lp_bound_packs"] for entry in manifest["shards"])
+    assert manifest["lp_bound_packs"] <= manifest["shards_lp_bound_packs"] == shards_bound <= num_packs
+    assert manifest["gap_to_shards_bound_percent"] == pytest.approx(100 * (num_packs / shards_bound - 1))
     assert manifest["gap_percent"] < 1.0  # 2,100 sequences: a few packs at most
     assert (manifest["algorithm"], manifest["max_sequences_per_pack"], manifest["seed"]) == ("lp", 3, 4)
     assert manifest["input_options"] == {"seed": 10, "synthetic": True}

@@ -32,7 +32,8 @@ def test_split_covers_every_shard_exactly_and_uses_the_plan_at_most_once():
         np.testing.assert_array_equal(dense, counts)  # part + leftover = the shard
         for strategy, repeat in zip(part.strategies, part.repeats.tolist()):
             used[strategy] = used.get(strategy, 0) + repeat
-        plan, which = plan_shard(part, leftover, counts, "lpfhp", 3)
+        plan, which, bound = plan_shard(part, leftover, counts, "lpfhp", 3)
+        assert bound <= plan.num_packs
         plan.validate(counts, 3)
         assert which in ("global", "own")
     available = dict(zip(result.plan.strategies, result.plan.repeats.tolist()))
@@ -59,6 +60,7 @@ def test_sharded_lp_stays_within_a_tenth_of_a_percent_of_the_global_bound():
     assert summary["num_packs"] == sum(plan.num_packs for plan in plans)
     assert summary["lp_bound_packs"] == result.lp_bound_packs <= summary["num_packs"]
     assert summary["gap"] < 1e-3 and summary["sharding_gap"] < 1e-3, summary
+    assert result.lp_bound_packs <= summary["shards_lp_bound_packs"] <= summary["num_packs"]
 
 
 def test_split_is_deterministic_and_refuses_a_plan_of_other_data():

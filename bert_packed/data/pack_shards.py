@@ -217,6 +217,7 @@ def pack_shard(task):
     entry = shard_entry(output)
     with h5io.open_h5(output) as handle:
         entry["shard_plan"] = str(handle.attrs.get("shard_plan", ""))
+        entry["lp_bound_packs"] = int(handle.attrs.get("shard_lp_bound_packs", 0))
     entry["source"] = os.path.basename(task["input"])
     return entry
 
@@ -234,7 +235,7 @@ def _write_shard(task):
                             "for it; the shard does not match its manifest: re-create the dataset")
         records = _read_records(handle, _record_dtype(min(seq_len, in_seq_len), num_predictions))
         vocab_size = handle.attrs.get("vocab_size")
-    plan, which = _shard_plan(task)
+    plan, which, bound = _shard_plan(task)
     try:
         assignment = packing.assign(plan, lengths, seed=task["seed"])
     except packing.PackingError as exc:
@@ -251,7 +252,7 @@ def _write_shard(task):
                                    plan, 0.0)
     stats = _statistics(result, lengths, offsets.size - 1, seq_len, max_k, max_m, options["seed"],
                         options["algorithm"], path)
-    stats.update({"shard_plan": which, "shard_seed": task["seed"]})
+    stats.update({"shard_plan": which, "shard_seed": task["seed"], "shard_lp_bound_packs": bound})
     write_packed(task["output"], lambda r0, r1: records[r0:r1], offsets, stats,
                  chunk_packs=options["chunk_packs"], compression=options["compression"], vocab_size=vocab_size,
                  show_progress=False)
@@ -268,7 +269,7 @@ def _read_records(handle, record_dtype):
 
 
 def _shard_plan(task):
-    """(exact plan of the shard, "global" or "own"): ``packing.split.plan_shard``."""
+    """(exact plan of the shard, "global" or "own", the shard's bound): ``packing.split.plan_shard``."""
     import packing
     from packing.split import plan_shard
 
@@ -286,7 +287,7 @@ def _finish(output_dir, entries, result, histogram, input_manifest, options, sou
     from packing.split import sharding_summary
 
     num_packs = sum(entry["num_items"] for entry in entries)
-    summary = sharding_summary(num_packs, result)
+    summary = sharding_summary(num_packs, result, sum(entry["lp_bound_packs"] for entry in entries))
     seq_len = options["max_sequence_length"]
     statistics = {
         "algorithm": options["algorithm"], "seed": options["seed"], "num_packs": num_packs,
@@ -298,6 +299,9 @@ def _finish(output_dir, entries, result, histogram, input_manifest, options, sou
         "lp_bound_components": dict(result.details.get("bounds", {})),
         "unsharded_packs": summary["unsharded_packs"],
         "sharding_gap_percent": 100 * summary["sharding_gap"],
+        # No packing whose packs stay within shards beats the sum of the shards' own bounds.
+        "shards_lp_bound_packs": summary["shards_lp_bound_packs"],
+        "gap_to_shards_bound_percent": 100 * summary["gap_to_shards_bound"],
         "shards_on_global_plan": sum(entry["shard_plan"] == "global" for entry in entries),
         "input_options": dict(input_manifest.get("options", {}))}
     manifest = write_manifest(output_dir, kind="packed", shards=entries, options=options, inputs=[source],
