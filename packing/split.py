@@ -46,7 +46,8 @@ def _compact(plan, shard_counts):
         shard = as_length_counts(shard)
         where = np.searchsorted(lengths, shard.lengths)
         if np.any(where >= lengths.size) or np.any(lengths[np.minimum(where, lengths.size - 1)] != shard.lengths):
-            raise PackingError(f"shard {i} has lengths the plan has no slot for; plan the sum of the shards' histograms")
+            raise PackingError(f"shard {i} has lengths the plan has no slot for; plan the sum of the shards' "
+                               "histograms")
         counts[i, where] = shard.counts
         total[where] += shard.counts
     if not np.array_equal(total, slots.counts):
