@@ -17,16 +17,27 @@ global histogram. So:
    turns into concrete packs.
 4. :func:`plan_shard` keeps, per shard, the better of that plan and the algorithm's plan of
    the shard's own histogram: a pack cannot cross shards, so the best plan of each shard is
-   what counts. At scale the own plans win (the LP rounds each shard within a few packs of
-   its bound), on small shards the split often does.
+   what counts. Measured, the own plans mostly win (the LP plans each shard within a few packs
+   of its bound, or at it once polished); the split wins on some shards (5 of 40 at 50 k
+   sequences, L = 128; 6 of 64 at 254 k, L = 512) and is the fallback of heuristics.
 
-Measured with ``lp`` (its MILP polish off, as the tool runs it), K = 3, shards drawn at random from Wikipedia-512 (``pack_shards``, what
-``python -m bert_packed.data pack`` plans), gap of the sharded total to the global LP bound:
-8 shards of 2.0 M sequences 0.0010 %, 4 x 203 k 0.025 %, 64 x 254 k 0.016 %, 16 x 51 k
-0.074 %, 8 x 20 k 0.149 %. Each shard costs about 10-14 packs over its share of the bound
-(the LP's integer rounding, done per shard; the shards' own LP bounds add up to only about
-4 packs a shard more than the global bound), so the gap is roughly 12 x shards / packs: under
-0.1 % from about 25 k packs (50 k sequences at 512) per shard.
+Measured as ``python -m bert_packed.data pack --algorithm lp`` plans (``pack_shards`` with its
+options: no clock-bounded MILP, a node-bounded MILP polish where a plan is over 0.02 % above
+its bound), K = 3, shards drawn at random from Wikipedia-512 (L = 512) or from its lengths
+scaled to 128 (L = 128, as ``bert_packed.data.synthetic``); gap of the sharded total to the
+global LP bound, and to the sum of the shards' own bounds (what no packing within shards beats):
+
+    shards x sequences   global bound  sharded   gap       shards' bounds  gap to them
+    512:  8 x 2.03 M     8,143,829     8,143,908  0.0010 %  8,143,837       0.0009 %
+    512: 64 x 254 k      8,143,829     8,145,102  0.0156 %  (see the report: measured before)
+    512:  4 x 203 k        407,098       407,169  0.0174 %    407,138       0.0076 %
+    512: 16 x 51 k         407,098       407,196  0.0241 %    407,192       0.0010 %
+    512:  8 x 20 k          81,340        81,375  0.0430 %     81,375       0
+    128:  8 x 250 k      1,004,692     1,004,953  0.0260 %  1,004,916       0.0037 %
+    128: 40 x 50 k       1,004,692     1,005,471  0.0775 %  1,005,348       0.0122 %
+
+What is left is mostly what sharding itself costs (the shards' own bounds exceed the global
+one: each shard's mismatch with the average histogram), growing as shards get smaller.
 Pure numpy; deterministic (a function of the plan and histograms, and the seed).
 """
 import numpy as np
