@@ -29,7 +29,7 @@ global LP bound, and to the sum of the shards' own bounds (what no packing withi
 
     shards x sequences   global bound  sharded   gap       shards' bounds  gap to them
     512:  8 x 2.03 M     8,143,829     8,143,908  0.0010 %  8,143,837       0.0009 %
-    512: 64 x 254 k      8,143,829     8,145,102  0.0156 %  (see the report: measured before)
+    512: 64 x 254 k      8,143,829     8,144,960  0.0139 %  8,144,357       0.0074 %
     512:  4 x 203 k        407,098       407,169  0.0174 %    407,138       0.0076 %
     512: 16 x 51 k         407,098       407,196  0.0241 %    407,192       0.0010 %
     512:  8 x 20 k          81,340        81,375  0.0430 %     81,375       0
