@@ -68,8 +68,10 @@ def _check_lp_options(options):
     gap = options.get("target_gap", 0.0)
     if not (_is_number(gap) and gap >= 0):
         raise PackingError(f"lp's target_gap must be a non-negative fraction, got {gap!r}")
-    for name in ("max_lp_items", "pricing_cells"):
+    for name in ("max_lp_items", "pricing_cells", "milp_node_limit"):
         value = options.get(name, 1)
+        if name == "milp_node_limit" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise PackingError(f"lp's {name} must be a positive integer, got {value!r}")
     master = options.get("master", "highs")
@@ -136,7 +138,7 @@ def pack(histogram, algorithm="lpfhp", max_sequences_per_pack=3, seed=0, **optio
         seed: only ``greedy`` is random (its shuffle); every algorithm is deterministic
             for a given seed.
         options: algorithm-specific: ``sort``: batch_size (32); ``lp``: time_limit,
-            milp_time_limit, max_repair_rounds; ``nnlshp``: short_length, short_weight;
+            milp_time_limit, milp_node_limit, max_repair_rounds; ``nnlshp``: short_length, short_weight;
             ``greedy``: lengths (pack this stream as given instead of a shuffled histogram).
 
     Returns:

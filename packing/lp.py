@@ -701,17 +701,22 @@ def _ceil_bound(bound):
     return int(math.ceil(bound * (1.0 - 1e-12) - 1e-6))
 
 
-def _milp(columns, demand, time_limit, lower_bound=0):
+def _milp(columns, demand, time_limit, lower_bound=0, node_limit=None):
     """Integer program over the given columns (transfers stay continuous: an integral x
     always admits integral transfers), solved by HiGHS through highspy (no scipy import).
     Returns (columns, integer repeats) or None. It stops as soon as its plan is less than
-    one pack above ``lower_bound`` (then it is optimal)."""
+    one pack above ``lower_bound`` (then it is optimal), at ``time_limit`` seconds (None: no
+    clock) or after ``node_limit`` branch-and-bound nodes (None: no limit). HiGHS's search is
+    deterministic, so only a clock can make two runs differ."""
     model = _HighsMaster(demand, columns)
     highs, highspy = model.highs, _HIGHSPY[0]
     count = len(model.columns.items)
     highs.changeColsIntegrality(count, np.arange(model.offset, model.offset + count, dtype=np.int32),
                                 np.full(count, highspy.HighsVarType.kInteger))
-    highs.setOptionValue("time_limit", highs.getRunTime() + float(time_limit))
+    if time_limit is not None:
+        highs.setOptionValue("time_limit", highs.getRunTime() + float(time_limit))
+    if node_limit is not None:
+        highs.setOptionValue("mip_max_nodes", int(node_limit))
     highs.setOptionValue("mip_rel_gap", 0.999 / max(1.0, float(lower_bound) + 1.0))
     highs.run()
     solution = highs.getSolution()
@@ -768,7 +773,7 @@ def _plan_packs(repeats):
 
 def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_limit=2.0, max_milp_sequences=10_000,
             max_milp_columns=3000, time_limit=None, max_lp_items=1024, master="highs", target_gap=1e-4,
-            pricing_cells=2048):
+            pricing_cells=2048, milp_node_limit=None):
     """Plan with the LP. Returns (strategies, repeats, details) where details has
     ``lp_bound_packs`` (certified lower bound on the packs of any plan at this depth),
     ``lp_value``, ``num_columns``, ``num_rounds``, ``converged``, ``rounding`` and
@@ -795,6 +800,10 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
     dataset is small (<= ``max_milp_sequences``, where a few packs are a visible fraction;
     on Wikipedia rounding is already within 0.0002 % and HiGHS rarely improves on it within
     minutes) and the LP uses at most ``max_milp_columns`` strategies.
+
+    ``milp_node_limit`` (an int) bounds the MILP by branch-and-bound nodes instead of by
+    ``milp_time_limit``: no clock, so the plan is the same on any machine under any load (what
+    sharded `pack` needs for byte-identical output); ``time_limit`` still bounds the call.
     """
     from .bounds import lower_bounds
 
@@ -917,15 +926,18 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
         gap = _plan_packs(best_repeats) - max(lp_bound, simple_bound)
         support = [solution.columns.items[s] for s in np.flatnonzero(solution.x > 1e-9)]
         remaining_time = None if deadline is None else deadline - time.perf_counter()
-        if (gap > 0 and milp_time_limit and demand.sum() <= max_milp_sequences and num_groups == weights.size
+        if (gap > 0 and (milp_time_limit or milp_node_limit is not None) and demand.sum() <= max_milp_sequences
+                and num_groups == weights.size
                 and 0 < len(support) <= max_milp_columns and (remaining_time is None or remaining_time > 0.05)):
             milp_columns = _Columns()
             for items in support:
                 milp_columns.add(items)
             for k in range(weights.size):
                 milp_columns.add([k])
-            limit = milp_time_limit if remaining_time is None else min(milp_time_limit, remaining_time)
-            found = _milp(milp_columns, demand, limit, max(lp_bound, simple_bound))
+            limit = None if milp_node_limit is not None else milp_time_limit
+            if remaining_time is not None:
+                limit = remaining_time if limit is None else min(limit, remaining_time)
+            found = _milp(milp_columns, demand, limit, max(lp_bound, simple_bound), milp_node_limit)
             if found is not None and found[1].sum() < _plan_packs(best_repeats):
                 placed, placed_counts, left = _fill_slots(found[0].items, found[1], weights, demand)
                 if not left.any():

@@ -4,6 +4,7 @@ User mistakes (including OSErrors: a missing folder, an unwritable path) print o
 `error: ...` to stderr and exit 2 (no traceback); Ctrl-C exits 130 leaving no partial output.
 """
 import json
+import os
 import sys
 
 from packing.entry import ArgumentParser, run_cli
@@ -52,9 +53,11 @@ def _parser():
                    help="progress bars on stderr (default: when stderr is a terminal)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
-    p = commands.add_parser("pack", help="unpacked HDF5 -> packed HDF5")
-    p.add_argument("--input", required=True, help="unpacked HDF5 (NVIDIA/MLPerf layout)")
-    p.add_argument("--output", required=True, help="packed HDF5 to write")
+    p = commands.add_parser("pack", help="unpacked HDF5 -> packed HDF5 (a file, or a sharded dataset directory)")
+    p.add_argument("--input", required=True,
+                   help="unpacked HDF5 (NVIDIA/MLPerf layout), or a directory of unpacked shards with manifest.json")
+    p.add_argument("--output", required=True,
+                   help="packed HDF5 to write (a directory of packed shards when --input is a directory)")
     p.add_argument("--algorithm", default="lpfhp", help="packing algorithm (python -m packing report)")
     p.add_argument("--max-sequences-per-pack", type=int, default=3)
     p.add_argument("--max-sequence-length", type=int, default=None,
@@ -64,6 +67,13 @@ def _parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-packs", type=int, default=8192, help="packs written per chunk (memory bound)")
     p.add_argument("--compression", default="gzip", choices=["gzip", "lzf", "none"])
+    p.add_argument("--workers", type=int, default=None,
+                   help="sharded input: local worker processes (default: every core; 1 = this process)")
+    p.add_argument("--scheduler", default=None,
+                   help="sharded input: address of an existing Dask scheduler (its workers do the shards; "
+                        "--workers is ignored)")
+    p.add_argument("--verify", action="store_true",
+                   help="afterwards, check that every input sequence is in the output exactly once (digests)")
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="progress bars on stderr (default: when stderr is a terminal)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -127,8 +137,14 @@ def _run(args):
               f"{summary['num_masked_tokens']} masked, random next "
               f"{100 * summary['random_next_fraction']:.1f} %, padding "
               f"{100 * summary['padding_fraction']:.1f} %")
+    elif args.command == "pack" and os.path.isdir(args.input):
+        _pack_dataset(args)
     elif args.command == "pack":
         from .pack import pack_file
+        if args.workers is not None or args.scheduler is not None:
+            from .errors import DataError
+            raise DataError(f"--workers and --scheduler are for a sharded dataset (a directory); {args.input} is "
+                            "one file, packed in this process")
         stats = pack_file(args.input, args.output, algorithm=args.algorithm,
                           max_sequences_per_pack=args.max_sequences_per_pack,
                           max_sequence_length=args.max_sequence_length,
@@ -142,6 +158,9 @@ def _run(args):
               f"{100 * stats['efficiency']:.2f} % (unpacked {100 * stats['unpacked_efficiency']:.2f} %), "
               f"speed-up {stats['speedup']:.3f}x"
               + (f"; LP bound {stats['lp_bound_packs']} packs" if stats.get("lp_bound_packs") else ""))
+        if args.verify:
+            from .pack import verify_packed_file
+            print(f"verified: {verify_packed_file(args.input, args.output)} sequences, each exactly once")
     elif args.command == "stats":
         from .errors import refuse_output_over_input
         from .stats import dataset_stats, format_stats, plot_stats
@@ -176,8 +195,29 @@ def _create_shards(args):
           f"padding {100 * summary['padding_fraction']:.1f} %")
 
 
+def _pack_dataset(args):
+    """`pack` of a directory of shards (bert_packed.data.pack_shards) and its summary line."""
+    from .pack_shards import pack_dataset
+    manifest = pack_dataset(args.input, args.output, algorithm=args.algorithm,
+                            max_sequences_per_pack=args.max_sequences_per_pack,
+                            max_sequence_length=args.max_sequence_length,
+                            max_masked_tokens_per_pack=args.max_masked_tokens_per_pack,
+                            seed=args.seed, chunk_packs=args.chunk_packs, compression=args.compression,
+                            workers=args.workers, scheduler=args.scheduler,
+                            show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
+    bound = manifest["lp_bound_packs"]
+    print(f"wrote {args.output}: {manifest['num_sequences']} sequences in {manifest['num_packs']} packs over "
+          f"{manifest['num_shards']} shards ({manifest['algorithm']}, depth <= "
+          f"{manifest['max_sequences_per_pack']}), packing factor {manifest['packing_factor']:.3f}, efficiency "
+          f"{100 * manifest['efficiency']:.2f} % (unpacked {100 * manifest['unpacked_efficiency']:.2f} %); "
+          f"LP bound {bound} packs, gap {manifest['gap_percent']:.4f} %; unsharded plan "
+          f"{manifest['unsharded_packs']} packs, sharding gap {manifest['sharding_gap_percent']:.4f} %")
+    if args.verify:
+        from .pack_shards import verify_packed_dataset
+        print(f"verified: {verify_packed_dataset(args.input, args.output)} sequences, each exactly once")
+
+
 def _with_suffix(path, suffix):
-    import os
     root, _ = os.path.splitext(path)
     return root + suffix
 

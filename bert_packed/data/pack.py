@@ -165,39 +165,57 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
             del destination
             stats = _statistics(result, lengths, num_packs, seq_len, max_k, max_m, seed,
                                 algorithm, input_path)
-            with h5io.atomic_h5(output_path) as out:
-                datasets = {}
-                widths = {"S": seq_len, "K": max_k, "M": max_m}
-                for name, dim in h5io.PACKED_FIELDS.items():
-                    datasets[name] = h5io.create_dataset(
-                        out, name, shape=(num_packs, widths[dim]), dtype=PACKED_DTYPES[name],
-                        compression=compression)
-                size = record_dtype.itemsize
-                with open(tmp_records, "rb") as records, \
-                        tqdm(total=num_packs, desc="pack: write", unit=" packs", unit_scale=True,
-                             disable=not show_progress) as bar:
-                    for p0 in range(0, num_packs, chunk_packs):
-                        p1 = min(num_packs, p0 + chunk_packs)
-                        r0, r1 = int(offsets[p0]), int(offsets[p1])
-                        records.seek(r0 * size)
-                        block = np.frombuffer(records.read((r1 - r0) * size), record_dtype)
-                        samples = {name: block[name] for name in record_dtype.names}
-                        batch = collate_records(
-                            samples, offsets[p0:p1 + 1] - r0, np.arange(r1 - r0),
-                            max_sequence_length=seq_len, max_sequences_per_pack=max_k,
-                            max_masked_tokens_per_pack=max_m)
-                        for name, dataset in datasets.items():
-                            dataset[p0:p1] = batch[name]
-                        bar.update(p1 - p0)
-                if "vocab_size" in handle.attrs:  # so training can say when the model's is smaller
-                    out.attrs["vocab_size"] = int(handle.attrs["vocab_size"])
-                # Timings stay out of the file, so the same inputs give a byte-identical file.
-                out.attrs.update({key: value for key, value in stats.items()
-                                  if value is not None and key != "planning_seconds"})
+            size = record_dtype.itemsize
+            with open(tmp_records, "rb") as records:
+                def read_records(r0, r1):
+                    records.seek(r0 * size)
+                    return np.frombuffer(records.read((r1 - r0) * size), record_dtype)
+
+                write_packed(output_path, read_records, offsets, stats, chunk_packs=chunk_packs,
+                             compression=compression, vocab_size=handle.attrs.get("vocab_size"),
+                             show_progress=show_progress)
         finally:
             if os.path.exists(tmp_records):
                 os.unlink(tmp_records)
     return stats
+
+
+def write_packed(output_path, read_records, offsets, stats, *, chunk_packs, compression, vocab_size=None,
+                 show_progress=False):
+    """Write a packed file atomically: the packs ``offsets`` (CSR over records in pack order),
+    whose records ``read_records(r0, r1)`` returns (a structured array), a chunk of packs at a
+    time through the model's collator; ``stats`` (S, K, M and the statistics) become attributes.
+    Shared by `pack_file` (records from its scratch file) and sharded packing (from memory), so
+    both write the same layout."""
+    num_packs = offsets.size - 1
+    seq_len, max_k = stats["max_sequence_length"], stats["max_sequences_per_pack"]
+    max_m = stats["max_masked_tokens_per_pack"]
+    with h5io.atomic_h5(output_path) as out:
+        datasets = {}
+        widths = {"S": seq_len, "K": max_k, "M": max_m}
+        for name, dim in h5io.PACKED_FIELDS.items():
+            datasets[name] = h5io.create_dataset(
+                out, name, shape=(num_packs, widths[dim]), dtype=PACKED_DTYPES[name],
+                compression=compression)
+        with tqdm(total=num_packs, desc="pack: write", unit=" packs", unit_scale=True,
+                  disable=not show_progress) as bar:
+            for p0 in range(0, num_packs, chunk_packs):
+                p1 = min(num_packs, p0 + chunk_packs)
+                r0, r1 = int(offsets[p0]), int(offsets[p1])
+                block = read_records(r0, r1)
+                samples = {name: block[name] for name in block.dtype.names}
+                batch = collate_records(
+                    samples, offsets[p0:p1 + 1] - r0, np.arange(r1 - r0),
+                    max_sequence_length=seq_len, max_sequences_per_pack=max_k,
+                    max_masked_tokens_per_pack=max_m)
+                for name, dataset in datasets.items():
+                    dataset[p0:p1] = batch[name]
+                bar.update(p1 - p0)
+        if vocab_size is not None:  # so training can say when the model's is smaller
+            out.attrs["vocab_size"] = int(vocab_size)
+        # Timings stay out of the file, so the same inputs give a byte-identical file.
+        out.attrs.update({key: value for key, value in stats.items()
+                          if value is not None and key != "planning_seconds"})
 
 
 def _statistics(result, lengths, num_packs, seq_len, max_k, max_m, seed, algorithm, input_path):

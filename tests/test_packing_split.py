@@ -1,0 +1,91 @@
+"""packing.split: one global plan apportioned over shards (numpy only), and its certificate."""
+import numpy as np
+import pytest
+
+import packing
+from packing.split import complete_shard_plan, pack_shards, plan_shard, split_plan
+
+# As `bert_packed.data pack` runs lp: no clock-bounded MILP; small shards polished by a MILP
+# bounded by nodes (deterministic).
+POLISH = {"milp_node_limit": 1000, "max_milp_sequences": 1_000_000}
+TOOL = {"max_milp_sequences": 0, "polish": POLISH}
+
+
+def wikipedia_shards(num_shards, scale, seed=0):
+    """Shards drawn at random from the Wikipedia-512 histogram scaled by ``scale``: dense [m, 512]."""
+    counts = (np.asarray(packing.Histogram.load("wikipedia-512").counts) * scale).astype(np.int64)
+    rng = np.random.default_rng(seed)
+    shards = np.zeros((num_shards, counts.size), np.int64)
+    for j, count in enumerate(counts):
+        shards[:, j] = rng.multinomial(count, np.ones(num_shards) / num_shards)
+    return shards
+
+
+def test_split_covers_every_shard_exactly_and_uses_the_plan_at_most_once():
+    shards = wikipedia_shards(5, 0.002, seed=1)
+    result = packing.pack(packing.Histogram(shards.sum(axis=0)), algorithm="lpfhp", max_sequences_per_pack=3)
+    parts = split_plan(result.plan, list(shards))
+    used = {}
+    for counts, (part, leftover) in zip(shards, parts):
+        dense = part.slot_counts() if part.num_strategies else np.zeros(512, np.int64)
+        dense[leftover.lengths - 1] += leftover.counts
+        np.testing.assert_array_equal(dense, counts)  # part + leftover = the shard
+        for strategy, repeat in zip(part.strategies, part.repeats.tolist()):
+            used[strategy] = used.get(strategy, 0) + repeat
+        plan, which, bound = plan_shard(part, leftover, counts, "lpfhp", 3)
+        assert bound <= plan.num_packs
+        plan.validate(counts, 3)
+        assert which in ("global", "own")
+    available = dict(zip(result.plan.strategies, result.plan.repeats.tolist()))
+    assert all(repeat <= available[strategy] for strategy, repeat in used.items())
+    # Most sequences follow the global plan; only the mismatch is left over.
+    assert sum(int(leftover.counts.sum()) for _, leftover in parts) < 0.2 * shards.sum()
+
+
+def test_one_shard_is_the_global_plan_itself():
+    counts = wikipedia_shards(1, 0.001)[0]
+    result = packing.pack(packing.Histogram(counts), algorithm="lp", max_sequences_per_pack=3, max_milp_sequences=0)
+    [(part, leftover)] = split_plan(result.plan, [counts])
+    assert leftover.counts.size == 0 and part.num_packs == result.num_packs
+    plan, _ = complete_shard_plan(part, leftover, "lp", 3)
+    assert plan.num_packs == result.num_packs
+
+
+def test_sharded_lp_stays_within_a_tenth_of_a_percent_of_the_global_bound():
+    """4 shards of about 200 k sequences each drawn from Wikipedia-512 (K = 3)."""
+    shards = wikipedia_shards(4, 0.05, seed=2)
+    result, plans, summary = pack_shards(list(shards), 512, "lp", 3, **TOOL)
+    for counts, plan in zip(shards, plans):
+        plan.validate(counts, 3)
+    assert summary["num_packs"] == sum(plan.num_packs for plan in plans)
+    assert summary["lp_bound_packs"] == result.lp_bound_packs <= summary["num_packs"]
+    assert summary["gap"] < 1e-3 and summary["sharding_gap"] < 1e-3, summary
+    assert result.lp_bound_packs <= summary["shards_lp_bound_packs"] <= summary["num_packs"]
+
+
+def test_split_is_deterministic_and_refuses_a_plan_of_other_data():
+    shards = wikipedia_shards(3, 0.001, seed=3)
+    first = pack_shards(list(shards), 512, "lpfhp", 3)
+    second = pack_shards(list(shards), 512, "lpfhp", 3)
+    assert [p.strategies for p in first[1]] == [p.strategies for p in second[1]]
+    assert [p.repeats.tolist() for p in first[1]] == [p.repeats.tolist() for p in second[1]]
+    other = shards.copy()
+    other[0, 100] += 1
+    with pytest.raises(packing.PackingError, match="sum of the shards"):
+        split_plan(first[0].plan, list(other))
+
+
+def test_lp_milp_node_limit_is_deterministic_and_validated():
+    """milp_node_limit: the MILP bounded by nodes, not by a clock (what sharded `pack` uses so
+    its plans are the same under any load); on a shard-sized histogram it closes the rounding gap."""
+    counts = wikipedia_shards(1, 0.0005, seed=5)[0]  # about 8 k sequences
+    histogram = packing.Histogram(counts)
+    runs = [packing.pack(histogram, algorithm="lp", max_sequences_per_pack=3, milp_time_limit=None, **POLISH)
+            for _ in range(2)]
+    assert runs[0].plan.strategies == runs[1].plan.strategies
+    assert runs[0].plan.repeats.tolist() == runs[1].plan.repeats.tolist()
+    rounded = packing.pack(histogram, algorithm="lp", max_sequences_per_pack=3, max_milp_sequences=0)
+    assert runs[0].num_packs <= rounded.num_packs and runs[0].lp_bound_packs == rounded.lp_bound_packs
+    for bad in (0, 2.5, "10"):
+        with pytest.raises(packing.PackingError, match="milp_node_limit must be a positive integer"):
+            packing.pack(histogram, algorithm="lp", max_sequences_per_pack=3, milp_node_limit=bad)
