@@ -35,3 +35,10 @@ class MockBackend(PopTorchBackend):
     def __init__(self) -> None:
         install_mock_estimators(mock_poptorch)
         super().__init__(poptorch=mock_poptorch, popart=mock_popart, popdist=ipu_options.import_popdist())
+
+    def prepare(self, model, optimizer, plan, **kwargs) -> None:
+        """PopTorch's prepare, then the mock's per-micro-batch report wired to the loop's hook
+        (``Backend.micro_batch_done``): a real IPU runs the step in one device call."""
+        super().prepare(model, optimizer, plan, **kwargs)
+        if self.training_model is not None:
+            self.training_model.set_micro_batch_callback(self.micro_batch_done)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bert_packed.backend import StepAbandoned
 from bert_packed.build import build_optimizer
 from bert_packed.checkpoint import set_rng_state
 from bert_packed.config import Config, ConfigError, input_paths, validate
@@ -44,6 +45,7 @@ from bert_packed.loop.plan import StepPlan, make_plan
 from bert_packed.loop.prefetch import Prefetcher
 from bert_packed.loop.stops import (CollectiveTimeout, DivergenceError, Interrupted, StopSignals,  # noqa: F401
                                     TrainingStopped)
+from bert_packed.loop.within_step import StepWatch
 from bert_packed.task import get_task
 
 SUMMARY_NAME = "summary.json"
@@ -309,15 +311,25 @@ class _Run:
         plan, launched = self.plan, self.start_step
         self.feed = feed = Prefetcher(self.source, self.config.train.prefetch_micro_batches,
                                       transform=self.backend.stage_batch)
+        # One process may end a long step early on a stop signal; with several, a rank that left
+        # mid-step would leave the others waiting in the step's gradient reduction.
+        can_abandon = self.world_size == 1
         try:
-            with StopSignals(self.logger.write) as stop:
+            with StopSignals(self.logger.write, mid_step=can_abandon) as stop:
+                watch = StepWatch(self.logger.write if self.logger.progress.enabled else None, stop,
+                                  total_steps=plan.steps, can_abandon=can_abandon)
+                self.backend.micro_batch_hook = watch
                 while launched < plan.steps:
                     calls = min(plan.steps_per_call, plan.steps - launched)
                     data_start = time.perf_counter()
                     micro_batches = [next(feed) for _ in range(plan.micro_batches_per_step * calls)]
                     data_seconds = time.perf_counter() - data_start
                     start = time.perf_counter()
-                    results = self.backend.train_step(micro_batches)
+                    watch.start(launched + 1, calls)
+                    try:
+                        results = self.backend.train_step(micro_batches)
+                    except StepAbandoned as exc:
+                        self._abandon(launched, stop.signum, exc)
                     seconds = time.perf_counter() - start
                     results = results if isinstance(results, list) else [results]
                     per_step = len(micro_batches) // len(results)
@@ -333,6 +345,7 @@ class _Run:
                     if stopping:
                         self._interrupt(launched, stop.signum or signal.SIGTERM)
         finally:
+            self.backend.micro_batch_hook = None
             feed.close()
         return launched
 
@@ -425,6 +438,22 @@ class _Run:
         self.logger.close()
         message = (f"{signal.Signals(signum).name} at step {step} of {self.plan.steps}: checkpoint "
                    f"{self.checkpointer.path} written; continue with --resume")
+        self.summary("interrupted", step, message)
+        raise Interrupted(message, signum)
+
+    def _abandon(self, step: int, signum: int, exc: StepAbandoned) -> None:
+        """A stop signal inside a step that would take long to finish (``loop.within_step``): the
+        partial step is dropped (no update was applied) and no checkpoint is written now, since
+        the data position and RNG streams are already inside the dropped step; the last written
+        checkpoint stays, and a resume from it reproduces the uninterrupted run exactly."""
+        if self.pending:  # the finished steps' numbers: checked and logged
+            self._flush()
+        self.logger.close()
+        saved = self.checkpointer.last_step
+        kept = (f"the checkpoint {self.checkpointer.path} (step {saved}) is kept: --resume continues from step "
+                f"{saved + 1}" if saved else "no checkpoint was written yet: a new run starts from step 1")
+        message = (f"{signal.Signals(signum).name} during step {step + 1} of {self.plan.steps}, after "
+                   f"micro-batch {exc.done} of {exc.count}: the unfinished step was dropped; {kept}")
         self.summary("interrupted", step, message)
         raise Interrupted(message, signum)
 
