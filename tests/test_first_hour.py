@@ -183,3 +183,20 @@ def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
     schedule, base = backend.scheduler.lr_lambdas[0], backend.scheduler.base_lrs[0]
     assert logged == [base * schedule(step) for step in range(6)]
     assert logged[0] > 0.0
+
+
+def test_question_answering_logs_span_accuracy_start_and_end_both_right():
+    """QA logged ``accuracy 0.000`` with nothing saying what it was: it is the share of windows
+    whose predicted start AND end are both the labelled ones, now named ``span_accuracy``."""
+    from bert_packed.losses import normalize, span_loss_terms
+    from bert_packed.modeling import BertForQuestionAnswering
+
+    assert BertForQuestionAnswering.metric_names == ("loss", "span_accuracy")
+    # One pack of two windows: tokens 0-3 are window 1, 4-7 window 2.
+    sequence_ids = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]])
+    start = torch.tensor([[0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 5.0, 0.0]])  # argmax: column 1, column 6
+    end = torch.tensor([[0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 5.0]])  # argmax: column 2, column 7
+    weights = torch.ones(1, 2)
+    for starts, ends, expected in (([1, 6], [2, 7], 1.0), ([1, 6], [2, 6], 0.5), ([1, 4], [3, 6], 0.0)):
+        terms = span_loss_terms(start, end, sequence_ids, torch.tensor([starts]), torch.tensor([ends]), weights)
+        assert normalize(terms["correct_sum"], terms["count"], None).item() == expected
