@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from bert_packed.attention import no_profiler_scopes
 from bert_packed.backend import Backend, StepMetrics
+from bert_packed.loop.estimate import host_flops_per_second
 from bert_packed.losses import metric_keys, step_normalizers
 from bert_packed.optim import grad_norm_, step_unless_non_finite
 
@@ -132,6 +133,11 @@ class CPUBackend(Backend):
         ``optimizer_step`` before the schedule advances, so step 1 of a warm-up logs the rate step 1
         ran at, not step 2's."""
         return self.used_learning_rate
+
+    def compute_rate(self) -> Optional[float]:
+        """On the CPU: this machine's measured rate (``loop.estimate.host_flops_per_second``); on an
+        accelerator (a subclass's device): no estimate."""
+        return host_flops_per_second() if self.device.type == "cpu" else None
 
     def to_device(self, batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
         return {k: torch.as_tensor(np.ascontiguousarray(v)).to(self.device) for k, v in batch.items()}

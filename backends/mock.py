@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipu.mock_popart as mock_popart
 import ipu.mock_poptorch as mock_poptorch
+from bert_packed.loop.estimate import host_flops_per_second
 from ipu.backend import PopTorchBackend, install_mock_estimators
 from ipu import options as ipu_options
 
@@ -42,3 +43,7 @@ class MockBackend(PopTorchBackend):
         super().prepare(model, optimizer, plan, **kwargs)
         if self.training_model is not None:
             self.training_model.set_micro_batch_callback(self.micro_batch_done)
+
+    def compute_rate(self):
+        """The mock computes on this machine's CPU: its measured rate (an IPU's would be no guide)."""
+        return host_flops_per_second()

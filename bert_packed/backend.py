@@ -235,6 +235,13 @@ class Backend:
         the backend holds it) and any device state (e.g. RNG). Given back to ``prepare``."""
         raise NotImplementedError
 
+    def compute_rate(self) -> Optional[float]:
+        """Roughly the FLOP/s this backend's training reaches here, for the loop's warning before a
+        run whose steps would take many minutes (``bert_packed.loop.estimate``); None: no
+        estimate (the default: an accelerator, whose speed is not worth guessing). May measure
+        for a fraction of a second; asked only for a large step."""
+        return None
+
     # -- profiling and tools ------------------------------------------------------------------
     def profile(self, model, batch: Batch, *, num_repeats: int = 5, **options) -> Dict[str, Any]:
         """Cost of one forward+backward of ``model`` on ``batch``: ``{"cost", "unit", "breakdown"}``."""

@@ -38,6 +38,7 @@ from bert_packed.checkpoint import set_rng_state
 from bert_packed.config import Config, ConfigError, input_paths, validate
 from bert_packed.io import DirectoryLock, check_output_dir, remove_orphans, write_text_atomic
 from bert_packed.loop.checkpointer import Checkpointer
+from bert_packed.loop.estimate import slow_step_warning
 from bert_packed.loop.distributed import all_reduce_sum, setup_distributed
 from bert_packed.loop.guard import DivergenceGuard
 from bert_packed.loop.logger import MetricsLogger, Throughput, real_counts, to_host
@@ -239,6 +240,7 @@ class _Run:
         state = self.state
         if state is not None and state["step"] >= plan.steps:
             return False
+        self._warn_if_slow(plan, plan.steps - (state["step"] if state is not None else 0))
         self.model = task.build_model()
         self.optimizer, self.scheduler = build_optimizer(config, self.model, plan.betas, steps=plan.steps)
         backend_state = None
@@ -270,6 +272,17 @@ class _Run:
                                     tensorboard=t.tensorboard, log_every=t.log_every)
         self._opening_line()
         return True
+
+    def _warn_if_slow(self, plan: StepPlan, steps: int) -> None:
+        """One warning line, before the model is built, when a step would take many minutes on
+        this backend (``loop.estimate``): a first run of phase2 on a CPU is hours per step."""
+        if not self.is_main:
+            return
+        packs = plan.micro_batches_per_step * plan.micro_batch_size  # this process's share of a step
+        line = slow_step_warning(self.config, packs_per_step=packs, steps=steps, rate=self.backend.compute_rate,
+                                 backend_name=self.backend.name)
+        if line:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
 
     def _unchanged_summary(self) -> Dict[str, Any]:
         """A resumed run already at its last step: every file stays as it is (rewriting

@@ -200,3 +200,44 @@ def test_question_answering_logs_span_accuracy_start_and_end_both_right():
     for starts, ends, expected in (([1, 6], [2, 7], 1.0), ([1, 6], [2, 6], 0.5), ([1, 4], [3, 6], 0.0)):
         terms = span_loss_terms(start, end, sequence_ids, torch.tensor([starts]), torch.tensor([ends]), weights)
         assert normalize(terms["correct_sum"], terms["count"], None).item() == expected
+
+
+# ----------------------------------------------------------------------------- the estimate before a run
+
+def test_phase2_on_a_cpu_is_said_to_take_hours_per_step_before_it_starts():
+    from bert_packed.loop.estimate import slow_step_warning
+
+    config = load_config("phase2")
+    line = slow_step_warning(config, packs_per_step=8192, steps=2137, rate=lambda: 30e9, backend_name="mock")
+    assert line == ("phase2 on mock: ~77 h 22 min per step, ~170,000 h for 2137 steps (estimated: 8192 packs of "
+                    "1e+12 training FLOPs at ~30 GFLOP/s); for a first try make it small, e.g. --set "
+                    "model.num_hidden_layers=2 --set model.hidden_size=128 --set model.num_attention_heads=2 --set "
+                    "model.intermediate_size=512 --set train.gradient_accumulation=2 --steps 3")
+    small = load_config("phase2", ["model.num_hidden_layers=2", "model.hidden_size=128", "model.num_attention_heads=2",
+                                   "model.intermediate_size=512", "train.gradient_accumulation=2"])
+    assert slow_step_warning(small, packs_per_step=4, steps=3, rate=lambda: 30e9, backend_name="cpu") is None
+    assert slow_step_warning(config, packs_per_step=8192, steps=1, rate=lambda: None, backend_name="ipu") is None
+
+
+class NoRate(CPUBackend):
+    def compute_rate(self):
+        raise AssertionError("a small step needs no measurement")
+
+
+class SlowRate(CPUBackend):
+    def compute_rate(self):
+        return 1e6
+
+
+def test_the_estimate_line_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    import bert_packed.loop.estimate as estimate
+
+    config = load_config("tiny", ACCUMULATING + ["train.steps=1"])
+    train(config, NoRate(), output_dir=str(tmp_path / "fast"), show_progress=False)
+    assert "warning" not in capsys.readouterr().err
+    monkeypatch.setattr(estimate, "WARN_FROM_SECONDS", 0.01)
+    summary = train(config, SlowRate(), output_dir=str(tmp_path / "slow"), show_progress=False)
+    assert summary["status"] == "completed"
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: tiny on cpu: ~") and " per step, ~" in warnings[0]
+    assert warnings[0].endswith("--set train.gradient_accumulation=2 --steps 3")
