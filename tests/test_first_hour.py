@@ -241,3 +241,37 @@ def test_the_estimate_line_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatc
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and warnings[0].startswith("warning: tiny on cpu: ~") and " per step, ~" in warnings[0]
     assert warnings[0].endswith("--set train.gradient_accumulation=2 --steps 3")
+
+
+def test_a_stop_mid_step_on_the_mock_drops_the_step_and_resumes_exactly(tmp_path, monkeypatch):
+    """The mock runs the IPU path's micro-batches on the host and reports each one: the same stop."""
+    from backends.mock import MockBackend
+
+    class MockSignalledMidStep(MockBackend):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def train_step(self, micro_batches):
+            self.calls += 1
+            return super().train_step(micro_batches)
+
+        def micro_batch_done(self, index, count):
+            if self.calls == 3 and index == 0:
+                os.kill(os.getpid(), signal.SIGINT)
+            super().micro_batch_done(index, count)
+
+    monkeypatch.setattr(within_step, "ABANDON_FROM_SECONDS", 0.0)
+    config = load_config("tiny", ACCUMULATING + ["train.steps=4", "ipu.device_iterations=1"])
+    train(config, MockBackend(), output_dir=str(tmp_path / "full"), show_progress=False)
+    cut = tmp_path / "cut"
+    with pytest.raises(Interrupted) as stopped:
+        train(config, MockSignalledMidStep(), output_dir=str(cut), show_progress=False)
+    assert stopped.value.exit_code == 130
+    assert str(stopped.value).startswith("SIGINT during step 3 of 4, after micro-batch 1 of 4: the unfinished step "
+                                         "was dropped; the checkpoint ")
+    assert load_checkpoint(str(cut / CHECKPOINT_NAME))["step"] == 2
+    train(config, MockBackend(), output_dir=str(cut), resume=True, show_progress=False)
+    full, resumed = _lines(tmp_path / "full"), _lines(cut)
+    keys = ("loss", "mlm_loss", "sequences", "learning_rate")
+    assert [[line[k] for k in keys] for line in full] == [[line[k] for k in keys] for line in resumed]

@@ -23,7 +23,8 @@ class DivergenceError(TrainingStopped):
 
 
 class Interrupted(TrainingStopped):
-    """SIGINT / SIGTERM: the run stopped at a step boundary after writing a checkpoint."""
+    """SIGINT / SIGTERM: the run stopped at a step boundary after writing a checkpoint, or inside
+    a long step, dropping it and keeping the last checkpoint (``_Run._abandon``)."""
 
     label = "stopped"
 
@@ -37,7 +38,8 @@ class CollectiveTimeout(TrainingStopped):
 
 
 class StopSignals:
-    """SIGINT/SIGTERM set a flag the loop reads at the next step boundary; another one more than
+    """SIGINT/SIGTERM set a flag the loop reads at the next step boundary (and, with ``mid_step``,
+    between the micro-batches of a long step: ``loop.within_step``); another one more than
     ``GRACE_SECONDS`` later aborts at once (KeyboardInterrupt). Signals within the grace period
     are the same request: Ctrl-C under torchrun reaches a worker twice, from the terminal and
     forwarded by the agent. Only in the main thread (handlers cannot be set elsewhere)."""
