@@ -38,8 +38,8 @@ from bert_packed.checkpoint import set_rng_state
 from bert_packed.config import Config, ConfigError, input_paths, validate
 from bert_packed.io import DirectoryLock, check_output_dir, remove_orphans, write_text_atomic
 from bert_packed.loop.checkpointer import Checkpointer
-from bert_packed.loop.estimate import slow_step_warning
 from bert_packed.loop.distributed import all_reduce_sum, setup_distributed
+from bert_packed.loop.estimate import slow_step_warning
 from bert_packed.loop.guard import DivergenceGuard
 from bert_packed.loop.logger import MetricsLogger, Throughput, real_counts, to_host
 from bert_packed.loop.plan import StepPlan, make_plan

@@ -61,7 +61,8 @@ class StepWatch:
         done = index + 1
         elapsed = self.clock() - self.started
         per_micro_batch = elapsed / done
-        if self.stop.signum is not None and self.can_abandon and per_micro_batch * (count - done) > ABANDON_FROM_SECONDS:
+        left = per_micro_batch * (count - done)  # seconds, at this step's pace so far
+        if self.stop.signum is not None and self.can_abandon and left > ABANDON_FROM_SECONDS:
             raise StepAbandoned(done, count)
         if self.write is None or done == count:
             return
@@ -79,4 +80,4 @@ class StepWatch:
         if now - self.last_line >= LINE_EVERY_SECONDS:
             self.last_line = now
             self.write(f"step {self.step}: micro-batch {done}/{count}, {duration_text(elapsed)} so far, "
-                       f"~{duration_text(per_micro_batch * (count - done))} left in this step")
+                       f"~{duration_text(left)} left in this step")
