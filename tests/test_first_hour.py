@@ -85,17 +85,17 @@ def test_a_stop_near_the_end_of_a_fast_step_finishes_it_with_a_checkpoint(tmp_pa
 
 
 def test_sigterm_stops_a_long_step_within_seconds_from_the_command_line(tmp_path):
-    """run.py with a step of ~1,000 micro-batches (tens of seconds on a busy CPU): SIGTERM a
+    """run.py with a step of 3,000 micro-batches (~30 s on a busy CPU): SIGTERM a
     second into it ends the run in seconds with 143 and one line; nothing is checkpointed."""
     out = tmp_path / "run"
     process = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "run.py"), "--config", "tiny", "--set", "data.num_sequences=300",
          "--set", "data.num_eval_sequences=60", "--set", "data.packing_algorithm=lpfhp",
          "--set", "train.micro_batch_size=4", "--set", "train.packing_adjustment=none",
-         "--set", "train.gradient_accumulation=1000", "--steps", "3", "--output-dir", str(out)],
+         "--set", "train.gradient_accumulation=3000", "--steps", "3", "--output-dir", str(out)],
         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = process.stdout.readline()  # the opening line: the loop is about to start
-    assert first.startswith("training tiny on cpu x1: 3 steps of 1000 x 4 packs"), first
+    assert first.startswith("training tiny on cpu x1: 3 steps of 3000 x 4 packs"), first
     time.sleep(1.0)
     process.send_signal(signal.SIGTERM)
     sent = time.monotonic()
@@ -150,7 +150,7 @@ def test_step_watch_estimate_and_lines_on_a_fake_clock():
     watch.start(1, 1)
     now[0] = 2.8
     watch(0, 4096)
-    assert lines == ["step 1: micro-batch 1 of 4096 took 3 s: ~3 h 11 min per step, run ~6,800 h for the "
+    assert lines == ["step 1: micro-batch 1 of 4096 took 2.8 s: ~3 h 11 min per step, run ~6,800 h for the "
                      "2137 steps left at this rate"]
     now[0] = 10.0
     watch(1, 4096)
@@ -161,8 +161,8 @@ def test_step_watch_estimate_and_lines_on_a_fake_clock():
 
 
 def test_duration_text():
-    assert [duration_text(s) for s in (4.4, 59, 600, 3 * 3600 + 600, 6700 * 3600)] == [
-        "4 s", "59 s", "10 min", "3 h 10 min", "6,700 h"]
+    assert [duration_text(s) for s in (0.042, 4.44, 59, 600, 3 * 3600 + 600, 6700 * 3600)] == [
+        "0.04 s", "4.4 s", "59 s", "10 min", "3 h 10 min", "6,700 h"]
 
 
 def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):

@@ -25,7 +25,11 @@ ABANDON_FROM_SECONDS = 2.0
 
 
 def duration_text(seconds: float) -> str:
-    """``seconds`` rounded for a person: "45 s", "12 min", "3 h 10 min", "6,700 h"."""
+    """``seconds`` rounded for a person: "0.04 s", "4.4 s", "45 s", "12 min", "3 h 10 min", "6,700 h"."""
+    if seconds < 1:
+        return f"{seconds:.2f} s"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
     if seconds < 60:
         return f"{seconds:.0f} s"
     if seconds < 3600:
