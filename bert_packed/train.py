@@ -329,8 +329,9 @@ class _Run:
         can_abandon = self.world_size == 1
         try:
             with StopSignals(self.logger.write, mid_step=can_abandon) as stop:
-                watch = StepWatch(self.logger.write if self.logger.progress.enabled else None, stop,
-                                  total_steps=plan.steps, can_abandon=can_abandon)
+                progress = self.logger.progress
+                watch = StepWatch(self.logger.write if progress.enabled else None, stop, total_steps=plan.steps,
+                                  can_abandon=can_abandon, status=progress.status())
                 self.backend.micro_batch_hook = watch
                 while launched < plan.steps:
                     calls = min(plan.steps_per_call, plan.steps - launched)

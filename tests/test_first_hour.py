@@ -275,3 +275,15 @@ def test_a_stop_mid_step_on_the_mock_drops_the_step_and_resumes_exactly(tmp_path
     full, resumed = _lines(tmp_path / "full"), _lines(cut)
     keys = ("loss", "mlm_loss", "sequences", "learning_rate")
     assert [[line[k] for k in keys] for line in full] == [[line[k] for k in keys] for line in resumed]
+
+
+def test_on_a_terminal_a_long_step_redraws_the_bar_status_instead_of_lines():
+    now, lines, shown = [0.0], [], []
+    watch = StepWatch(lines.append, FakeStop(), total_steps=10, can_abandon=True, status=shown.append,
+                      clock=lambda: now[0])
+    watch.start(1, 1)
+    for index, at in enumerate((20.0, 20.5, 21.5, 23.0)):
+        now[0] = at
+        watch(index, 100)
+    assert len(lines) == 1 and lines[0].startswith("step 1: micro-batch 1 of 100 took 20 s: ~33 min per step")
+    assert shown == ["step 1: micro-batch 3/100, ~12 min left", "step 1: micro-batch 4/100, ~9 min left"]

@@ -16,6 +16,8 @@ from bert_packed.backend import StepAbandoned
 # A progress line inside a step at most this often (seconds): on a pipe (a log file) a line every
 # 15 s shows the run is alive without flooding it; on a terminal the same lines sit above the bar.
 LINE_EVERY_SECONDS = 15.0
+# On a terminal the bar's status is redrawn at most this often instead of lines.
+STATUS_EVERY_SECONDS = 1.0
 # The estimate line after the invocation's first micro-batch, when one step will take at least
 # this long (faster runs show their pace in the per-step progress soon enough).
 ESTIMATE_FROM_SECONDS = 10.0
@@ -44,14 +46,16 @@ class StepWatch:
     """The backend's micro-batch hook for one run (one process).
 
     ``write``: where progress lines go (``None``: no progress shown; the stop still works);
+    ``status``: on a terminal, a one-line status to redraw (the progress bar's), used instead of
+    the progress lines inside a step;
     ``stop``: the run's ``StopSignals`` (its ``signum`` is set by SIGINT/SIGTERM);
     ``can_abandon``: whether a stop may end a step early (one process only: with several, the
     others would wait for this one in the step's gradient reduction); ``clock``: seconds,
     replaceable in tests."""
 
     def __init__(self, write: Optional[Callable[[str], None]], stop, *, total_steps: int, can_abandon: bool,
-                 clock: Callable[[], float] = time.monotonic):
-        self.write, self.stop, self.total_steps = write, stop, total_steps
+                 status: Optional[Callable[[str], None]] = None, clock: Callable[[], float] = time.monotonic):
+        self.write, self.status, self.stop, self.total_steps = write, status, stop, total_steps
         self.can_abandon, self.clock = can_abandon, clock
         self.step, self.steps_in_call, self.started, self.last_line = 0, 1, 0.0, 0.0
         self.estimated = False
@@ -81,7 +85,10 @@ class StepWatch:
                 self.last_line = self.clock()
             return
         now = self.clock()
-        if now - self.last_line >= LINE_EVERY_SECONDS:
+        if now - self.last_line >= (LINE_EVERY_SECONDS if self.status is None else STATUS_EVERY_SECONDS):
             self.last_line = now
+            if self.status is not None:
+                self.status(f"step {self.step}: micro-batch {done}/{count}, ~{duration_text(left)} left")
+                return
             self.write(f"step {self.step}: micro-batch {done}/{count}, {duration_text(elapsed)} so far, "
                        f"~{duration_text(left)} left in this step")
