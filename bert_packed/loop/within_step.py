@@ -78,10 +78,10 @@ class StepWatch:
         if not self.estimated:
             self.estimated = True
             if per_step >= ESTIMATE_FROM_SECONDS:
-                left = self.total_steps - self.step + 1
+                steps_left = self.total_steps - self.step + 1
                 self.write(f"step {self.step}: micro-batch 1 of {count} took {duration_text(elapsed)}: "
-                           f"~{duration_text(per_step)} per step, run ~{duration_text(per_step * left)} for the "
-                           f"{left} steps left at this rate")
+                           f"~{duration_text(per_step)} per step, run ~{duration_text(per_step * steps_left)} for "
+                           f"the {steps_left} steps left at this rate")
                 self.last_line = self.clock()
             return
         now = self.clock()
