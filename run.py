@@ -12,7 +12,8 @@
 
 Configs: configs/NAME[.yaml] or a path. Exit codes: 0 done; 2 a user mistake (one line on
 stderr); 3 training diverged; 128+N stopped by signal N (SIGINT 130, SIGTERM 143) after
-writing a checkpoint.
+writing a checkpoint (inside a step with more than a few seconds left, one process drops that
+step instead and keeps the last checkpoint).
 """
 import json
 import os

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from bert_packed.attention import no_profiler_scopes
 from bert_packed.backend import Backend, StepMetrics
+from bert_packed.loop.estimate import host_flops_per_second
 from bert_packed.losses import metric_keys, step_normalizers
 from bert_packed.optim import grad_norm_, step_unless_non_finite
 
@@ -88,6 +89,7 @@ class CPUBackend(Backend):
         self.forward_module = self.train_module = None
         # Of the last step, set by clip_gradients: 0-dim device tensors (read by the loop when it logs).
         self.grad_norm = self.found_inf = None
+        self.used_learning_rate: Optional[float] = None  # the rate of the last update (optimizer_step)
         self.num_steps = self.num_recompiles = 0
 
     # -- hooks (override in subclasses) ----------------------------------------------------
@@ -127,8 +129,15 @@ class CPUBackend(Backend):
         return contextlib.nullcontext()
 
     def learning_rate(self) -> Any:
-        """The learning rate after this step's schedule update (the ``learning_rate`` metric)."""
-        return float(self.scheduler.get_last_lr()[0])
+        """The learning rate this step's update used (the ``learning_rate`` metric): recorded by
+        ``optimizer_step`` before the schedule advances, so step 1 of a warm-up logs the rate step 1
+        ran at, not step 2's."""
+        return self.used_learning_rate
+
+    def compute_rate(self) -> Optional[float]:
+        """On the CPU: this machine's measured rate (``loop.estimate.host_flops_per_second``); on an
+        accelerator (a subclass's device): no estimate."""
+        return host_flops_per_second() if self.device.type == "cpu" else None
 
     def to_device(self, batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
         return {k: torch.as_tensor(np.ascontiguousarray(v)).to(self.device) for k, v in batch.items()}
@@ -147,6 +156,7 @@ class CPUBackend(Backend):
         as they were), decided on the device (``optim.step_unless_non_finite``); the loop reads
         ``grad_norm`` with the step's other numbers and stops the run at that step."""
         self.clip_gradients()
+        self.used_learning_rate = float(self.optimizer.param_groups[0]["lr"])  # a host number: no sync
         step_unless_non_finite(self.optimizer, self.found_inf)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -218,6 +228,8 @@ class CPUBackend(Backend):
                 if train:
                     self.backward(out["loss"])
             sums += torch.stack([out[k].detach().double() for k in keys])
+            if train:
+                self.micro_batch_done(i, len(batches))  # progress, or a stop before the update
         return self.all_reduce_(sums)
 
     def train_step(self, micro_batches: List[Dict[str, np.ndarray]]) -> StepMetrics:

@@ -105,7 +105,6 @@ class CUDABackend(CPUBackend):
         self.autocast_dtype: Optional[torch.dtype] = torch.bfloat16
         self.scaler = self.schedule = self.ddp = None
         self.overflow = self.loss_scale = None  # fp16: the last step's, on the device
-        self._learning_rate: Any = None
 
     @property
     def rng_device(self) -> torch.device:
@@ -252,19 +251,15 @@ class CUDABackend(CPUBackend):
             self.schedule.settle()  # the previous step's advance, before this update reads the rate
         self.scaler.unscale_(self.optimizer)
         self.clip_gradients()
+        self.used_learning_rate = float(self.optimizer.param_groups[0]["lr"])  # settled above: this update's
         overflow = _scaler_overflow(self.scaler, self.optimizer, self.device)
         step_unless_non_finite(self.optimizer, torch.maximum(overflow, self.found_inf.to(overflow.device)))
         self.scaler.update()
         self.overflow = overflow
         self.loss_scale = _scale_tensor(self.scaler).detach().clone()
         if self.schedule is not None:
-            self._learning_rate = self.schedule.step_taken(overflow)
+            self.schedule.step_taken(overflow)
         self.optimizer.zero_grad(set_to_none=True)
-
-    def learning_rate(self) -> Any:
-        if self.schedule is not None:
-            return self._learning_rate  # Deferred: known once the device has said whether the step was skipped
-        return super().learning_rate()
 
     def sync_to_host(self) -> None:
         if self.schedule is not None:
@@ -360,41 +355,34 @@ class _HeldBackSchedule:
     long passed it and the read does not wait. (The alternative, a schedule computed on the device,
     needs the optimizer to take its learning rate as a tensor and the loop's host scheduler to be
     rebuilt from the device at every checkpoint.) ``settle()`` also runs before a checkpoint
-    (``sync_to_host``) and when a step's ``learning_rate`` metric is read."""
+    (``sync_to_host``)."""
 
     def __init__(self, scheduler, device: torch.device):
         self.scheduler = scheduler
         on_gpu = device.type == "cuda"
         self.flag = torch.zeros((), dtype=torch.float32, pin_memory=on_gpu)  # the last step's skip flag, on the host
         self.event = torch.cuda.Event() if on_gpu else None
-        self.pending: Optional[Dict[str, float]] = None  # the last step's record until settled
+        self.pending = False  # a step's skip flag waits to be settled
 
-    def step_taken(self, skipped: torch.Tensor) -> Deferred:
-        """Register a step's skip flag (on the device); returns its ``learning_rate`` metric (the
-        rate after the step's schedule update), worked out when it is read."""
+    def step_taken(self, skipped: torch.Tensor) -> None:
+        """Register a step's skip flag (on the device); the schedule advances for it at the next
+        ``settle()``. (The step's ``learning_rate`` metric is the rate its update used, known on
+        the host before the update: ``CPUBackend.learning_rate``.)"""
         self.settle()
         self.flag.copy_(skipped, non_blocking=self.event is not None)
         if self.event is not None:
             self.event.record()
-        record: Dict[str, float] = {}
-        self.pending = record
-        return Deferred(lambda: self._rate(record))
+        self.pending = True
 
     def settle(self) -> None:
         """Advance the schedule for the pending step unless it was skipped."""
-        record, self.pending = self.pending, None
-        if record is None:
+        pending, self.pending = self.pending, False
+        if not pending:
             return
         if self.event is not None:
             self.event.synchronize()
         if not self.flag.item():
             self.scheduler.step()
-        record["lr"] = float(self.scheduler.get_last_lr()[0])
-
-    def _rate(self, record: Dict[str, float]) -> float:
-        if "lr" not in record:  # the pending step's
-            self.settle()
-        return record["lr"]
 
 
 class _EventTimer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipu.mock_popart as mock_popart
 import ipu.mock_poptorch as mock_poptorch
+from bert_packed.loop.estimate import host_flops_per_second
 from ipu.backend import PopTorchBackend, install_mock_estimators
 from ipu import options as ipu_options
 
@@ -35,3 +36,14 @@ class MockBackend(PopTorchBackend):
     def __init__(self) -> None:
         install_mock_estimators(mock_poptorch)
         super().__init__(poptorch=mock_poptorch, popart=mock_popart, popdist=ipu_options.import_popdist())
+
+    def prepare(self, model, optimizer, plan, **kwargs) -> None:
+        """PopTorch's prepare, then the mock's per-micro-batch report wired to the loop's hook
+        (``Backend.micro_batch_done``): a real IPU runs the step in one device call."""
+        super().prepare(model, optimizer, plan, **kwargs)
+        if self.training_model is not None:
+            self.training_model.set_micro_batch_callback(self.micro_batch_done)
+
+    def compute_rate(self):
+        """The mock computes on this machine's CPU: its measured rate (an IPU's would be no guide)."""
+        return host_flops_per_second()

@@ -25,6 +25,10 @@ M = max masked tokens per pack; batch fields as in docs/internals.md.
   clipping) and ``skipped_step`` (1.0 when the update was skipped on purpose, e.g. fp16 loss
   scaling after an overflow; then ``grad_norm`` may be inf). A backend never applies an
   update whose loss or gradient norm is non-finite; the loop stops the run on the first one.
+  After each training micro-batch's forward and backward are issued, a backend whose step is a
+  loop on the host calls ``micro_batch_done(i, n)`` (no device synchronisation: the loop uses it
+  for progress inside a long step and to stop between micro-batches, raising
+  ``StepAbandoned``, which the backend lets through without applying any update).
 - ``eval_step(batch)``: the same metrics for one micro-batch, no update.
 - ``predict_step(batch, names)``: the model's ``names`` outputs as float32 numpy arrays.
 - ``profile(model, batch, num_repeats=)`` -> ``{"cost": float, "unit": str, "breakdown":
@@ -39,6 +43,16 @@ import numpy as np
 
 Batch = Dict[str, np.ndarray]
 Metrics = Dict[str, float]
+
+
+class StepAbandoned(Exception):
+    """Raised by the loop's micro-batch hook (``Backend.micro_batch_done``) to stop a step before
+    its update: a stop signal during a step that would take long to finish. ``done`` of ``count``
+    micro-batches of the call had run; no optimizer or schedule update was applied."""
+
+    def __init__(self, done: int, count: int):
+        super().__init__(f"step abandoned after micro-batch {done} of {count}")
+        self.done, self.count = done, count
 
 
 class Deferred:
@@ -110,6 +124,10 @@ class Backend:
     throughput_is_estimated: ClassVar[bool] = False
     #: ``compile_only`` builds the executable ahead of time (``run.py --compile-only``).
     offline_compile: ClassVar[bool] = False
+
+    #: Set by the training loop: called as ``micro_batch_hook(i, n)`` after micro-batch i (0-based)
+    #: of the n of a ``train_step`` call was issued (``micro_batch_done``); None outside a run.
+    micro_batch_hook: Optional[Callable[[int, int], None]] = None
 
     def __init__(self) -> None:
         self.plan = None  # the StepPlan of prepare()
@@ -190,6 +208,16 @@ class Backend:
         """The model's ``names`` outputs for ``batch`` (float32 numpy), in eval mode."""
         raise NotImplementedError
 
+    def micro_batch_done(self, index: int, count: int) -> None:
+        """Tell the loop that micro-batch ``index`` (0-based) of the ``count`` of this
+        ``train_step`` call has been issued. Call it from inside the step's micro-batch loop, with
+        no device synchronisation (on a GPU it marks when the host queued the work, which the
+        device follows within its queue's depth). The hook may raise ``StepAbandoned``: let it
+        through before any update. A backend that runs a whole step in one device call (IPU)
+        never calls it; the loop then shows progress per step only."""
+        if self.micro_batch_hook is not None:
+            self.micro_batch_hook(index, count)
+
     def stage_batch(self, batch: Batch) -> Batch:
         """Called on every training micro-batch as it is made, in the loop's prefetch thread (off
         the step's critical path): put it where ``train_step`` copies it to the device fastest
@@ -206,6 +234,13 @@ class Backend:
         """What the backend must keep for an exact resume: ``optimizer`` (the optimizer state as
         the backend holds it) and any device state (e.g. RNG). Given back to ``prepare``."""
         raise NotImplementedError
+
+    def compute_rate(self) -> Optional[float]:
+        """Roughly the FLOP/s this backend's training reaches here, for the loop's warning before a
+        run whose steps would take many minutes (``bert_packed.loop.estimate``); None: no
+        estimate (the default: an accelerator, whose speed is not worth guessing). May measure
+        for a fraction of a second; asked only for a large step."""
+        return None
 
     # -- profiling and tools ------------------------------------------------------------------
     def profile(self, model, batch: Batch, *, num_repeats: int = 5, **options) -> Dict[str, Any]:

@@ -737,14 +737,18 @@ class BertForQuestionAnswering(BertPreTrainedModel):
     (1.0 where slot k holds a feature) it also returns ``loss``: the mean over features of
     ``(CE(start) + CE(end)) / 2``, each softmax over that feature's own tokens, divided by
     ``normalizer`` ``[B]`` (the step's feature count, as for NSP) when given, and
-    ``accuracy`` (start and end both right) and ``num_sequences``.
+    ``span_accuracy`` and ``num_sequences``. ``span_accuracy``: the share of the features whose
+    predicted start AND end (each the argmax over the feature's own tokens) are both the labelled
+    ones ([CLS] for a feature without the answer): exact-span accuracy on the batch, the training
+    counterpart of EM. Named for what it measures (it was ``accuracy``, which read like a
+    classification metric): an untrained head scores ~0 (it hits one of ~S^2/2 spans by chance).
 
     Unlike Hugging Face's padded model, padding positions never enter the softmax, so the
     loss of a feature does not depend on how much padding its row has (the logits of real
     tokens are identical to Hugging Face's).
     """
 
-    metric_names = ("loss", "accuracy")
+    metric_names = ("loss", "span_accuracy")
     count_names = ("num_sequences",)
     normalizer_fields = ("normalizer",)
 
@@ -784,7 +788,7 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         with profiler_scope("packing/loss_unpacking"):
             terms = span_loss_terms(start_logits, end_logits, sequence_ids, start_positions, end_positions, label_weights)
             outputs["loss"] = normalize(terms["loss_sum"], terms["count"], normalizer)
-            outputs["accuracy"] = normalize(terms["correct_sum"], terms["count"], normalizer)
+            outputs["span_accuracy"] = normalize(terms["correct_sum"], terms["count"], normalizer)
             outputs["num_sequences"] = terms["count"].sum()
         return outputs
 

@@ -32,18 +32,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bert_packed.backend import StepAbandoned
 from bert_packed.build import build_optimizer
 from bert_packed.checkpoint import set_rng_state
 from bert_packed.config import Config, ConfigError, input_paths, validate
 from bert_packed.io import DirectoryLock, check_output_dir, remove_orphans, write_text_atomic
 from bert_packed.loop.checkpointer import Checkpointer
 from bert_packed.loop.distributed import all_reduce_sum, setup_distributed
+from bert_packed.loop.estimate import slow_step_warning
 from bert_packed.loop.guard import DivergenceGuard
 from bert_packed.loop.logger import MetricsLogger, Throughput, real_counts, to_host
 from bert_packed.loop.plan import StepPlan, make_plan
 from bert_packed.loop.prefetch import Prefetcher
 from bert_packed.loop.stops import (CollectiveTimeout, DivergenceError, Interrupted, StopSignals,  # noqa: F401
                                     TrainingStopped)
+from bert_packed.loop.within_step import StepWatch
 from bert_packed.task import get_task
 
 SUMMARY_NAME = "summary.json"
@@ -237,6 +240,7 @@ class _Run:
         state = self.state
         if state is not None and state["step"] >= plan.steps:
             return False
+        self._warn_if_slow(plan, plan.steps - (state["step"] if state is not None else 0))
         self.model = task.build_model()
         self.optimizer, self.scheduler = build_optimizer(config, self.model, plan.betas, steps=plan.steps)
         backend_state = None
@@ -268,6 +272,17 @@ class _Run:
                                     tensorboard=t.tensorboard, log_every=t.log_every)
         self._opening_line()
         return True
+
+    def _warn_if_slow(self, plan: StepPlan, steps: int) -> None:
+        """One warning line, before the model is built, when a step would take many minutes on
+        this backend (``loop.estimate``): a first run of phase2 on a CPU is hours per step."""
+        if not self.is_main:
+            return
+        packs = plan.micro_batches_per_step * plan.micro_batch_size  # this process's share of a step
+        line = slow_step_warning(self.config, packs_per_step=packs, steps=steps, rate=self.backend.compute_rate,
+                                 backend_name=self.backend.name)
+        if line:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
 
     def _unchanged_summary(self) -> Dict[str, Any]:
         """A resumed run already at its last step: every file stays as it is (rewriting
@@ -309,15 +324,26 @@ class _Run:
         plan, launched = self.plan, self.start_step
         self.feed = feed = Prefetcher(self.source, self.config.train.prefetch_micro_batches,
                                       transform=self.backend.stage_batch)
+        # One process may end a long step early on a stop signal; with several, a rank that left
+        # mid-step would leave the others waiting in the step's gradient reduction.
+        can_abandon = self.world_size == 1
         try:
-            with StopSignals(self.logger.write) as stop:
+            with StopSignals(self.logger.write, mid_step=can_abandon) as stop:
+                progress = self.logger.progress
+                watch = StepWatch(self.logger.write if progress.enabled else None, stop, total_steps=plan.steps,
+                                  can_abandon=can_abandon, status=progress.status())
+                self.backend.micro_batch_hook = watch
                 while launched < plan.steps:
                     calls = min(plan.steps_per_call, plan.steps - launched)
                     data_start = time.perf_counter()
                     micro_batches = [next(feed) for _ in range(plan.micro_batches_per_step * calls)]
                     data_seconds = time.perf_counter() - data_start
                     start = time.perf_counter()
-                    results = self.backend.train_step(micro_batches)
+                    watch.start(launched + 1, calls)
+                    try:
+                        results = self.backend.train_step(micro_batches)
+                    except StepAbandoned as exc:
+                        self._abandon(launched, stop.signum, exc)
                     seconds = time.perf_counter() - start
                     results = results if isinstance(results, list) else [results]
                     per_step = len(micro_batches) // len(results)
@@ -333,6 +359,7 @@ class _Run:
                     if stopping:
                         self._interrupt(launched, stop.signum or signal.SIGTERM)
         finally:
+            self.backend.micro_batch_hook = None
             feed.close()
         return launched
 
@@ -425,6 +452,22 @@ class _Run:
         self.logger.close()
         message = (f"{signal.Signals(signum).name} at step {step} of {self.plan.steps}: checkpoint "
                    f"{self.checkpointer.path} written; continue with --resume")
+        self.summary("interrupted", step, message)
+        raise Interrupted(message, signum)
+
+    def _abandon(self, step: int, signum: int, exc: StepAbandoned) -> None:
+        """A stop signal inside a step that would take long to finish (``loop.within_step``): the
+        partial step is dropped (no update was applied) and no checkpoint is written now, since
+        the data position and RNG streams are already inside the dropped step; the last written
+        checkpoint stays, and a resume from it reproduces the uninterrupted run exactly."""
+        if self.pending:  # the finished steps' numbers: checked and logged
+            self._flush()
+        self.logger.close()
+        saved = self.checkpointer.last_step
+        kept = (f"the checkpoint {self.checkpointer.path} (step {saved}) is kept: --resume continues from step "
+                f"{saved + 1}" if saved else "no checkpoint was written yet: a new run starts from step 1")
+        message = (f"{signal.Signals(signum).name} during step {step + 1} of {self.plan.steps}, after "
+                   f"micro-batch {exc.done} of {exc.count}: the unfinished step was dropped; {kept}")
         self.summary("interrupted", step, message)
         raise Interrupted(message, signum)
 

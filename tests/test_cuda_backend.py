@@ -363,7 +363,7 @@ def test_an_fp16_skipped_step_does_not_advance_the_schedule(monkeypatch):
     schedule = backend.scheduler.lr_lambdas[0]
     base = backend.scheduler.base_lrs[0]
     assert used == [base * schedule(0), base * schedule(0), base * schedule(1)]
-    assert [r["learning_rate"] for r in read] == [base * schedule(0), base * schedule(1), base * schedule(2)]
+    assert [r["learning_rate"] for r in read] == used  # the logged rate is the one each update used
     backend.sync_to_host()
     assert backend.scheduler.last_epoch == 2
 

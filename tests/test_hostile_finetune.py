@@ -789,3 +789,40 @@ def test_epochs_that_come_to_more_steps_than_the_maximum_are_refused():
         "train.steps' maximum 1000000000 (more optimizer steps than any run takes; BERT-Large pre-training takes "
         "10^4 to 10^6); lower finetune.epochs")
     assert task.num_steps(5000) == 1000000  # within the maximum: the derived steps
+
+
+# ----------------------------------------------------------------------------- data smaller than one step (issue 38)
+
+def test_epochs_over_data_smaller_than_one_step_are_refused(capsys, checkpoint, tmp_path):
+    """4 rows make 1 pack, a step is 4: "3 epochs" would train the pack 4 times per update. Was
+    a silent "1 steps" run; now one line naming the numbers and the fix, nothing written."""
+    import run
+
+    (tmp_path / "data").mkdir()
+    train = write(tmp_path / "data" / "train.csv", GOOD)
+    before = snapshot(tmp_path / "data", checkpoint)
+    out = tmp_path / "out"
+    code = run.main(["--config", "finetune_classification", "--init-checkpoint", str(checkpoint), "--output-dir",
+                     str(out), "--no-progress", "--set", f"data.max_sequence_length={S}", "--set",
+                     f"finetune.train_file={train}", "--set", f"finetune.validation_file={train}",
+                     "--set", "train.num_threads=1"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert (code, errors) == (2, [
+        f"error: {train}: 4 training sequences make 1 packs, fewer than the 4 packs of one optimizer step, so "
+        f"finetune.epochs=3 cannot be kept; lower train.micro_batch_size=4 or train.gradient_accumulation (or "
+        f"train.global_batch_size) to at most 1 packs per step, or give more training data"])
+    assert_unchanged(before, tmp_path / "data", checkpoint)
+    no_output(out)
+
+
+def test_steps_over_data_smaller_than_one_step_train_with_a_note(capsys, checkpoint, tmp_path):
+    """--steps chooses the passes; the repetition inside each step is said, not silent."""
+    import run
+
+    train = write(tmp_path / "train.csv", GOOD)
+    assert run.main(["--config", "finetune_classification", "--init-checkpoint", str(checkpoint), "--output-dir",
+                     str(tmp_path / "out"), "--no-progress", "--set", f"data.max_sequence_length={S}", "--set",
+                     f"finetune.train_file={train}", "--set", f"finetune.validation_file={train}", "--steps", "1",
+                     "--set", "train.num_threads=1"]) == 0
+    assert (f"note: {train}: 4 training sequences make 1 packs, fewer than the 4 packs of one optimizer step: "
+            f"every step repeats them (~4 passes)") in capsys.readouterr().err.splitlines()

@@ -536,13 +536,32 @@ class PackedTask(Task):
         return tokenizer
 
     def num_steps(self, packs_per_step: int) -> int:
-        """``train.steps``, or ``finetune.epochs`` over the training packs (unless steps came from the CLI)."""
+        """``train.steps``, or ``finetune.epochs`` over the training packs (unless steps came from the CLI).
+
+        Training data smaller than one optimizer step cannot make an epoch: one step would hold
+        the same packs several times (18 SQuAD questions in a 32-pack step trained each six
+        times in one update, reported as "1 steps"). With steps from ``finetune.epochs`` that is
+        refused (``DataError``) rather than trained with a smaller step, because the step size is
+        part of the recipe (the learning rate and warm-up were chosen for it): shrinking it
+        silently would train something else than configured. With steps given (``--steps``)
+        the passes are the user's to choose, so the repetition is said in a note instead."""
         f, t = self.config.finetune, self.config.train
+        data = self.train_data
+        small = data.num_packs < packs_per_step
+        what = (f"{f.train_file}: {data.num_sequences} training sequences make {data.num_packs} packs, fewer than "
+                f"the {packs_per_step} packs of one optimizer step") if small else ""
         if f.epochs is None or "steps" in self.config.cli_keys["train"]:
+            if small:
+                self.note(f"note: {what}: every step repeats them (~{packs_per_step / data.num_packs:.0f} passes)")
             return t.steps
-        steps = epochs_to_steps(f.epochs, self.train_data.num_packs, packs_per_step)
+        if small:
+            raise DataError(
+                f"{what}, so finetune.epochs={f.epochs:g} cannot be kept; lower train.micro_batch_size="
+                f"{t.micro_batch_size} or train.gradient_accumulation (or train.global_batch_size) to at most "
+                f"{data.num_packs} packs per step, or give more training data")
+        steps = epochs_to_steps(f.epochs, data.num_packs, packs_per_step)
         if steps > STEPS["le"]:
-            raise ConfigError(f"finetune.epochs={f.epochs:g} over {self.train_data.num_packs} training packs, "
+            raise ConfigError(f"finetune.epochs={f.epochs:g} over {data.num_packs} training packs, "
                               f"{packs_per_step} per step, come to {steps} optimizer steps, more than train.steps' "
                               f"maximum {STEPS['le']} ({STEPS['why']}); lower finetune.epochs")
         return steps

@@ -87,7 +87,7 @@ class SquadTask(PackedTask):
     name = "squad"
     config_fields = SquadFields
     always_evaluate = True
-    metric_names = ("loss", "accuracy")
+    metric_names = ("loss", "span_accuracy")  # start and end both right (BertForQuestionAnswering)
     headline_metric = "loss"
     best_metric = "eval_f1"
     greater_is_better = True

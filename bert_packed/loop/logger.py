@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from bert_packed.backend import Deferred, StepMetrics
 from bert_packed.io import write_text_atomic
@@ -96,6 +96,13 @@ class Progress:
             self.bar.update(1)
         elif step % self.every == 0 or step == self.total or step == 1:
             print(f"step {step:>5}/{self.total} | {text}", flush=True)
+
+    def status(self) -> Optional[Callable[[str], None]]:
+        """On a terminal, where a long step's own progress goes: the bar's postfix, redrawn (the
+        bar itself moves once per step). None on a pipe, where it goes as lines instead."""
+        if self.bar is None:
+            return None
+        return lambda text: self.bar is not None and self.bar.set_postfix_str(text, refresh=True)
 
     def write(self, text: str) -> None:
         if not self.enabled:

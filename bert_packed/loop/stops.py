@@ -1,5 +1,6 @@
 """How a run ends before its last step: the exceptions (one line for the user, an exit code)
-and the SIGINT/SIGTERM flag the loop reads at step boundaries."""
+and the SIGINT/SIGTERM flag the loop reads at step boundaries (and, in one process, between the
+micro-batches of a long step: ``loop.within_step``)."""
 from __future__ import annotations
 
 import signal
@@ -22,7 +23,8 @@ class DivergenceError(TrainingStopped):
 
 
 class Interrupted(TrainingStopped):
-    """SIGINT / SIGTERM: the run stopped at a step boundary after writing a checkpoint."""
+    """SIGINT / SIGTERM: the run stopped at a step boundary after writing a checkpoint, or inside
+    a long step, dropping it and keeping the last checkpoint (``_Run._abandon``)."""
 
     label = "stopped"
 
@@ -36,7 +38,8 @@ class CollectiveTimeout(TrainingStopped):
 
 
 class StopSignals:
-    """SIGINT/SIGTERM set a flag the loop reads at the next step boundary; another one more than
+    """SIGINT/SIGTERM set a flag the loop reads at the next step boundary (and, with ``mid_step``,
+    between the micro-batches of a long step: ``loop.within_step``); another one more than
     ``GRACE_SECONDS`` later aborts at once (KeyboardInterrupt). Signals within the grace period
     are the same request: Ctrl-C under torchrun reaches a worker twice, from the terminal and
     forwarded by the agent. Only in the main thread (handlers cannot be set elsewhere)."""
@@ -44,8 +47,9 @@ class StopSignals:
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     GRACE_SECONDS = 2.0
 
-    def __init__(self, announce):
+    def __init__(self, announce, *, mid_step: bool = False):
         self.signum, self.announce, self.previous, self.when = None, announce, {}, 0.0
+        self.mid_step = mid_step  # the loop may end a long step early (loop.within_step)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -60,8 +64,9 @@ class StopSignals:
             return
         self.signum, self.when = signum, time.monotonic()
         try:
-            self.announce(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written); "
-                          f"send it again to abort at once")
+            when = ("stopping: a step that is nearly done is finished and checkpointed, a long one dropped"
+                    if self.mid_step else "stopping after this step (a checkpoint is written)")
+            self.announce(f"{signal.Signals(signum).name}: {when}; send it again to abort at once")
         except RuntimeError:  # the signal interrupted a write to the same stream: skip the notice
             pass
 

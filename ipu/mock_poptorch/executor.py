@@ -222,6 +222,9 @@ class PoplarExecutor:
             options = options.clone()
         self._options = options
         self._training = training
+        # Not PopTorch's: the mock runs micro-batches one by one on the host, so it can report each
+        # one (set_micro_batch_callback): the training loop's progress and stop inside a step.
+        self._micro_batch_callback = None
         if options.defaultOutputMode():
             options.outputMode(OutputMode.Final if training else OutputMode.All)
         if not training and options.Training.gradient_accumulation != 1:
@@ -955,6 +958,12 @@ class PoplarExecutor:
         if o.device_iterations % period:
             raise Error("Return period must be a factor of the number of batches per step", type="popart_exception")
 
+    def set_micro_batch_callback(self, fn):
+        """Mock only (no PopTorch API): ``fn(i, n)`` is called after micro-batch i of the n of a
+        training call ran (forward and backward); it may raise to abandon the call before the
+        update of the step it belongs to."""
+        self._micro_batch_callback = fn
+
     # -- run --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self._options.connection_type == ConnectionType.Never:
@@ -996,6 +1005,9 @@ class PoplarExecutor:
                         micro_args = self._micro_batch(args, iteration, accumulation, replica)
                         micro_kwargs = self._micro_batch(kwargs, iteration, accumulation, replica)
                         outputs.append(self._run_micro_batch(micro_args, micro_kwargs, replica, accumulation))
+                        if self._training and self._micro_batch_callback is not None:
+                            self._micro_batch_callback(
+                                len(outputs) - 1, num_iterations * num_accumulations * num_replicas)
                 if self._training:
                     self._reduce_gradients()
                     self._optimizer_step()
