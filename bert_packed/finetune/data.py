@@ -384,7 +384,12 @@ class PackedDataset:
                  max_sequence_length: int, max_sequences_per_pack: int, algorithm: str, seed: int):
         from packing import Histogram, pack
 
-        self.samples = {"input_ids": encoded.input_ids, "segment_ids": encoded.segment_ids, **extra}
+        # The tokenizer's lengths, as a mask: a sequence is never measured by its id values (a
+        # vocabulary may put [UNK] or any other token at id 0; counting non-zero ids would cut
+        # every such token off in silence).
+        mask = (np.arange(encoded.input_ids.shape[1])[None, :] < np.asarray(encoded.lengths)[:, None]).astype(np.int8)
+        self.samples = {"input_ids": encoded.input_ids, "segment_ids": encoded.segment_ids, "input_mask": mask,
+                        **extra}
         self.lengths = encoded.lengths
         self.collate = collate
         self.max_sequences_per_pack = max_sequences_per_pack
