@@ -99,6 +99,50 @@ def test_a_tab_inside_a_tsv_value_is_refused(capsys, checkpoint, tmp_path, data)
             f"inside an unquoted value?); quote values that hold the delimiter", data / "dev.csv")
 
 
+def test_a_tsv_with_literal_quotes_is_read_as_written(tmp_path):
+    # GLUE's files and IANA's TSV: quotes are text. The strict CSV reading refused this line.
+    from bert_packed.finetune.data import read_table
+
+    path = write(tmp_path / "glue.tsv", 'text\tlabel\n"Quoted words," she said -- Author\tpos\n'
+                                        'it \'s a "charming" film\tneg\n"Stop."\tpos\n')
+    table = read_table(str(path), ["text", "label"])
+    assert table["text"] == ['"Quoted words," she said -- Author', 'it \'s a "charming" film', '"Stop."']
+    assert table["label"] == ["pos", "neg", "pos"] and table["text"].lines == [2, 3, 4]
+
+
+def test_a_tsv_with_csv_quoting_is_read_unquoted(tmp_path):
+    # pandas.to_csv(sep="\t") (csv.writer): a value with a quote, a tab or a line break quoted whole.
+    import csv
+
+    from bert_packed.finetune.data import read_table
+
+    values = ['"Quoted words," she said -- Author', "a\tb", "two\nlines", "plain"]
+    with open(tmp_path / "pandas.tsv", "w", newline="") as f:
+        writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+        writer.writerows([["text", "label"]] + [[v, "pos"] for v in values])
+    table = read_table(str(tmp_path / "pandas.tsv"), ["text", "label"])
+    assert table["text"] == values and table["text"].lines == [2, 3, 4, 6]
+    quote_all = write(tmp_path / "all.tsv", '"text"\t"label"\n"Stop."\t"pos"\n')
+    assert read_table(str(quote_all), ["text", "label"]) == {"text": ["Stop."], "label": ["pos"]}
+
+
+def test_a_tsv_value_both_readings_fit_differently_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.tsv", 'text\tlabel\ngood dog\tpos\n"Stop."\tneg\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: '\"Stop.\"' is the text 'Stop.' with CSV quoting and '\"Stop.\"' with literal quotes; "
+            f"which is meant is ambiguous: remove the quotes if they are not part of the text, quote the value whole "
+            f"with its quotes doubled if they are, or give the file as JSON lines (.jsonl)", data / "dev.csv")
+
+
+def test_a_tsv_neither_reading_fits_is_refused_with_both_reasons(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.tsv", 'text\tlabel\n"Quoted," she said\tpos\n"a\tb"\tneg\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: not valid TSV read either way: with literal quotes, line 3: 3 fields but the header has 2: "
+            f"extra value 'neg' in ['\"a', 'b\"', 'neg'] (a tab inside an unquoted value?); quote values that hold "
+            f"the delimiter; with CSV quoting, line 2: not valid TSV ('\\t' expected after '\"'); a value holding a "
+            f"quote, a tab or a line break must be quoted whole, with inner quotes doubled (\"\")", data / "dev.csv")
+
+
 def test_duplicate_column_names_are_refused_naming_both(capsys, checkpoint, tmp_path, data):
     train = write(data / "train.csv", "label,text,label\npos,good dog,neg\n")
     refused(capsys, checkpoint, tmp_path, train,

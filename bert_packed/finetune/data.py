@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -203,6 +204,75 @@ def _read_delimited(path: str, lines: Iterator[str], delimiter: str) -> Tuple[Li
 _MAX_FIELD = 1 << 27  # characters of one CSV value (csv's default is 131,072)
 
 
+class _LiteralReader:
+    """TSV as IANA defines it (and GLUE's files have it): each line a row, fields split at tabs,
+    quotes plain characters; ``csv.reader``'s interface (iteration, ``line_num``)."""
+
+    def __init__(self, lines: Sequence[str]):
+        self._lines, self.line_num = lines, 0
+
+    def __iter__(self):
+        for line in self._lines:
+            self.line_num += 1
+            line = line.rstrip("\r\n")
+            yield line.split("\t") if line else []
+
+
+def _read_tsv(path: str, lines: Iterator[str]) -> Tuple[List[str], List[List[str]], List[int]]:
+    """Header and rows of a TSV file, its quotes read either way TSV is written in the wild.
+
+    Literal quotes (IANA's TSV, GLUE's files: ``"Quoted words," she said<TAB>pos``) and CSV
+    quoting (``pandas.to_csv(sep="\\t")``: a value with a quote, tab or line break quoted whole,
+    inner quotes doubled) are both read. A file that only one reading fits is read that way; one
+    that both fit alike is the same either way; one that both fit differently is CSV-quoted when a
+    quoted value has doubled inner quotes or every header name is quoted (what CSV writers do and
+    literal text does not), and refused (naming the line) otherwise; one that neither fits is
+    refused with both readings' reasons."""
+    lines = list(lines)
+    readings, errors = {}, {}
+    for name, read in (("csv", lambda: _read_delimited(path, iter(lines), "\t")),
+                       ("literal", lambda: _read_rows(path, _LiteralReader(lines), "\t"))):
+        try:
+            readings[name] = read()
+        except DataError as exc:
+            errors[name] = str(exc)
+    if len(readings) == 1:
+        return next(iter(readings.values()))
+    if not readings:
+        if errors["csv"] == errors["literal"]:
+            raise DataError(errors["csv"])
+        strip = len(f"{path}: ")
+        raise DataError(f"{path}: not valid TSV read either way: with literal quotes, {errors['literal'][strip:]}; "
+                        f"with CSV quoting, {errors['csv'][strip:]}")
+    quoted, literal = readings["csv"], readings["literal"]
+    if quoted == literal:
+        return quoted
+    header = literal[0]
+    if header and all(len(t) >= 2 and t[0] == t[-1] == '"' for t in header):
+        return quoted  # every header name quoted: a CSV writer's QUOTE_ALL
+    first = None
+    if quoted[2] == literal[2]:
+        for number, q_row, l_row in zip(quoted[2], quoted[1], literal[1]):
+            for q, raw in zip(q_row, l_row):
+                if q != raw:
+                    if '""' in raw[1:-1]:
+                        return quoted  # doubled inner quotes: CSV quoting
+                    first = first or (number, raw, q)
+    else:  # a quoted value spans lines under CSV quoting, yet every line is a row with literal quotes
+        i = next((i for i, (n, m) in enumerate(zip(literal[2], quoted[2])) if n != m),
+                 min(len(literal[2]), len(quoted[2])))
+        first = (quoted[2][i - 1] if i else 1, None, None)  # the row before the first that starts elsewhere
+    number, raw, value = first
+    if raw is not None:
+        raise DataError(f"{path}: line {number}: {_short(raw)!r} is the text {_short(value)!r} with CSV quoting and "
+                        f"{_short(raw)!r} with literal quotes; which is meant is ambiguous: remove the quotes if they "
+                        f"are not part of the text, quote the value whole with its quotes doubled if they are, or "
+                        f"give the file as JSON lines (.jsonl)")
+    raise DataError(f"{path}: line {number}: a quoted value runs over several lines with CSV quoting, yet every line "
+                    f"is a row of its own with literal quotes; which is meant is ambiguous: write the file with one "
+                    f"convention throughout, or as JSON lines (.jsonl)")
+
+
 def _read_rows(path: str, reader, delimiter: str) -> Tuple[List[str], List[List[str]], List[int]]:
     name = "tab" if delimiter == "\t" else repr(delimiter)
     header: Optional[List[str]] = None
@@ -237,7 +307,8 @@ def _read_rows(path: str, reader, delimiter: str) -> Tuple[List[str], List[List[
         if "field larger than field limit" in str(exc):
             raise DataError(f"{path}: {lines_text}: a value of more than {csv.field_size_limit():,} characters (a "
                             f"quote that is never closed?); shorten it, or fix the quoting") from None
-        raise DataError(f"{path}: {lines_text}: not valid {'TSV' if delimiter == chr(9) else 'CSV'} ({exc}); a value "
+        reason = str(exc).replace("\t", "\\t")  # a tab in a one-line message is invisible
+        raise DataError(f"{path}: {lines_text}: not valid {'TSV' if delimiter == chr(9) else 'CSV'} ({reason}); a value "
                         f"holding a quote, a {name} or a line break must be quoted whole, with inner quotes "
                         f"doubled (\"\")") from None
     return header or [], rows, numbers
@@ -278,7 +349,8 @@ def read_table(path: str, columns: Sequence[str]) -> Dict[str, Column]:
             available, rows, numbers = _read_jsonl(path, lines)
             index = None
         else:
-            available, rows, numbers = _read_delimited(path, lines, _DELIMITERS[kind])
+            read = _read_tsv if _DELIMITERS[kind] == "\t" else partial(_read_delimited, delimiter=",")
+            available, rows, numbers = read(path, lines)
             index = {title: i for i, title in enumerate(available)}
     if not rows:
         raise DataError(f"{path}: the file is empty (no data rows)")
