@@ -524,8 +524,51 @@ class PackedDataset:
             packs[packs >= self.num_packs] = -1
             yield self._batch(assignment, packs)
 
-    def source(self, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> "PackedSource":
-        return PackedSource(self, micro_batch_size, rank, world_size)
+    def source(self, micro_batch_size: int, rank: int = 0, world_size: int = 1,
+               inputs: Sequence[str] = ()) -> "PackedSource":
+        return PackedSource(self, micro_batch_size, rank, world_size, inputs)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the sequences as packed (every sample array, by name, and the lengths)."""
+        if getattr(self, "_fingerprint", None) is None:
+            import hashlib
+
+            digest = hashlib.sha256()
+            for name in sorted(self.samples):
+                array = np.ascontiguousarray(self.samples[name])
+                digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+                digest.update(array.tobytes())
+            digest.update(np.ascontiguousarray(self.lengths, dtype=np.int64).tobytes())
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
+
+
+def file_record(path: str) -> Dict[str, Any]:
+    """What a resume compares of an input: a file's size and SHA-256; a directory's (a saved
+    dataset) files with their sizes and modification times."""
+    import hashlib
+
+    if os.path.isdir(path):
+        files = []
+        for folder, _, names in sorted(os.walk(path)):
+            for name in sorted(names):
+                stat = os.stat(os.path.join(folder, name))
+                files.append([os.path.relpath(os.path.join(folder, name), path), stat.st_size, stat.st_mtime_ns])
+        return {"path": path, "files": files}
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return {"path": path, "size": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def _record_change(saved: Dict[str, Any], now: Dict[str, Any]) -> str:
+    """How an input's record changed, in a few words."""
+    if "sha256" in saved and "sha256" in now:
+        if saved["size"] != now["size"]:
+            return f"{saved['size']:,} bytes then, {now['size']:,} now"
+        return f"same size, other content: sha256 {saved['sha256'][:12]} then, {now['sha256'][:12]} now"
+    return "its files differ (names, sizes or modification times)"
 
 
 class PackedSource:
@@ -533,13 +576,23 @@ class PackedSource:
 
     Packs of epoch e come in the order of ``assignment(e)``; epochs follow each other
     seamlessly (a micro-batch may span two), so every sequence is seen once per epoch.
-    Global micro-batch g holds packs [g*B, (g+1)*B) of that stream; rank r serves g % n == r.
+    Global micro-batch g holds packs [p0 + (g-g0)*B, p0 + (g-g0+1)*B) of that stream (the base
+    (g0, p0) is (0, 0) until a resume changes the micro-batch size B); rank r serves g % n == r.
+
+    Its state records what the run read: the input files (``inputs``: size and SHA-256) and a
+    SHA-256 of the training sequences themselves (tokens, segments, masks, labels: what the
+    tokenizer made of the files). A resume on other data is refused unless forced; forced, the
+    stream starts a new epoch of the new data where the checkpoint stopped.
     """
 
-    def __init__(self, dataset: PackedDataset, micro_batch_size: int, rank: int, world_size: int):
+    def __init__(self, dataset: PackedDataset, micro_batch_size: int, rank: int, world_size: int,
+                 inputs: Sequence[str] = ()):
         self.dataset, self.micro_batch_size = dataset, int(micro_batch_size)
         self.rank, self.world_size = int(rank), int(world_size)
         self.next_global = self.rank
+        self.base_global, self.base_pack = 0, 0
+        self.inputs = [p for p in inputs if p]
+        self.records = [file_record(p) for p in self.inputs]  # as read now, at setup
         self.packing_factor = dataset.packing_factor
         self.packing = {"algorithm": dataset.algorithm, "max_sequences_per_pack": dataset.max_sequences_per_pack,
                         "num_sequences": dataset.num_sequences, "num_packs": dataset.num_packs,
@@ -551,9 +604,14 @@ class PackedSource:
     def __iter__(self):
         return self
 
+    def _first_pack(self, global_batch: int) -> int:
+        """Where micro-batch ``global_batch`` starts in the stream of packs (epochs end to end)."""
+        return self.base_pack + (int(global_batch) - self.base_global) * self.micro_batch_size
+
     def __next__(self) -> Dict[str, np.ndarray]:
         B, P = self.micro_batch_size, self.dataset.num_packs
-        stream = np.arange(self.next_global * B, (self.next_global + 1) * B)
+        first = self._first_pack(self.next_global)
+        stream = np.arange(first, first + B)
         epochs, positions = stream // P, stream % P
         self.next_global += self.world_size
         parts = []
@@ -564,10 +622,48 @@ class PackedSource:
         return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"next_global": int(self.next_global)}
+        return {"next_global": int(self.next_global), "base_global": self.base_global, "base_pack": self.base_pack,
+                "micro_batch_size": self.micro_batch_size, "num_packs": self.dataset.num_packs,
+                "num_sequences": self.dataset.num_sequences, "sequences_sha256": self.dataset.fingerprint(),
+                "inputs": self.records}
 
     def load_state_dict(self, state: Dict[str, Any], force: bool = False) -> None:
-        self.next_global = int(state["next_global"])
+        """Continue after the checkpoint's last micro-batch. Data other than the checkpoint's (an
+        input file, or the sequences the tokenizer made of them) is refused unless ``force``;
+        forced, the stream starts a new epoch of this data there. With another micro-batch size
+        the stream continues at the same pack of the same epoch: nothing skipped or read twice."""
+        next_global = int(state["next_global"])
+        if next_global % self.world_size != self.rank:
+            raise DataError(f"the data state (next micro-batch {next_global}) belongs to another rank than "
+                            f"{self.rank} of {self.world_size}; resume with the same number of processes")
+        old_size = int(state.get("micro_batch_size", self.micro_batch_size))
+        first = next_global - self.rank  # the step's first micro-batch: where the global stream stands
+        position = int(state.get("base_pack", 0)) + (first - int(state.get("base_global", 0))) * old_size
+        changed = self._changed_inputs(state)
+        if changed:
+            if not force:
+                raise DataError(f"the fine-tuning data changed since the checkpoint: {changed}; resume with the data "
+                                f"the run started on, or pass --resume-force to continue on this data (from a new "
+                                f"epoch)")
+            old_packs = int(state.get("num_packs") or self.dataset.num_packs)
+            position = (position // old_packs + 1) * self.dataset.num_packs
+            if self.rank == 0:
+                print(f"note: --resume-force: the fine-tuning data changed since the checkpoint ({changed}); training "
+                      f"continues from the start of a new epoch of this data", file=sys.stderr)
+        self.next_global, self.base_global, self.base_pack = next_global, first, position
+
+    def _changed_inputs(self, state: Dict[str, Any]) -> str:
+        """'' when this is the checkpoint's data (as far as it recorded: a checkpoint from before
+        these records is taken as is), else what changed."""
+        saved = {r["path"]: r for r in state.get("inputs", ())}
+        for path, now in zip(self.inputs, self.records):
+            if path in saved:
+                if now != saved[path]:
+                    return f"{path}: {_record_change(saved[path], now)}"
+        if "sequences_sha256" in state and state["sequences_sha256"] != self.dataset.fingerprint():
+            return (f"{state.get('num_sequences')} training sequences then, {self.dataset.num_sequences} now, with "
+                    f"other tokens or labels (another tokenizer or data?)")
+        return ""
 
 
 def held_out(num_items: int, fraction: float, seed: int, *, what: str, where: str) -> Tuple[List[int], List[int]]:
@@ -627,7 +723,9 @@ class PackedTask(Task):
     def data_source(self, split: str, *, micro_batch_size: int, rank: int, world_size: int):
         if split != "train":
             raise ValueError(f"{self.name} evaluates the whole validation set (evaluate), not a stream")
-        return self.train_data.source(micro_batch_size, rank, world_size)
+        f = self.config.finetune
+        return self.train_data.source(micro_batch_size, rank, world_size,
+                                      inputs=[p for p in (f.train_file, f.validation_file) if p and os.path.exists(p)])
 
     def prepare_evaluation(self, *, micro_batch_size: int, rank: int, world_size: int) -> None:
         self._eval_batches = list(self.eval_data.batches(micro_batch_size))
