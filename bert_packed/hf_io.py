@@ -469,6 +469,14 @@ def save_pretrained(model: torch.nn.Module, directory: str, *, tokenizer=None, i
     config.update(model.hf_label_config(id2label))
     config["dtype"] = "float32"
     config.update(extra_config or {})
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    if tokenizer is not None and tokenizer.get_vocab_size() > cfg.vocab_size:
+        # Checked before anything is written: ids past the word embeddings make a model that
+        # transformers cannot run (an index error on the first such token).
+        raise CheckpointError(f"the tokenizer has {tokenizer.get_vocab_size():,} tokens but the model's vocabulary "
+                              f"(vocab_size) has {cfg.vocab_size:,}; an export with it would index past the word "
+                              f"embeddings: ship the tokenizer the model was trained with")
     os.makedirs(directory, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.hf_state_dict().items()}
     # Shared tensors are stored once (safetensors refuses aliases), as Hugging Face does:
@@ -480,8 +488,6 @@ def save_pretrained(model: torch.nn.Module, directory: str, *, tokenizer=None, i
         save_file(state, tmp, metadata={"format": "pt"})
     write_text_atomic(os.path.join(directory, CONFIG_NAME), json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
-        if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = load_tokenizer(tokenizer)
         save_tokenizer(tokenizer, directory, model_max_length=cfg.max_position_embeddings)
     return directory
 

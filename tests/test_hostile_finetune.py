@@ -783,6 +783,50 @@ def test_predict_refuses_a_model_with_ambiguous_labels(capsys, finished, tmp_pat
     assert not (tmp_path / "p.jsonl").exists()
 
 
+def test_predict_refuses_a_token_classification_model(capsys, finished, tmp_path, checkpoint):
+    # It has id2label too: predict loaded it and classified through a randomly initialised pooler.
+    root, out = finished
+    model = tmp_path / "ner"
+    save_hf_checkpoint(transformers, str(model), str(checkpoint.parent / "vocab" / "vocab.txt"), "BertForTokenClassification",
+                       num_labels=3, id2label={0: "O", 1: "B-PER", 2: "I-PER"}, label2id={"O": 0, "B-PER": 1, "I-PER": 2})
+    capsys.readouterr()  # transformers' progress bar
+    cli_refused(capsys, ["predict", "--model", model, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{model}: config.json's architectures is BertForTokenClassification (token classification); predict "
+                f"classifies sequences and needs a sequence-classification model (BertForSequenceClassification)",
+                root, checkpoint, model)
+    assert not (tmp_path / "p.jsonl").exists()
+    # Without architectures in config.json the weights tell: no pooler.
+    bare = edited_checkpoint(model, tmp_path / "bare", lambda c: c.pop("architectures"))
+    cli_refused(capsys, ["predict", "--model", bare, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{bare}: not a trained sequence-classification model: newly initialised: bert.pooler.* (2) (predict "
+                f"would classify through random weights); give a model fine-tuned for sequence classification (a "
+                f"run's OUT/hf)", root, checkpoint, bare)
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_predict_refuses_a_label_count_the_classifier_does_not_have(capsys, finished, tmp_path, checkpoint):
+    root, out = finished
+    model = edited_checkpoint(out / "hf", tmp_path / "model", lambda c: c.update(
+        id2label={"0": "neg", "1": "pos", "2": "meh"}, label2id={"neg": 0, "pos": 1, "meh": 2}))
+    cli_refused(capsys, ["predict", "--model", model, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{model}: config.json's id2label names 3 labels but the classifier has 2 outputs; the config does not "
+                f"belong to these weights", root, checkpoint, model)
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(capsys, finished, checkpoint, tmp_path):
+    root, out = finished
+    words = (checkpoint.parent / "vocab" / "vocab.txt").read_text().split()
+    big = tmp_path / "big" / "vocab.txt"
+    big.parent.mkdir()
+    big.write_text("\n".join(words + [f"extra{i}" for i in range(10)]) + "\n")
+    cli_refused(capsys, ["export", out, "--output", tmp_path / "export", "--tokenizer", big],
+                f"the tokenizer has {len(words) + 10:,} tokens but the model's vocabulary (vocab_size) has "
+                f"{len(words):,}; an export with it would index past the word embeddings: ship the tokenizer the "
+                f"model was trained with", root, checkpoint, big)
+    assert not (tmp_path / "export").exists()
+
+
 @pytest.mark.parametrize("where", ["run", "run/hf", "checkpoint"])
 def test_export_refuses_the_run_directory_and_the_checkpoint(capsys, finished, checkpoint, where):
     root, out = finished
