@@ -92,10 +92,11 @@ def main(argv=None) -> int:
 
 
 def _done(status: int) -> int:
-    """The work is done and ``status`` known: from here on Ctrl-C is ignored (in the main thread
-    of ``python run.py``), so a completed run (every output written) is not reported killed."""
+    """The work is done and ``status`` known: from here on Ctrl-C and SIGTERM are ignored (in the
+    main thread of ``python run.py``), so a completed run (every output written) is not reported killed."""
     if __name__ == "__main__" and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return status
 
 

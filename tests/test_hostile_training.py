@@ -591,7 +591,8 @@ def test_process_group_gets_the_configured_collective_timeout(monkeypatch):
     from bert_packed.train import setup_distributed
 
     seen = {}
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)  # as torchrun sets them
     monkeypatch.setattr(dist, "is_initialized", lambda: bool(seen))
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
@@ -669,3 +670,16 @@ def test_checkpoints_of_multi_step_calls_resume_exactly(tmp_path, capsys, monkey
             lines[name] = [json.loads(line) for line in f]
     keys = ("step", "loss", "mlm_loss", "nsp_loss", "sequences", "tokens")
     assert [[line[k] for k in keys] for line in lines["full"]] == [[line[k] for k in keys] for line in lines["split"]]
+
+
+def test_a_world_size_left_set_without_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
+    # Was: a traceback from torch's env:// rendezvous ("environment variable RANK expected").
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "run"
+    code, line = main_error(capsys, TINY + ["--steps", "1", "--output-dir", str(out)])
+    assert (code, line) == (2, "error: WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not: this process "
+                               "was not started by torchrun; for one process unset WORLD_SIZE (unset WORLD_SIZE), for "
+                               "2 launch with torchrun --nproc_per_node 2 run.py ...")
+    assert not out.exists()
