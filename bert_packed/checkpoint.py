@@ -108,13 +108,46 @@ def verify_checkpoint(path: str) -> Tuple[str, int]:
     return expected, payload
 
 
+def _plain_data_globals() -> List[Any]:
+    """What a checkpoint of ours holds besides tensors and Python's plain data: numpy arrays,
+    scalars and dtypes (the numpy RNG state, a task's saved outputs). Nothing that runs code."""
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        allowed += [getattr(dtypes, name) for name in dir(dtypes) if name.endswith("DType")]
+    return allowed
+
+
+def safe_torch_load(path: str, *, mmap: bool = False) -> Any:
+    """``torch.load`` of tensors and plain data only (``weights_only``, numpy allowed): a pickle
+    naming anything else (a class, a function: what a malicious file uses to run code) is
+    refused in one line naming it, instead of torch's multi-line advice to load it unsafely."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_plain_data_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "weights only load failed" not in text.lower():
+            raise
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        other = re.search(r"WeightsUnpickler error: ([^\n]{1,80})", text)
+        what = f" ({found.group(1)})" if found else f" ({other.group(1).strip()})" if other else ""
+        raise CheckpointError(f"{path}: not loaded: it holds Python objects beyond tensors and plain data{what}, and "
+                              f"unpickling them could run any code; use a checkpoint this project wrote or weights "
+                              f"in safetensors from a source you trust") from None
+
+
 def load_checkpoint(path: str) -> Dict[str, Any]:
-    """The state saved by :func:`save_checkpoint`, after verifying its checksum."""
+    """The state saved by :func:`save_checkpoint`, after verifying its checksum (tensors and
+    plain data only: a checksum is no proof of who wrote the file)."""
     verify_checkpoint(path)
     try:
-        # weights_only=False: the file holds RNG states and python objects we wrote ourselves
-        # (and its checksum was just verified).
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return safe_torch_load(path)
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - intact bytes that still do not unpickle
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(f"{path}: checksum is intact but torch.load failed ({first}); "

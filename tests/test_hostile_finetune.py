@@ -827,6 +827,43 @@ def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(capsys, finished,
     assert not (tmp_path / "export").exists()
 
 
+class _Payload:
+    """What a malicious pickle holds: unpickling it calls a function (here: writes a file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_that_runs_code_is_refused_in_one_line_and_never_run(capsys, finished, checkpoint, tmp_path):
+    # Was: torch's multi-line advice to load with weights_only=False (pytorch_model.bin), and a
+    # checkpoint.pt was unpickled with weights_only=False: its code ran (a checksum trailer is
+    # no proof of who wrote the file).
+    import torch
+
+    from bert_packed.checkpoint import save_checkpoint
+
+    root, out = finished
+    marker = tmp_path / "ran"
+    model = edited_checkpoint(out / "hf", tmp_path / "model")
+    (model / "model.safetensors").unlink()
+    torch.save({"bert.embeddings.word_embeddings.weight": _Payload(str(marker))}, model / "pytorch_model.bin")
+    cli_refused(capsys, ["predict", "--model", model, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{model / 'pytorch_model.bin'}: not loaded: it holds Python objects beyond tensors and plain data "
+                f"(io.open), and unpickling them could run any code; use a checkpoint this project wrote or "
+                f"weights in safetensors from a source you trust", root, checkpoint, model)
+    bad_run = tmp_path / "bad_run"
+    bad_run.mkdir()
+    save_checkpoint(str(bad_run / "checkpoint.pt"), {"model": _Payload(str(marker)), "config": {}})
+    cli_refused(capsys, ["export", bad_run, "--output", tmp_path / "export"],
+                f"{bad_run / 'checkpoint.pt'}: not loaded: it holds Python objects beyond tensors and plain data "
+                f"(io.open), and unpickling them could run any code; use a checkpoint this project wrote or "
+                f"weights in safetensors from a source you trust", root, checkpoint, bad_run)
+    assert not marker.exists() and not (tmp_path / "p.jsonl").exists() and not (tmp_path / "export").exists()
+
+
 @pytest.mark.parametrize("where", ["run", "run/hf", "checkpoint"])
 def test_export_refuses_the_run_directory_and_the_checkpoint(capsys, finished, checkpoint, where):
     root, out = finished
