@@ -683,3 +683,20 @@ def test_a_world_size_left_set_without_torchrun_is_one_line(tmp_path, capsys, mo
                                "was not started by torchrun; for one process unset WORLD_SIZE (unset WORLD_SIZE), for "
                                "2 launch with torchrun --nproc_per_node 2 run.py ...")
     assert not out.exists()
+
+
+def test_a_huge_set_value_is_quoted_by_an_excerpt_in_every_message(tmp_path, capsys):
+    # Was: a 100 kB --set value echoed whole in the one-line error (and so in every log).
+    out = tmp_path / "run"
+    huge = "x" * 100_000
+    code, line = main_error(capsys, TINY + ["--set", f"train.steps={huge}", "--output-dir", str(out)])
+    assert (code, line) == (2, f"error: --set: train.steps: expected int, got '{'x' * 59}... (100,000 characters) "
+                               f"(str)")
+    code, line = main_error(capsys, TINY + ["--set", huge, "--output-dir", str(out)])
+    assert (code, line) == (2, f"error: --set '{'x' * 59}... (100,000 characters): expected section.key=value, e.g. "
+                               f"--set train.steps=100")
+    # Messages that quote a value without the config's excerpt (the packing CLI's, a path) are
+    # cut where the line is printed: every run of over 200 characters.
+    code, line = main_error(capsys, TINY + ["--set", f"data.packing_algorithm={huge}", "--output-dir", str(out)])
+    assert code == 2 and len(line) < 400 and "...[100,003 characters]..." in line, line[:500]
+    assert not out.exists()
