@@ -60,15 +60,36 @@ class _HashingWriter:
 
 
 def save_checkpoint(path: str, state: Dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically, with the checksum trailer (see module docstring)."""
-    with atomic_path(path, prefix=".checkpoint-", suffix=".tmp") as tmp:
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(state, writer)
-            f.write(b"\n#packed-bert-checkpoint v1 sha256=%s bytes=%020d\n"
-                    % (writer.sha256.hexdigest().encode(), writer.size))
-            f.flush()
-            os.fsync(f.fileno())
+    """Write ``state`` to ``path`` atomically, with the checksum trailer (see module docstring).
+
+    A write that fails (a full disk, a quota) is an ``OSError`` naming ``path`` and saying that
+    the checkpoint already there, if any, is intact (the temporary file is removed)."""
+    try:
+        with atomic_path(path, prefix=".checkpoint-", suffix=".tmp") as tmp:
+            with open(tmp, "wb") as f:
+                writer = _HashingWriter(f)
+                torch.save(state, writer)
+                f.write(b"\n#packed-bert-checkpoint v1 sha256=%s bytes=%020d\n"
+                        % (writer.sha256.hexdigest().encode(), writer.size))
+                f.flush()
+                os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
+        errno_ = getattr(exc, "errno", None) or _errno_in(exc)
+        if errno_ is None:
+            raise
+        before = ("the previous checkpoint there is intact" if os.path.exists(path)
+                  else "no earlier checkpoint was there")
+        raise OSError(errno_, f"{os.strerror(errno_)}: the checkpoint was not written ({before}); free space "
+                              f"or choose another --output-dir, then --resume", path) from None
+
+
+def _errno_in(exc: BaseException):
+    """The errno of the OSError behind ``exc`` (torch.save wraps a failed write), or None."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno:
+            return exc.errno
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def verify_checkpoint(path: str) -> Tuple[str, int]:

@@ -700,3 +700,38 @@ def test_a_huge_set_value_is_quoted_by_an_excerpt_in_every_message(tmp_path, cap
     code, line = main_error(capsys, TINY + ["--set", f"data.packing_algorithm={huge}", "--output-dir", str(out)])
     assert code == 2 and len(line) < 400 and "...[100,003 characters]..." in line, line[:500]
     assert not out.exists()
+
+
+def test_a_full_disk_during_a_checkpoint_names_the_file_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
+    # Was: "error: No space left on device", no file named; the temporary file's fate unsaid.
+    import errno
+
+    from bert_packed import checkpoint as checkpoint_module
+
+    real, calls = checkpoint_module.torch.save, []
+
+    class FullDisk:  # the disk fills after some bytes: torch.save reports it as a RuntimeError
+        def __init__(self, inner):
+            self.inner = inner
+
+        def write(self, data):
+            if self.inner.size > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.inner.write(data)
+
+        def flush(self):
+            self.inner.flush()
+
+    def save(obj, f, *args, **kwargs):
+        calls.append(1)
+        return real(obj, FullDisk(f) if len(calls) == 2 else f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", save)
+    out = tmp_path / "run"
+    code, line = main_error(capsys, TINY + ["--steps", "3", "--set", "train.checkpoint_every=1", "--output-dir",
+                                            str(out)])
+    assert (code, line) == (2, f"error: {out / CHECKPOINT_NAME}: No space left on device: the checkpoint was not "
+                               f"written (the previous checkpoint there is intact); free space or choose another "
+                               f"--output-dir, then --resume")
+    assert load_checkpoint(str(out / CHECKPOINT_NAME))["step"] == 1
+    assert not [n for n in os.listdir(out) if n.startswith(".checkpoint-")]
