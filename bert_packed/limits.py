@@ -128,14 +128,18 @@ MASKED = at_most(SEQUENCE_TOKENS, f"more masked tokens than the longest sequence
 # Packs a pack step builds in memory before writing them: each holds S tokens of 6 fields.
 CHUNK_PACKS = at_most(2**20, "a chunk is built in memory: 2^20 packs of 512 tokens are GiBs per field")
 
+# Seeds: the output file records the seed as an unsigned 64-bit integer (a larger one ended in
+# h5py's "Object dtype has no native HDF5 equivalent" traceback after all the work).
+SEED = at_most(2**64 - 1, "the output file records the seed as an unsigned 64-bit integer")
+
 DATA_FLAGS = {
     "vocab": (("size", "--size", None, VOCABULARY), ("min_frequency", "--min-frequency", 0, FREQUENCY)),
     "create": (("max_seq_length", "--max-seq-length", None, SEQUENCE),
                ("max_predictions", "--max-predictions", None, MASKED),
-               ("dupe_factor", "--dupe-factor", None, DUPE_FACTOR)),
+               ("dupe_factor", "--dupe-factor", None, DUPE_FACTOR), ("seed", "--seed", None, SEED)),
     "pack": (("max_sequence_length", "--max-sequence-length", 1, SEQUENCE),
              ("max_masked_tokens_per_pack", "--max-masked-tokens-per-pack", 1, MASKED),
-             ("chunk_packs", "--chunk-packs", None, CHUNK_PACKS)),
+             ("chunk_packs", "--chunk-packs", None, CHUNK_PACKS), ("seed", "--seed", None, SEED)),
 }
 
 

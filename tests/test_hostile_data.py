@@ -306,6 +306,10 @@ SIZE_FLAGS = {  # was: a Rust panic, OverflowError tracebacks, numpy's memory er
                               "--dupe-factor", "99999999"],
                              "--dupe-factor must be <= 1000 (each pass writes the whole corpus again; BERT used 10), "
                              "got 99999999"),
+    "create --seed": (["create", "--input", "{corpus}", "--vocab", "{vocab}", "--output", "{out}/c.h5", "--seed",
+                       "99999999999999999999999"],
+                      "--seed must be <= 18446744073709551615 (the output file records the seed as an unsigned 64-bit "
+                      "integer), got 99999999999999999999999"),
     "pack --max-sequence-length": (["pack", "--input", "{unpacked}", "--output", "{out}/p.h5",
                                     "--max-sequence-length", "0"], "--max-sequence-length must be >= 1, got 0"),
     "pack --max-masked-tokens-per-pack": (["pack", "--input", "{unpacked}", "--output", "{out}/p.h5",
