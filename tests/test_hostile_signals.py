@@ -108,3 +108,18 @@ def test_a_signal_while_the_run_is_set_up_leaves_no_trace(tmp_path, signum):
     code, lines = _run_with(patch, TINY + ["--steps", "4", "--output-dir", str(out)])
     assert (code, lines) == (128 + signum, ["interrupted (nothing half-written was kept)"])
     assert not out.exists()
+
+
+def test_sigterm_while_torch_loads_is_the_ctrl_c_line(tmp_path):
+    # Was: SIGTERM during run.py's imports (seconds) killed the process without a word.
+    patch = ("import builtins\nreal = builtins.__import__\n"
+             "def imp(name, *args, **kwargs):\n"
+             "    if name == 'backends':\n"
+             "        os.kill(os.getpid(), signal.SIGTERM)\n"
+             "        time.sleep(5)\n"
+             "    return real(name, *args, **kwargs)\n"
+             "builtins.__import__ = imp\n")
+    out = tmp_path / "run"
+    code, lines = _run_with(patch, ["--config", "tiny", "--output-dir", str(out)])
+    assert (code, lines) == (128 + signal.SIGTERM, ["interrupted (nothing half-written was kept)"])
+    assert not out.exists()
