@@ -149,3 +149,21 @@ def test_another_micro_batch_size_continues_at_the_same_pack(old, new):
     again = dataset.source(old)
     again.load_state_dict(resumed.state_dict(), force=True)
     assert np.array_equal(next(again)["input_ids"][0], reference[len(served)])
+
+
+def test_resume_force_with_another_micro_batch_size_runs_on(capsys, checkpoint, run_dir):
+    # The loop hands the converted position to the stream (unit-tested above); end to end it trains on.
+    import json
+
+    import run
+    from bert_packed.checkpoint import load_checkpoint
+
+    data, out, train, dev = run_dir
+    saved = load_checkpoint(str(out / "checkpoint.pt"))["data"][0]
+    assert run.main(argv(checkpoint, out, train, dev, "--set", "train.steps=3", "--set", "train.micro_batch_size=3",
+                         "--resume-force")) == 0, capsys.readouterr().err
+    state = load_checkpoint(str(out / "checkpoint.pt"))["data"][0]
+    assert state["micro_batch_size"] == 3 and state["base_global"] == saved["next_global"]
+    assert state["base_pack"] == saved["next_global"] * saved["micro_batch_size"]  # the same pack, not 3 * g
+    with open(out / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f][-1] == 3
