@@ -82,13 +82,15 @@ def _run(main, interrupted: str, interrupted_status: int) -> int:
     return 0 if status is None else int(status)
 
 
-_LONG_RUN = re.compile(r"\S{201,}")
+_LONG_RUN = re.compile(r"\S{401,}")
 
 
 def _clip(line: str) -> str:
-    """The line with every run of more than 200 non-blank characters (a 100 kB value a message
-    quoted, a pasted file) cut to its start, its end and its length: whatever message quoted it."""
-    return _LONG_RUN.sub(lambda m: f"{m.group(0)[:60]}...[{len(m.group(0)):,} characters]...{m.group(0)[-20:]}", line)
+    """The line with every run of more than 400 non-blank characters (a 100 kB value a message
+    quoted, a pasted file; longer than any sensible path) cut to its start, its end and its
+    length: whatever message quoted it."""
+    return _LONG_RUN.sub(lambda m: f"{m.group(0)[:100]}...[{len(m.group(0)):,} characters]...{m.group(0)[-60:]}",
+                         line)
 
 
 def _fail(line: str, status: int = 2) -> int:
