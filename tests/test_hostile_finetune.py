@@ -814,6 +814,19 @@ def test_predict_refuses_a_label_count_the_classifier_does_not_have(capsys, fini
     assert not (tmp_path / "p.jsonl").exists()
 
 
+def test_predict_refuses_a_tokenizer_larger_than_the_vocabulary(capsys, finished, tmp_path, checkpoint):
+    # Was: accepted; the first text with an id past the vocabulary ended in an IndexError traceback.
+    root, out = finished
+    model = edited_checkpoint(out / "hf", tmp_path / "model")
+    (model / "tokenizer.json").unlink()
+    words = (checkpoint.parent / "vocab" / "vocab.txt").read_text().split()
+    (model / "vocab.txt").write_text("\n".join(words + [f"extra{i}" for i in range(10)]) + "\n")
+    cli_refused(capsys, ["predict", "--model", model, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{model}: the tokenizer has {len(words) + 10:,} tokens but the model's vocabulary (vocab_size) has "
+                f"{len(words):,}; the tokenizer does not belong to this model", root, checkpoint, model)
+    assert not (tmp_path / "p.jsonl").exists()
+
+
 def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(capsys, finished, checkpoint, tmp_path):
     root, out = finished
     words = (checkpoint.parent / "vocab" / "vocab.txt").read_text().split()

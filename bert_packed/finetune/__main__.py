@@ -173,6 +173,10 @@ def predict(model_dir: str, input_path: str, output: str, *, text_column: str = 
     if pretrained.tokenizer_path is None:
         raise hf_io.CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.json or vocab.txt)")
     tokenizer = hf_io.load_tokenizer(pretrained.tokenizer_path)
+    if tokenizer.get_vocab_size() > config.vocab_size:  # its ids past the embeddings: an index error
+        raise hf_io.CheckpointError(f"{model_dir}: the tokenizer has {tokenizer.get_vocab_size():,} tokens but the "
+                                    f"model's vocabulary (vocab_size) has {config.vocab_size:,}; the tokenizer does "
+                                    f"not belong to this model")
     columns = [text_column] + ([text_pair_column] if text_pair_column else [])
     table = ft_data.read_table(input_path, columns)
     encoded = ft_data.encode_texts(tokenizer, table[text_column], table[text_pair_column] if text_pair_column else None,
