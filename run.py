@@ -21,16 +21,25 @@ import signal
 import sys
 import threading
 
-INTERRUPTED = "interrupted (nothing half-written was kept)"  # run_cli's line for Ctrl-C
+INTERRUPTED = "interrupted (nothing half-written was kept)"  # run_cli's line for Ctrl-C (and SIGTERM)
+_SIGNALLED = []
 
-try:  # torch loads for seconds: Ctrl-C meanwhile gets the same line as later, not a traceback
+
+def _signal_while_loading(signum, frame):
+    _SIGNALLED.append(signum)
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__" and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _signal_while_loading)  # as Ctrl-C, until run_cli takes over
+try:  # torch loads for seconds: Ctrl-C or SIGTERM meanwhile get the same line as later, not a traceback
     from backends import get_backend, get_backend_class, offline_compilers
     from packing.entry import ArgumentParser, run_cli
     from bert_packed.config import ConfigError, dump, input_paths, load_config, validate
     from bert_packed.io import check_output_dir
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
-    sys.exit(130)
+    sys.exit(128 + _SIGNALLED[0] if _SIGNALLED else 130)
 
 
 def parse_args(argv=None):
@@ -93,10 +102,11 @@ def main(argv=None) -> int:
 
 
 def _done(status: int) -> int:
-    """The work is done and ``status`` known: from here on Ctrl-C is ignored (in the main thread
-    of ``python run.py``), so a completed run (every output written) is not reported killed."""
+    """The work is done and ``status`` known: from here on Ctrl-C and SIGTERM are ignored (in the
+    main thread of ``python run.py``), so a completed run (every output written) is not reported killed."""
     if __name__ == "__main__" and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return status
 
 

@@ -60,15 +60,36 @@ class _HashingWriter:
 
 
 def save_checkpoint(path: str, state: Dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically, with the checksum trailer (see module docstring)."""
-    with atomic_path(path, prefix=".checkpoint-", suffix=".tmp") as tmp:
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(state, writer)
-            f.write(b"\n#packed-bert-checkpoint v1 sha256=%s bytes=%020d\n"
-                    % (writer.sha256.hexdigest().encode(), writer.size))
-            f.flush()
-            os.fsync(f.fileno())
+    """Write ``state`` to ``path`` atomically, with the checksum trailer (see module docstring).
+
+    A write that fails (a full disk, a quota) is an ``OSError`` naming ``path`` and saying that
+    the checkpoint already there, if any, is intact (the temporary file is removed)."""
+    try:
+        with atomic_path(path, prefix=".checkpoint-", suffix=".tmp") as tmp:
+            with open(tmp, "wb") as f:
+                writer = _HashingWriter(f)
+                torch.save(state, writer)
+                f.write(b"\n#packed-bert-checkpoint v1 sha256=%s bytes=%020d\n"
+                        % (writer.sha256.hexdigest().encode(), writer.size))
+                f.flush()
+                os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
+        errno_ = getattr(exc, "errno", None) or _errno_in(exc)
+        if errno_ is None:
+            raise
+        before = ("the previous checkpoint there is intact" if os.path.exists(path)
+                  else "no earlier checkpoint was there")
+        raise OSError(errno_, f"{os.strerror(errno_)}: the checkpoint was not written ({before}); free space "
+                              f"or choose another --output-dir, then --resume", path) from None
+
+
+def _errno_in(exc: BaseException):
+    """The errno of the OSError behind ``exc`` (torch.save wraps a failed write), or None."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno:
+            return exc.errno
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def verify_checkpoint(path: str) -> Tuple[str, int]:
@@ -108,13 +129,46 @@ def verify_checkpoint(path: str) -> Tuple[str, int]:
     return expected, payload
 
 
+def _plain_data_globals() -> List[Any]:
+    """What a checkpoint of ours holds besides tensors and Python's plain data: numpy arrays,
+    scalars and dtypes (the numpy RNG state, a task's saved outputs). Nothing that runs code."""
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        allowed += [getattr(dtypes, name) for name in dir(dtypes) if name.endswith("DType")]
+    return allowed
+
+
+def safe_torch_load(path: str, *, mmap: bool = False) -> Any:
+    """``torch.load`` of tensors and plain data only (``weights_only``, numpy allowed): a pickle
+    naming anything else (a class, a function: what a malicious file uses to run code) is
+    refused in one line naming it, instead of torch's multi-line advice to load it unsafely."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_plain_data_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "weights only load failed" not in text.lower():
+            raise
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        other = re.search(r"WeightsUnpickler error: ([^\n]{1,80})", text)
+        what = f" ({found.group(1)})" if found else f" ({other.group(1).strip()})" if other else ""
+        raise CheckpointError(f"{path}: not loaded: it holds Python objects beyond tensors and plain data{what}, and "
+                              f"unpickling them could run any code; use a checkpoint this project wrote or weights "
+                              f"in safetensors from a source you trust") from None
+
+
 def load_checkpoint(path: str) -> Dict[str, Any]:
-    """The state saved by :func:`save_checkpoint`, after verifying its checksum."""
+    """The state saved by :func:`save_checkpoint`, after verifying its checksum (tensors and
+    plain data only: a checksum is no proof of who wrote the file)."""
     verify_checkpoint(path)
     try:
-        # weights_only=False: the file holds RNG states and python objects we wrote ourselves
-        # (and its checksum was just verified).
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return safe_torch_load(path)
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - intact bytes that still do not unpickle
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(f"{path}: checksum is intact but torch.load failed ({first}); "

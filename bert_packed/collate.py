@@ -79,7 +79,11 @@ def masked_tokens_per_pack(mask_tokens: int, max_sequences_per_pack: int) -> int
 
 
 def sample_lengths(samples: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Real-token count of every sample: ``input_mask`` sum, else the count of non-zero ids."""
+    """Real-token count of every sample: its ``input_mask`` sum.
+
+    Without ``input_mask`` (arrays built in code for pre-training, whose vocabulary has [PAD]
+    at id 0): the count of non-zero ids. Tokenised text always passes ``input_mask`` (the
+    tokenizer's lengths): with a vocabulary whose id 0 is not [PAD] the ids cannot tell."""
     if "input_mask" in samples:
         return np.asarray(samples["input_mask"]).astype(bool).sum(axis=1).astype(np.int64)
     return (np.asarray(samples["input_ids"]) != 0).sum(axis=1).astype(np.int64)

@@ -46,7 +46,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import yaml
 
-from bert_packed.errors import ConfigError
+from bert_packed.errors import ConfigError, excerpt
 from bert_packed import limits
 from bert_packed.limits import BOUND_KEYS, at_most, bound_message, bounded
 from bert_packed.yaml_io import YamlError, YamlSyntaxError, load_yaml, loads_yaml
@@ -449,7 +449,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin in (list, List):
         (inner,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}; write it as [a, b, ...]")
+            raise ConfigError(f"{where}: expected {_type_name(tp)}, got {excerpt(value)}; write it as [a, b, ...]")
         return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
     ok = False
     if tp is bool:
@@ -462,11 +462,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
         if ok and not math.isfinite(value):
-            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+            raise ConfigError(f"{where}: expected a finite number, got {excerpt(value)}")
     elif tp is str:
         ok = isinstance(value, str)
     if not ok:
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {excerpt(value)} ({type(value).__name__})")
     return value
 
 
@@ -495,13 +495,13 @@ def _set_value(config: Config, section: str, key: str, value: Any, source: str) 
                           f"{' (or null for none)' if optional else ''}")
     if choices is not None and value not in choices:
         names = ", ".join("null" if c is None else str(c) for c in choices)
-        raise ConfigError(f"{source}: {section}.{key} must be one of {names}, got {value!r}")
+        raise ConfigError(f"{source}: {section}.{key} must be one of {names}, got {excerpt(value)}")
     setattr(obj, key, value)
 
 
 def _parse_override(text: str) -> tuple:
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set train.steps=100")
+        raise ConfigError(f"--set {excerpt(text)}: expected section.key=value, e.g. --set train.steps=100")
     dotted, raw = text.split("=", 1)
     section, key = dotted.split(".", 1)
     try:

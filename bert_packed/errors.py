@@ -9,3 +9,16 @@ command lines (``bert_packed.cli.run_cli``) print it as ``error: ...`` and exit 
 
 class ConfigError(ValueError):
     """A user mistake in the configuration; the message is one line naming the fix."""
+
+
+EXCERPT_LIMIT = 60  # characters of a value a message quotes
+
+
+def excerpt(value, limit: int = EXCERPT_LIMIT) -> str:
+    """``repr(value)`` for a message, at most about ``limit`` characters: a long value (a 100 kB
+    ``--set``, a pasted file) is quoted by its start and its length, never echoed whole."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value):,} characters" if isinstance(value, str) else f"{len(text):,} characters written out"
+    return f"{text[:limit]}... ({size})"

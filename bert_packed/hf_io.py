@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 # One error class for every unusable checkpoint (ours or Hugging Face's): one line, exit 2.
-from bert_packed.checkpoint import CheckpointError
+from bert_packed.checkpoint import CheckpointError, safe_torch_load
 from bert_packed.io import atomic_path, write_text_atomic
 
 __all__ = [
@@ -227,15 +227,23 @@ def _read_json(path: str) -> Dict[str, Any]:
     return value
 
 
+def _first_line(exc: BaseException) -> str:
+    """An exception's first line (torch's messages run to paragraphs)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else type(exc).__name__
+
+
 def _load_tensor_file(path: str) -> Dict[str, torch.Tensor]:
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
 
             return load_file(path, device="cpu")
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return safe_torch_load(path)
+    except CheckpointError:
+        raise
     except Exception as exc:  # corrupt or truncated file: one line naming it
-        raise CheckpointError(f"{path}: cannot read the weights ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{path}: cannot read the weights ({type(exc).__name__}: {_first_line(exc)})") from None
 
 
 def _hf_weights(directory: str) -> Dict[str, torch.Tensor]:
@@ -291,9 +299,11 @@ def read_pretrained(path: str, *, weights: bool = True) -> Pretrained:
                               f"directory with {OUR_CHECKPOINT}); give the folder holding config.json and the weights")
     try:
         # mmap: describing the model does not read the weights.
-        state = torch.load(ours, map_location="cpu", weights_only=False, mmap=not weights)
+        state = safe_torch_load(ours, mmap=not weights)
+    except CheckpointError:
+        raise
     except Exception as exc:
-        raise CheckpointError(f"{ours}: cannot read the checkpoint ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{ours}: cannot read the checkpoint ({type(exc).__name__}: {_first_line(exc)})") from None
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise CheckpointError(f"{ours}: not a checkpoint of this project (no model weights and config)")
     model_section = dict(state["config"].get("model", {}))
@@ -469,6 +479,14 @@ def save_pretrained(model: torch.nn.Module, directory: str, *, tokenizer=None, i
     config.update(model.hf_label_config(id2label))
     config["dtype"] = "float32"
     config.update(extra_config or {})
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    if tokenizer is not None and tokenizer.get_vocab_size() > cfg.vocab_size:
+        # Checked before anything is written: ids past the word embeddings make a model that
+        # transformers cannot run (an index error on the first such token).
+        raise CheckpointError(f"the tokenizer has {tokenizer.get_vocab_size():,} tokens but the model's vocabulary "
+                              f"(vocab_size) has {cfg.vocab_size:,}; an export with it would index past the word "
+                              f"embeddings: ship the tokenizer the model was trained with")
     os.makedirs(directory, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.hf_state_dict().items()}
     # Shared tensors are stored once (safetensors refuses aliases), as Hugging Face does:
@@ -480,8 +498,6 @@ def save_pretrained(model: torch.nn.Module, directory: str, *, tokenizer=None, i
         save_file(state, tmp, metadata={"format": "pt"})
     write_text_atomic(os.path.join(directory, CONFIG_NAME), json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
-        if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = load_tokenizer(tokenizer)
         save_tokenizer(tokenizer, directory, model_max_length=cfg.max_position_embeddings)
     return directory
 

@@ -107,3 +107,51 @@ VOCABULARY = at_most(2**22, "16 times the largest BERT-family vocabulary (about 
 # Hidden width: one hidden x hidden matrix is 16 GiB in fp32 at 65536; the widest published
 # transformers use about 25000.
 HIDDEN = at_most(65536, "one hidden x hidden weight matrix would be 16 GiB; the widest transformers use ~25000")
+
+
+# ---------------------------------------------------------------------------------------
+# Size flags of the data command line (python -m bert_packed.data): the maximum of each, with
+# its reason, checked before anything is read (absurd values ended in a memory error, an
+# overflow traceback or a panic of the tokenizers library). Each command's own minimums stay
+# where the command checks them; a minimum here is one the command lacked.
+
+# A word's count in the corpus: tokenizers keeps counts as 64-bit integers and panics on a
+# negative one; no word of any corpus occurs 10^12 times (Common Crawl's "the": ~10^11).
+FREQUENCY = at_most(10**12, "more occurrences than any word has in any corpus")
+
+# Passes of create over the corpus, each writing it again with other masks: BERT used 10.
+DUPE_FACTOR = at_most(1000, "each pass writes the whole corpus again; BERT used 10")
+
+# Masked tokens of a sequence or a pack: at most the tokens there are.
+MASKED = at_most(SEQUENCE_TOKENS, f"more masked tokens than the longest sequence ({SEQUENCE_TOKENS} tokens) holds")
+
+# Packs a pack step builds in memory before writing them: each holds S tokens of 6 fields.
+CHUNK_PACKS = at_most(2**20, "a chunk is built in memory: 2^20 packs of 512 tokens are GiBs per field")
+
+# Seeds: the output file records the seed as an unsigned 64-bit integer (a larger one ended in
+# h5py's "Object dtype has no native HDF5 equivalent" traceback after all the work).
+SEED = at_most(2**64 - 1, "the output file records the seed as an unsigned 64-bit integer")
+
+DATA_FLAGS = {
+    "vocab": (("size", "--size", None, VOCABULARY), ("min_frequency", "--min-frequency", 0, FREQUENCY)),
+    "create": (("max_seq_length", "--max-seq-length", None, SEQUENCE),
+               ("max_predictions", "--max-predictions", None, MASKED),
+               ("dupe_factor", "--dupe-factor", None, DUPE_FACTOR), ("seed", "--seed", None, SEED)),
+    "pack": (("max_sequence_length", "--max-sequence-length", 1, SEQUENCE),
+             ("max_masked_tokens_per_pack", "--max-masked-tokens-per-pack", 1, MASKED),
+             ("chunk_packs", "--chunk-packs", None, CHUNK_PACKS), ("seed", "--seed", None, SEED)),
+}
+
+
+def size_flag_error(command: str, values: Dict[str, Any]) -> Optional[str]:
+    """The one-line reason a size flag of ``python -m bert_packed.data COMMAND`` is out of bounds
+    (``values``: the parsed flags by name), or None."""
+    for name, flag, low, high in DATA_FLAGS.get(command, ()):
+        value = values.get(name)
+        if value is None:
+            continue
+        meta = {**high, **({"ge": low} if low is not None else {})}
+        message = bound_message(flag, value, meta)
+        if message is not None:
+            return message
+    return None

@@ -214,8 +214,8 @@ class _Run:
         try:
             self.backend.sync_to_host()  # IPU: the weights live on the device
             self.task.finish(self.backend, self.model, self.output_dir, self.task_summary)  # eval, predictions, OUT/hf
-        except KeyboardInterrupt:  # Ctrl-C after the last step: say what is left, not "nothing was kept"
-            self._interrupted_finishing(step)
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM after the last step: say what is left
+            self._interrupted_finishing(step, getattr(exc, "signum", signal.SIGINT))
         result = self.summary("completed", step)
         self._closing_line(result)
         return result
@@ -471,8 +471,8 @@ class _Run:
         self.summary("interrupted", step, message)
         raise Interrupted(message, signum)
 
-    def _interrupted_finishing(self, step: int) -> None:
-        """SIGINT while the end-of-run outputs were being written (the final evaluation's results,
+    def _interrupted_finishing(self, step: int, signum: int = signal.SIGINT) -> None:
+        """SIGINT (or SIGTERM) while the end-of-run outputs were being written (the final evaluation's results,
         predictions, OUT/hf): summary.json says so, and where the trained weights are (the model
         may hold the best evaluation's weights by then, so no checkpoint is written now)."""
         if self.checkpointer.last_step == step:
@@ -480,10 +480,10 @@ class _Run:
                     f"export {self.output_dir} --output DIR writes its Hugging Face export)")
         else:
             kept = f"no checkpoint holds step {step} (train.checkpoint_every={self.config.train.checkpoint_every})"
-        message = (f"SIGINT after the last step ({step}), while the end-of-run outputs (final evaluation, "
-                   f"predictions, OUT/hf) were written: they are incomplete; {kept}")
+        message = (f"{signal.Signals(signum).name} after the last step ({step}), while the end-of-run outputs (final "
+                   f"evaluation, predictions, OUT/hf) were written: they are incomplete; {kept}")
         self.summary("interrupted", step, message)
-        raise Interrupted(message, signal.SIGINT) from None
+        raise Interrupted(message, signum) from None
 
     def summary(self, status: str, step: int, error: Optional[str] = None) -> Dict[str, Any]:
         """summary.json (written by the main process) and its dict."""

@@ -377,6 +377,32 @@ def main(argv=None):
                    interrupted_status=2)
 
 
+# The size flags' maximums and why (absurd values ran for hours or ran out of memory).
+MAX_SEQUENCE_LENGTH = (65536, "one head's dense attention scores are 16 GiB at 65536 tokens; BERT checkpoints hold "
+                              "at most 8192 positions")
+MAX_BATCH_SIZE = (2**20, "16 times the largest published BERT batch (65536 sequences)")
+MAX_REPEATS = (1000, "a median of more runs is no more accurate, and greedy takes seconds a run")
+MAX_TIME_LIMIT = (7 * 86400, "a week; lp finds its plan in seconds to minutes")
+MAX_NUM_SEQUENCES = (2**31, "the assignment keeps several int64 arrays per sequence: tens of GiB beyond that")
+
+
+def _check_maximums(args) -> None:
+    for flag, name, (limit, why) in (("--max-sequence-length", "max_sequence_length", MAX_SEQUENCE_LENGTH),
+                                     ("--batch-size", "batch_size", MAX_BATCH_SIZE),
+                                     ("--repeats", "repeats", MAX_REPEATS),
+                                     ("--time-limit", "time_limit", MAX_TIME_LIMIT)):
+        value = getattr(args, name, None)
+        if value is not None and value > limit:
+            raise PackingError(f"{flag} must be <= {limit} ({why}), got {value}")
+    count = getattr(args, "num_sequences", "all")
+    if count != "all":
+        if not str(count).isdigit() or int(count) < 1:
+            raise PackingError(f"--num-sequences must be 'all' or a positive integer, got {str(count)[:40]!r}")
+        if int(count) > MAX_NUM_SEQUENCES[0]:
+            raise PackingError(f"--num-sequences must be <= {MAX_NUM_SEQUENCES[0]} ({MAX_NUM_SEQUENCES[1]}), got "
+                               f"{count}")
+
+
 def _run(argv) -> None:
     args = build_parser().parse_args(argv)
     if getattr(args, "batch_size", 1) < 1:
@@ -389,6 +415,7 @@ def _run(argv) -> None:
         raise PackingError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     if args.max_sequence_length is not None and args.max_sequence_length < 1:
         raise PackingError(f"--max-sequence-length must be a positive integer, got {args.max_sequence_length}")
+    _check_maximums(args)
     try:
         args.handler(args)
     except OSError as exc:  # unwritable output, a directory that is a file, a full disk

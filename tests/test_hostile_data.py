@@ -282,3 +282,54 @@ def test_hdf5_resume_with_a_changed_micro_batch_neither_skips_nor_repeats(data, 
     # Epoch 0 served every item at most once, and all but the last partial micro-batch's.
     assert len(seen) == len(set(seen)) and first.num_items - 5 < len(seen) <= first.num_items
     assert resumed.state_dict()["cursor"] == {"base_global": 3, "base_epoch": 0, "base_offset": 24}
+
+
+SIZE_FLAGS = {  # was: a Rust panic, OverflowError tracebacks, numpy's memory error, hours of work
+    "vocab --size": (["vocab", "--input", "{corpus}", "--output", "{out}/vocab.txt", "--size", "99999999999"],
+                     "--size must be <= 4194304 (16 times the largest BERT-family vocabulary (about 250000)), got "
+                     "99999999999"),
+    "vocab --size beyond 64 bits": (["vocab", "--input", "{corpus}", "--output", "{out}/vocab.txt", "--size",
+                                     "99999999999999999999999"],
+                                    "--size must be <= 4194304 (16 times the largest BERT-family vocabulary (about "
+                                    "250000)), got 99999999999999999999999"),
+    "vocab --min-frequency": (["vocab", "--input", "{corpus}", "--output", "{out}/vocab.txt", "--size", "100",
+                               "--min-frequency", "-3"], "--min-frequency must be >= 0, got -3"),
+    "create --max-seq-length": (["create", "--input", "{corpus}", "--vocab", "{vocab}", "--output", "{out}/c.h5",
+                                 "--max-seq-length", "9999999999"],
+                                "--max-seq-length must be <= 65536 (one head's dense attention scores are 16 GiB at "
+                                "65536 tokens; BERT checkpoints hold at most 8192 positions), got 9999999999"),
+    "create --max-predictions": (["create", "--input", "{corpus}", "--vocab", "{vocab}", "--output", "{out}/shards",
+                                  "--max-predictions", "9999999999"],
+                                 "--max-predictions must be <= 65536 (more masked tokens than the longest sequence "
+                                 "(65536 tokens) holds), got 9999999999"),
+    "create --dupe-factor": (["create", "--input", "{corpus}", "--vocab", "{vocab}", "--output", "{out}/c.h5",
+                              "--dupe-factor", "99999999"],
+                             "--dupe-factor must be <= 1000 (each pass writes the whole corpus again; BERT used 10), "
+                             "got 99999999"),
+    "create --seed": (["create", "--input", "{corpus}", "--vocab", "{vocab}", "--output", "{out}/c.h5", "--seed",
+                       "99999999999999999999999"],
+                      "--seed must be <= 18446744073709551615 (the output file records the seed as an unsigned 64-bit "
+                      "integer), got 99999999999999999999999"),
+    "pack --max-sequence-length": (["pack", "--input", "{unpacked}", "--output", "{out}/p.h5",
+                                    "--max-sequence-length", "0"], "--max-sequence-length must be >= 1, got 0"),
+    "pack --max-masked-tokens-per-pack": (["pack", "--input", "{unpacked}", "--output", "{out}/p.h5",
+                                           "--max-masked-tokens-per-pack", "99999999"],
+                                          "--max-masked-tokens-per-pack must be <= 65536 (more masked tokens than the "
+                                          "longest sequence (65536 tokens) holds), got 99999999"),
+    "pack --chunk-packs": (["pack", "--input", "{unpacked}", "--output", "{out}/p.h5", "--chunk-packs",
+                            "999999999999"],
+                           "--chunk-packs must be <= 1048576 (a chunk is built in memory: 2^20 packs of 512 tokens are "
+                           "GiBs per field), got 999999999999"),
+}
+
+
+@pytest.mark.parametrize("case", list(SIZE_FLAGS))
+def test_every_size_flag_has_a_maximum_with_its_reason(work, tmp_path, capsys, case):
+    argv, message = SIZE_FLAGS[case]
+    out = tmp_path / "out"
+    names = {"corpus": work / "corpus.txt", "vocab": work / "vocab.txt", "unpacked": work / "train.h5", "out": out}
+    before = snapshot(work)
+    code, line = data_error(capsys, *[a.format(**names) for a in argv])
+    assert (code, line) == (2, f"error: {message}")
+    assert_unchanged(before, work)
+    assert not out.exists()

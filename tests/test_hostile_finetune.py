@@ -99,6 +99,50 @@ def test_a_tab_inside_a_tsv_value_is_refused(capsys, checkpoint, tmp_path, data)
             f"inside an unquoted value?); quote values that hold the delimiter", data / "dev.csv")
 
 
+def test_a_tsv_with_literal_quotes_is_read_as_written(tmp_path):
+    # GLUE's files and IANA's TSV: quotes are text. The strict CSV reading refused this line.
+    from bert_packed.finetune.data import read_table
+
+    path = write(tmp_path / "glue.tsv", 'text\tlabel\n"Quoted words," she said -- Author\tpos\n'
+                                        'it \'s a "charming" film\tneg\n"Stop."\tpos\n')
+    table = read_table(str(path), ["text", "label"])
+    assert table["text"] == ['"Quoted words," she said -- Author', 'it \'s a "charming" film', '"Stop."']
+    assert table["label"] == ["pos", "neg", "pos"] and table["text"].lines == [2, 3, 4]
+
+
+def test_a_tsv_with_csv_quoting_is_read_unquoted(tmp_path):
+    # pandas.to_csv(sep="\t") (csv.writer): a value with a quote, a tab or a line break quoted whole.
+    import csv
+
+    from bert_packed.finetune.data import read_table
+
+    values = ['"Quoted words," she said -- Author', "a\tb", "two\nlines", "plain"]
+    with open(tmp_path / "pandas.tsv", "w", newline="") as f:
+        writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+        writer.writerows([["text", "label"]] + [[v, "pos"] for v in values])
+    table = read_table(str(tmp_path / "pandas.tsv"), ["text", "label"])
+    assert table["text"] == values and table["text"].lines == [2, 3, 4, 6]
+    quote_all = write(tmp_path / "all.tsv", '"text"\t"label"\n"Stop."\t"pos"\n')
+    assert read_table(str(quote_all), ["text", "label"]) == {"text": ["Stop."], "label": ["pos"]}
+
+
+def test_a_tsv_value_both_readings_fit_differently_is_refused(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.tsv", 'text\tlabel\ngood dog\tpos\n"Stop."\tneg\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: line 3: '\"Stop.\"' is the text 'Stop.' with CSV quoting and '\"Stop.\"' with literal quotes; "
+            f"which is meant is ambiguous: remove the quotes if they are not part of the text, quote the value whole "
+            f"with its quotes doubled if they are, or give the file as JSON lines (.jsonl)", data / "dev.csv")
+
+
+def test_a_tsv_neither_reading_fits_is_refused_with_both_reasons(capsys, checkpoint, tmp_path, data):
+    train = write(data / "train.tsv", 'text\tlabel\n"Quoted," she said\tpos\n"a\tb"\tneg\n')
+    refused(capsys, checkpoint, tmp_path, train,
+            f"{train}: not valid TSV read either way: with literal quotes, line 3: 3 fields but the header has 2: "
+            f"extra value 'neg' in ['\"a', 'b\"', 'neg'] (a tab inside an unquoted value?); quote values that hold "
+            f"the delimiter; with CSV quoting, line 2: not valid TSV ('\\t' expected after '\"'); a value holding a "
+            f"quote, a tab or a line break must be quoted whole, with inner quotes doubled (\"\")", data / "dev.csv")
+
+
 def test_duplicate_column_names_are_refused_naming_both(capsys, checkpoint, tmp_path, data):
     train = write(data / "train.csv", "label,text,label\npos,good dog,neg\n")
     refused(capsys, checkpoint, tmp_path, train,
@@ -737,6 +781,100 @@ def test_predict_refuses_a_model_with_ambiguous_labels(capsys, finished, tmp_pat
                 f"{model / 'config.json'}: id2label names 'neg' twice (ids 0 and 1); which class a prediction of "
                 f"'neg' means is ambiguous", root, checkpoint, tmp_path)
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_predict_refuses_a_token_classification_model(capsys, finished, tmp_path, checkpoint):
+    # It has id2label too: predict loaded it and classified through a randomly initialised pooler.
+    root, out = finished
+    model = tmp_path / "ner"
+    save_hf_checkpoint(transformers, str(model), str(checkpoint.parent / "vocab" / "vocab.txt"), "BertForTokenClassification",
+                       num_labels=3, id2label={0: "O", 1: "B-PER", 2: "I-PER"}, label2id={"O": 0, "B-PER": 1, "I-PER": 2})
+    capsys.readouterr()  # transformers' progress bar
+    cli_refused(capsys, ["predict", "--model", model, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{model}: config.json's architectures is BertForTokenClassification (token classification); predict "
+                f"classifies sequences and needs a sequence-classification model (BertForSequenceClassification)",
+                root, checkpoint, model)
+    assert not (tmp_path / "p.jsonl").exists()
+    # Without architectures in config.json the weights tell: no pooler.
+    bare = edited_checkpoint(model, tmp_path / "bare", lambda c: c.pop("architectures"))
+    cli_refused(capsys, ["predict", "--model", bare, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{bare}: not a trained sequence-classification model: newly initialised: bert.pooler.* (2) (predict "
+                f"would classify through random weights); give a model fine-tuned for sequence classification (a "
+                f"run's OUT/hf)", root, checkpoint, bare)
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_predict_refuses_a_label_count_the_classifier_does_not_have(capsys, finished, tmp_path, checkpoint):
+    root, out = finished
+    model = edited_checkpoint(out / "hf", tmp_path / "model", lambda c: c.update(
+        id2label={"0": "neg", "1": "pos", "2": "meh"}, label2id={"neg": 0, "pos": 1, "meh": 2}))
+    cli_refused(capsys, ["predict", "--model", model, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{model}: config.json's id2label names 3 labels but the classifier has 2 outputs; the config does not "
+                f"belong to these weights", root, checkpoint, model)
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_predict_refuses_a_tokenizer_larger_than_the_vocabulary(capsys, finished, tmp_path, checkpoint):
+    # Was: accepted; the first text with an id past the vocabulary ended in an IndexError traceback.
+    root, out = finished
+    model = edited_checkpoint(out / "hf", tmp_path / "model")
+    (model / "tokenizer.json").unlink()
+    words = (checkpoint.parent / "vocab" / "vocab.txt").read_text().split()
+    (model / "vocab.txt").write_text("\n".join(words + [f"extra{i}" for i in range(10)]) + "\n")
+    cli_refused(capsys, ["predict", "--model", model, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{model}: the tokenizer has {len(words) + 10:,} tokens but the model's vocabulary (vocab_size) has "
+                f"{len(words):,}; the tokenizer does not belong to this model", root, checkpoint, model)
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(capsys, finished, checkpoint, tmp_path):
+    root, out = finished
+    words = (checkpoint.parent / "vocab" / "vocab.txt").read_text().split()
+    big = tmp_path / "big" / "vocab.txt"
+    big.parent.mkdir()
+    big.write_text("\n".join(words + [f"extra{i}" for i in range(10)]) + "\n")
+    cli_refused(capsys, ["export", out, "--output", tmp_path / "export", "--tokenizer", big],
+                f"the tokenizer has {len(words) + 10:,} tokens but the model's vocabulary (vocab_size) has "
+                f"{len(words):,}; an export with it would index past the word embeddings: ship the tokenizer the "
+                f"model was trained with", root, checkpoint, big)
+    assert not (tmp_path / "export").exists()
+
+
+class _Payload:
+    """What a malicious pickle holds: unpickling it calls a function (here: writes a file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_that_runs_code_is_refused_in_one_line_and_never_run(capsys, finished, checkpoint, tmp_path):
+    # Was: torch's multi-line advice to load with weights_only=False (pytorch_model.bin), and a
+    # checkpoint.pt was unpickled with weights_only=False: its code ran (a checksum trailer is
+    # no proof of who wrote the file).
+    import torch
+
+    from bert_packed.checkpoint import save_checkpoint
+
+    root, out = finished
+    marker = tmp_path / "ran"
+    model = edited_checkpoint(out / "hf", tmp_path / "model")
+    (model / "model.safetensors").unlink()
+    torch.save({"bert.embeddings.word_embeddings.weight": _Payload(str(marker))}, model / "pytorch_model.bin")
+    cli_refused(capsys, ["predict", "--model", model, "--input", root / "train.csv", "--output", tmp_path / "p.jsonl"],
+                f"{model / 'pytorch_model.bin'}: not loaded: it holds Python objects beyond tensors and plain data "
+                f"(io.open), and unpickling them could run any code; use a checkpoint this project wrote or "
+                f"weights in safetensors from a source you trust", root, checkpoint, model)
+    bad_run = tmp_path / "bad_run"
+    bad_run.mkdir()
+    save_checkpoint(str(bad_run / "checkpoint.pt"), {"model": _Payload(str(marker)), "config": {}})
+    cli_refused(capsys, ["export", bad_run, "--output", tmp_path / "export"],
+                f"{bad_run / 'checkpoint.pt'}: not loaded: it holds Python objects beyond tensors and plain data "
+                f"(io.open), and unpickling them could run any code; use a checkpoint this project wrote or "
+                f"weights in safetensors from a source you trust", root, checkpoint, bad_run)
+    assert not marker.exists() and not (tmp_path / "p.jsonl").exists() and not (tmp_path / "export").exists()
 
 
 @pytest.mark.parametrize("where", ["run", "run/hf", "checkpoint"])

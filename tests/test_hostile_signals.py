@@ -53,3 +53,73 @@ def test_sigint_and_sigterm_stop_at_a_step_boundary_with_a_checkpoint(tmp_path, 
     run_ok(capsys, TINY + ["--steps", str(step + 2), "--resume", "--output-dir", str(out)])
     with open(out / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == list(range(1, step + 3))
+
+
+def _run_with(code_before, argv, signum_hint=""):
+    """``python run.py ARGV`` as __main__ after ``code_before``: (status, stderr lines)."""
+    script = (f"import os, runpy, signal, sys, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              f"{code_before}\nsys.argv = ['run.py'] + {argv!r}\nrunpy.run_path('run.py', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                            timeout=300)
+    return result.returncode, [line for line in result.stderr.strip().splitlines() if not line.startswith("note:")]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_final_export_is_written_is_handled_the_same(tmp_path, signum):
+    # Was: SIGTERM here killed the process outright (no summary.json, the export's temporary
+    # file left behind) while Ctrl-C at the same moment was handled. The signal arrives while
+    # the weights' temporary file is being written.
+    patch = ("import safetensors.torch as st\nreal = st.save_file\n"
+             "def save_file(state, path, metadata=None):\n"
+             "    real(state, path, metadata=metadata)\n"
+             f"    os.kill(os.getpid(), {int(signum)})\n"
+             "    time.sleep(5)\n"
+             "st.save_file = save_file\n")
+    out = tmp_path / "run"
+    code, lines = _run_with(patch, TINY + ["--steps", "4", "--set", "train.checkpoint_every=2", "--output-dir",
+                                           str(out)])
+    name = signal.Signals(signum).name
+    assert (code, lines) == (128 + signum, [
+        f"stopped: {name} after the last step (4), while the end-of-run outputs (final evaluation, predictions, "
+        f"OUT/hf) were written: they are incomplete; the checkpoint {out / CHECKPOINT_NAME} holds step 4 (python -m "
+        f"bert_packed.finetune export {out} --output DIR writes its Hugging Face export)"])
+    with open(out / "summary.json") as f:
+        assert json.load(f)["status"] == "interrupted"
+    left = [os.path.join(folder, n) for folder, _, names in os.walk(out) for n in names if n.startswith(".")]
+    assert left == [str(out / ".lock")], left  # no temporary file
+    assert load_checkpoint(str(out / CHECKPOINT_NAME))["step"] == 4
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_run_is_set_up_leaves_no_trace(tmp_path, signum):
+    # Was: SIGTERM before the first step killed the process and left the output directory and
+    # its lock file; Ctrl-C removed them. Now both: one line, 128 + N, nothing left.
+    patch = ("import bert_packed.task as task_module\nreal = task_module.get_task\n"
+             "def get_task(config):\n"
+             f"    os.kill(os.getpid(), {int(signum)})\n"
+             "    time.sleep(5)\n"
+             "    return real(config)\n"
+             "task_module.get_task = get_task\nimport bert_packed.train as train_module\n"
+             "train_module.get_task = get_task\n")
+    out = tmp_path / "run"
+    code, lines = _run_with(patch, TINY + ["--steps", "4", "--output-dir", str(out)])
+    assert (code, lines) == (128 + signum, ["interrupted (nothing half-written was kept)"])
+    assert not out.exists()
+
+
+def test_sigterm_while_torch_loads_is_the_ctrl_c_line(tmp_path):
+    # Was: SIGTERM during run.py's imports (seconds) killed the process without a word.
+    patch = ("import builtins\nreal = builtins.__import__\n"
+             "def imp(name, *args, **kwargs):\n"
+             "    if name == 'backends':\n"
+             "        os.kill(os.getpid(), signal.SIGTERM)\n"
+             "        time.sleep(5)\n"
+             "    return real(name, *args, **kwargs)\n"
+             "builtins.__import__ = imp\n")
+    out = tmp_path / "run"
+    code, lines = _run_with(patch, ["--config", "tiny", "--output-dir", str(out)])
+    assert (code, lines) == (128 + signal.SIGTERM, ["interrupted (nothing half-written was kept)"])
+    assert not out.exists()

@@ -62,8 +62,11 @@ CASES = [
      [], "{train}:2: expected a word and its tag separated by whitespace (CoNLL), got 'alice'"),
     ("conll_empty", lambda d: {"train": _text(d / "t.conll", "-DOCSTART- -X- O\n\n\n")},
      [], "{train}: no sentences (a CoNLL file holds a word and its tag per line)"),
-    ("conll_not_utf8", lambda d: {"train": _text(d / "t.conll", "caf\xe9 O\n", encoding="latin-1")},
-     [], "{train}: not UTF-8 text"),
+    ("conll_not_utf8", lambda d: {"train": _text(d / "t.conll", "met O\n\ncaf\xe9 O\n", encoding="latin-1")},
+     [], "{train}: line 3: not UTF-8 (byte 0xe9 at byte offset 10, column 4); save the file as UTF-8, e.g. iconv -f "
+         "<encoding> -t utf-8"),
+    ("conll_long_line", lambda d: {"train": _text(d / "t.conll", "met O\n" + "x" * 100_000 + "\n")},
+     [], "{train}:2: expected a word and its tag separated by whitespace (CoNLL), got '" + "x" * 37 + "...'"),
     ("tokens_not_a_list", lambda d: {"train": _jsonl(d / "t.jsonl", _with_row({"tokens": "in paris", "ner_tags": ["O", "B-LOC"]}))},
      [], "{train}: row 2, column 'tokens': expected a list of words, got str 'in paris'"),
     ("word_not_a_string", lambda d: {"train": _jsonl(d / "t.jsonl", _with_row({"tokens": ["in", 7], "ner_tags": ["O", "B-LOC"]}))},
@@ -114,6 +117,16 @@ def test_bad_data_is_one_line_before_the_first_step(checkpoint, tmp_path, capsys
     assert (code, line) == (2, "error: " + message.format(**files))
     assert_unchanged(before, data, checkpoint)
     assert not out.exists() or os.listdir(out) == [".lock"], os.listdir(out)
+
+
+def test_a_byte_order_mark_does_not_make_the_docstart_line_a_sentence(tmp_path):
+    # Was: '\ufeff-DOCSTART-' was a word tagged O, a sentence of its own.
+    from bert_packed.finetune.token_classification import read_sentences
+
+    text = "-DOCSTART- -X- -X- O\n\nmet O\nalice B-PER\n"
+    plain = read_sentences(_text(tmp_path / "plain.conll", text))
+    marked = read_sentences(_text(tmp_path / "bom.conll", b"\xef\xbb\xbf" + text.encode()))
+    assert marked.words == plain.words == [["met", "alice"]] and marked.tags == [["O", "B-PER"]]
 
 
 def test_messages_name_the_files_own_rows(checkpoint, tmp_path, capsys):

@@ -591,7 +591,8 @@ def test_process_group_gets_the_configured_collective_timeout(monkeypatch):
     from bert_packed.train import setup_distributed
 
     seen = {}
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)  # as torchrun sets them
     monkeypatch.setattr(dist, "is_initialized", lambda: bool(seen))
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
@@ -669,3 +670,68 @@ def test_checkpoints_of_multi_step_calls_resume_exactly(tmp_path, capsys, monkey
             lines[name] = [json.loads(line) for line in f]
     keys = ("step", "loss", "mlm_loss", "nsp_loss", "sequences", "tokens")
     assert [[line[k] for k in keys] for line in lines["full"]] == [[line[k] for k in keys] for line in lines["split"]]
+
+
+def test_a_world_size_left_set_without_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
+    # Was: a traceback from torch's env:// rendezvous ("environment variable RANK expected").
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "run"
+    code, line = main_error(capsys, TINY + ["--steps", "1", "--output-dir", str(out)])
+    assert (code, line) == (2, "error: WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not: this process "
+                               "was not started by torchrun; for one process unset WORLD_SIZE (unset WORLD_SIZE), for "
+                               "2 launch with torchrun --nproc_per_node 2 run.py ...")
+    assert not out.exists()
+
+
+def test_a_huge_set_value_is_quoted_by_an_excerpt_in_every_message(tmp_path, capsys):
+    # Was: a 100 kB --set value echoed whole in the one-line error (and so in every log).
+    out = tmp_path / "run"
+    huge = "x" * 100_000
+    code, line = main_error(capsys, TINY + ["--set", f"train.steps={huge}", "--output-dir", str(out)])
+    assert (code, line) == (2, f"error: --set: train.steps: expected int, got '{'x' * 59}... (100,000 characters) "
+                               f"(str)")
+    code, line = main_error(capsys, TINY + ["--set", huge, "--output-dir", str(out)])
+    assert (code, line) == (2, f"error: --set '{'x' * 59}... (100,000 characters): expected section.key=value, e.g. "
+                               f"--set train.steps=100")
+    # Messages that quote a value without the config's excerpt (the packing CLI's, a path) are
+    # cut where the line is printed: every run of over 400 characters.
+    code, line = main_error(capsys, TINY + ["--set", f"data.packing_algorithm={huge}", "--output-dir", str(out)])
+    assert code == 2 and len(line) < 500 and "...[100,003 characters]..." in line, line[:600]
+    assert not out.exists()
+
+
+def test_a_full_disk_during_a_checkpoint_names_the_file_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
+    # Was: "error: No space left on device", no file named; the temporary file's fate unsaid.
+    import errno
+
+    from bert_packed import checkpoint as checkpoint_module
+
+    real, calls = checkpoint_module.torch.save, []
+
+    class FullDisk:  # the disk fills after some bytes: torch.save reports it as a RuntimeError
+        def __init__(self, inner):
+            self.inner = inner
+
+        def write(self, data):
+            if self.inner.size > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.inner.write(data)
+
+        def flush(self):
+            self.inner.flush()
+
+    def save(obj, f, *args, **kwargs):
+        calls.append(1)
+        return real(obj, FullDisk(f) if len(calls) == 2 else f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", save)
+    out = tmp_path / "run"
+    code, line = main_error(capsys, TINY + ["--steps", "3", "--set", "train.checkpoint_every=1", "--output-dir",
+                                            str(out)])
+    assert (code, line) == (2, f"error: {out / CHECKPOINT_NAME}: No space left on device: the checkpoint was not "
+                               f"written (the previous checkpoint there is intact); free space or choose another "
+                               f"--output-dir, then --resume")
+    assert load_checkpoint(str(out / CHECKPOINT_NAME))["step"] == 1
+    assert not [n for n in os.listdir(out) if n.startswith(".checkpoint-")]

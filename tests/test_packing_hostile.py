@@ -81,6 +81,17 @@ HISTOGRAM_CASES = {
     "infinite time limit": (  # refused up front, lp row or not (lp itself refuses inf too)
         {"max_sequence_length": 4, "counts": [1, 2, 3, 4]}, ["--algorithm", "lpfhp", "--time-limit", "inf"],
         "error: --time-limit must be a positive number of seconds, got inf"),
+    "absurd --max-sequence-length": (  # was: the histogram's mismatch, after reading it
+        {"max_sequence_length": 4, "counts": [1, 2, 3, 4]}, ["--max-sequence-length", "99999999999"],
+        "error: --max-sequence-length must be <= 65536 (one head's dense attention scores are 16 GiB at 65536 "
+        "tokens; BERT checkpoints hold at most 8192 positions), got 99999999999"),
+    "absurd --batch-size": (  # was: ran for hours
+        {"max_sequence_length": 4, "counts": [1, 2, 3, 4]}, ["--batch-size", "99999999999999"],
+        "error: --batch-size must be <= 1048576 (16 times the largest published BERT batch (65536 sequences)), "
+        "got 99999999999999"),
+    "absurd --time-limit": (
+        {"max_sequence_length": 4, "counts": [1, 2, 3, 4]}, ["--algorithm", "lp", "--time-limit", "1e300"],
+        "error: --time-limit must be <= 604800 (a week; lp finds its plan in seconds to minutes), got 1e+300"),
     "nnlshp too large to build": (
         {"max_sequence_length": 8192, "counts": [0] * 8191 + [5]}, ["--algorithm", "nnlshp"],
         "error: nnlshp at max_sequence_length 8192, depth 3 needs a dense 8,192 x 5,596,502 matrix "
@@ -228,3 +239,19 @@ def test_library_refuses_the_same_cases():
         Histogram([1, 2], 7.5)
     with pytest.raises(PackingError, match=r"beyond what 64-bit arithmetic holds exactly"):
         Histogram(np.full(4, 2**61, dtype=np.int64))
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--repeats", "99999999999"], "error: --repeats must be <= 1000 (a median of more runs is no more accurate, "
+                                   "and greedy takes seconds a run), got 99999999999"),
+    (["--num-sequences", "99999999999999"], "error: --num-sequences must be <= 2147483648 (the assignment keeps "
+                                            "several int64 arrays per sequence: tens of GiB beyond that), got "
+                                            "99999999999999"),
+    (["--num-sequences", "-5"], "error: --num-sequences must be 'all' or a positive integer, got '-5'"),
+])
+def test_bench_size_flags_have_maximums(tmp_path, capsys, extra, expected):
+    # Was: --repeats ran forever, --num-sequences failed in a subprocess's memory.
+    before = snapshot(tmp_path)
+    assert main(["bench", "--quick", *extra]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [expected]
+    assert snapshot(tmp_path) == before

@@ -102,12 +102,22 @@ def main(argv=None):
     return run_cli(lambda: _run(args), interrupted=interrupted)
 
 
+def _check_size_flags(args):
+    """Every size flag within its maximum (bert_packed.limits.DATA_FLAGS, with the reasons)."""
+    from bert_packed.limits import size_flag_error
+    from .errors import DataError
+    message = size_flag_error(args.command, vars(args))
+    if message is not None:
+        raise DataError(message)
+
+
 def _sharded(output):
     """`create --output`: a directory of shards unless the name ends in .h5/.hdf5."""
     return not output.lower().endswith((".h5", ".hdf5"))
 
 
 def _run(args):
+    _check_size_flags(args)
     if args.command == "vocab":
         from .vocab import train_vocab
         num_tokens = train_vocab(args.input, args.size, args.output, lowercase=not args.cased,

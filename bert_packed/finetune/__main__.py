@@ -110,6 +110,32 @@ def export(checkpoint: str, output: str, tokenizer: Optional[str] = None) -> str
     return task.export(model, output)
 
 
+HEAD_TASKS = {"ForSequenceClassification": "sequence classification", "ForTokenClassification": "token classification",
+              "ForQuestionAnswering": "question answering", "ForPreTraining": "pre-training (no task head)",
+              "ForMaskedLM": "masked language modelling (no task head)", "Model": "no task head"}
+
+
+def check_sequence_classifier(model_dir: str, pretrained) -> None:
+    """A one-line ``CheckpointError`` unless ``model_dir`` holds a sequence classifier: its
+    config.json's ``architectures`` name another task head, or its classifier's outputs are not
+    as many as ``id2label``'s labels."""
+    from bert_packed import hf_io
+
+    architectures = [a for a in pretrained.hf_config.get("architectures") or [] if isinstance(a, str)]
+    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        name = architectures[0]
+        task = next((t for suffix, t in HEAD_TASKS.items() if name.endswith(suffix)), "another task")
+        raise hf_io.CheckpointError(f"{model_dir}: config.json's architectures is {name} ({task}); predict "
+                                    f"classifies sequences and needs a sequence-classification model "
+                                    f"(BertForSequenceClassification)")
+    id2label, _ = hf_io.label_maps(pretrained.hf_config)
+    weight = next((v for k, v in pretrained.state_dict.items() if k.endswith("classifier.weight")), None)
+    if id2label and weight is not None and getattr(weight, "ndim", 0) == 2 and weight.shape[0] != len(id2label):
+        raise hf_io.CheckpointError(f"{model_dir}: config.json's id2label names {len(id2label)} labels but the "
+                                    f"classifier has {weight.shape[0]} outputs; the config does not belong to these "
+                                    f"weights")
+
+
 def predict(model_dir: str, input_path: str, output: str, *, text_column: str = "text",
             text_pair_column: Optional[str] = None, max_sequence_length: int = 128, max_sequences_per_pack: int = 6,
             micro_batch_size: int = 16) -> int:
@@ -128,6 +154,7 @@ def predict(model_dir: str, input_path: str, output: str, *, text_column: str = 
     refuse_output(output, "--output", inputs=[("--input file", input_path)],
                   input_dirs=[("--model directory", model_dir)], kind="file")
     pretrained = hf_io.read_pretrained(model_dir)
+    check_sequence_classifier(model_dir, pretrained)
     id2label, problem_type = hf_io.label_maps(pretrained.hf_config)
     if not id2label:
         raise hf_io.CheckpointError(f"{model_dir}: config.json has no id2label; not a sequence-classification model")
@@ -137,10 +164,19 @@ def predict(model_dir: str, input_path: str, output: str, *, text_column: str = 
     if max_sequence_length > config.max_position_embeddings:
         max_sequence_length = config.max_position_embeddings
     model = BertForSequenceClassification(config).eval()
-    hf_io.load_weights(model, pretrained.state_dict, source=model_dir)
+    report = hf_io.load_weights(model, pretrained.state_dict, source=model_dir)
+    fresh = [part for part in report.split("; ") if part.startswith(("newly initialised", "re-initialised"))]
+    if fresh:  # predict would label the texts through random weights
+        raise hf_io.CheckpointError(f"{model_dir}: not a trained sequence-classification model: {'; '.join(fresh)} "
+                                    f"(predict would classify through random weights); give a model fine-tuned for "
+                                    f"sequence classification (a run's OUT/hf)")
     if pretrained.tokenizer_path is None:
         raise hf_io.CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.json or vocab.txt)")
     tokenizer = hf_io.load_tokenizer(pretrained.tokenizer_path)
+    if tokenizer.get_vocab_size() > config.vocab_size:  # its ids past the embeddings: an index error
+        raise hf_io.CheckpointError(f"{model_dir}: the tokenizer has {tokenizer.get_vocab_size():,} tokens but the "
+                                    f"model's vocabulary (vocab_size) has {config.vocab_size:,}; the tokenizer does "
+                                    f"not belong to this model")
     columns = [text_column] + ([text_pair_column] if text_pair_column else [])
     table = ft_data.read_table(input_path, columns)
     encoded = ft_data.encode_texts(tokenizer, table[text_column], table[text_pair_column] if text_pair_column else None,

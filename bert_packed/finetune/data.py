@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -203,6 +204,75 @@ def _read_delimited(path: str, lines: Iterator[str], delimiter: str) -> Tuple[Li
 _MAX_FIELD = 1 << 27  # characters of one CSV value (csv's default is 131,072)
 
 
+class _LiteralReader:
+    """TSV as IANA defines it (and GLUE's files have it): each line a row, fields split at tabs,
+    quotes plain characters; ``csv.reader``'s interface (iteration, ``line_num``)."""
+
+    def __init__(self, lines: Sequence[str]):
+        self._lines, self.line_num = lines, 0
+
+    def __iter__(self):
+        for line in self._lines:
+            self.line_num += 1
+            line = line.rstrip("\r\n")
+            yield line.split("\t") if line else []
+
+
+def _read_tsv(path: str, lines: Iterator[str]) -> Tuple[List[str], List[List[str]], List[int]]:
+    """Header and rows of a TSV file, its quotes read either way TSV is written in the wild.
+
+    Literal quotes (IANA's TSV, GLUE's files: ``"Quoted words," she said<TAB>pos``) and CSV
+    quoting (``pandas.to_csv(sep="\\t")``: a value with a quote, tab or line break quoted whole,
+    inner quotes doubled) are both read. A file that only one reading fits is read that way; one
+    that both fit alike is the same either way; one that both fit differently is CSV-quoted when a
+    quoted value has doubled inner quotes or every header name is quoted (what CSV writers do and
+    literal text does not), and refused (naming the line) otherwise; one that neither fits is
+    refused with both readings' reasons."""
+    lines = list(lines)
+    readings, errors = {}, {}
+    for name, read in (("csv", lambda: _read_delimited(path, iter(lines), "\t")),
+                       ("literal", lambda: _read_rows(path, _LiteralReader(lines), "\t"))):
+        try:
+            readings[name] = read()
+        except DataError as exc:
+            errors[name] = str(exc)
+    if len(readings) == 1:
+        return next(iter(readings.values()))
+    if not readings:
+        if errors["csv"] == errors["literal"]:
+            raise DataError(errors["csv"])
+        strip = len(f"{path}: ")
+        raise DataError(f"{path}: not valid TSV read either way: with literal quotes, {errors['literal'][strip:]}; "
+                        f"with CSV quoting, {errors['csv'][strip:]}")
+    quoted, literal = readings["csv"], readings["literal"]
+    if quoted == literal:
+        return quoted
+    header = literal[0]
+    if header and all(len(t) >= 2 and t[0] == t[-1] == '"' for t in header):
+        return quoted  # every header name quoted: a CSV writer's QUOTE_ALL
+    first = None
+    if quoted[2] == literal[2]:
+        for number, q_row, l_row in zip(quoted[2], quoted[1], literal[1]):
+            for q, raw in zip(q_row, l_row):
+                if q != raw:
+                    if '""' in raw[1:-1]:
+                        return quoted  # doubled inner quotes: CSV quoting
+                    first = first or (number, raw, q)
+    else:  # a quoted value spans lines under CSV quoting, yet every line is a row with literal quotes
+        i = next((i for i, (n, m) in enumerate(zip(literal[2], quoted[2])) if n != m),
+                 min(len(literal[2]), len(quoted[2])))
+        first = (quoted[2][i - 1] if i else 1, None, None)  # the row before the first that starts elsewhere
+    number, raw, value = first
+    if raw is not None:
+        raise DataError(f"{path}: line {number}: {_short(raw)!r} is the text {_short(value)!r} with CSV quoting and "
+                        f"{_short(raw)!r} with literal quotes; which is meant is ambiguous: remove the quotes if they "
+                        f"are not part of the text, quote the value whole with its quotes doubled if they are, or "
+                        f"give the file as JSON lines (.jsonl)")
+    raise DataError(f"{path}: line {number}: a quoted value runs over several lines with CSV quoting, yet every line "
+                    f"is a row of its own with literal quotes; which is meant is ambiguous: write the file with one "
+                    f"convention throughout, or as JSON lines (.jsonl)")
+
+
 def _read_rows(path: str, reader, delimiter: str) -> Tuple[List[str], List[List[str]], List[int]]:
     name = "tab" if delimiter == "\t" else repr(delimiter)
     header: Optional[List[str]] = None
@@ -237,7 +307,8 @@ def _read_rows(path: str, reader, delimiter: str) -> Tuple[List[str], List[List[
         if "field larger than field limit" in str(exc):
             raise DataError(f"{path}: {lines_text}: a value of more than {csv.field_size_limit():,} characters (a "
                             f"quote that is never closed?); shorten it, or fix the quoting") from None
-        raise DataError(f"{path}: {lines_text}: not valid {'TSV' if delimiter == chr(9) else 'CSV'} ({exc}); a value "
+        reason = str(exc).replace("\t", "\\t")  # a tab in a one-line message is invisible
+        raise DataError(f"{path}: {lines_text}: not valid {'TSV' if delimiter == chr(9) else 'CSV'} ({reason}); a value "
                         f"holding a quote, a {name} or a line break must be quoted whole, with inner quotes "
                         f"doubled (\"\")") from None
     return header or [], rows, numbers
@@ -278,7 +349,8 @@ def read_table(path: str, columns: Sequence[str]) -> Dict[str, Column]:
             available, rows, numbers = _read_jsonl(path, lines)
             index = None
         else:
-            available, rows, numbers = _read_delimited(path, lines, _DELIMITERS[kind])
+            read = _read_tsv if _DELIMITERS[kind] == "\t" else partial(_read_delimited, delimiter=",")
+            available, rows, numbers = read(path, lines)
             index = {title: i for i, title in enumerate(available)}
     if not rows:
         raise DataError(f"{path}: the file is empty (no data rows)")
@@ -384,7 +456,12 @@ class PackedDataset:
                  max_sequence_length: int, max_sequences_per_pack: int, algorithm: str, seed: int):
         from packing import Histogram, pack
 
-        self.samples = {"input_ids": encoded.input_ids, "segment_ids": encoded.segment_ids, **extra}
+        # The tokenizer's lengths, as a mask: a sequence is never measured by its id values (a
+        # vocabulary may put [UNK] or any other token at id 0; counting non-zero ids would cut
+        # every such token off in silence).
+        mask = (np.arange(encoded.input_ids.shape[1])[None, :] < np.asarray(encoded.lengths)[:, None]).astype(np.int8)
+        self.samples = {"input_ids": encoded.input_ids, "segment_ids": encoded.segment_ids, "input_mask": mask,
+                        **extra}
         self.lengths = encoded.lengths
         self.collate = collate
         self.max_sequences_per_pack = max_sequences_per_pack
@@ -447,8 +524,51 @@ class PackedDataset:
             packs[packs >= self.num_packs] = -1
             yield self._batch(assignment, packs)
 
-    def source(self, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> "PackedSource":
-        return PackedSource(self, micro_batch_size, rank, world_size)
+    def source(self, micro_batch_size: int, rank: int = 0, world_size: int = 1,
+               inputs: Sequence[str] = ()) -> "PackedSource":
+        return PackedSource(self, micro_batch_size, rank, world_size, inputs)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the sequences as packed (every sample array, by name, and the lengths)."""
+        if getattr(self, "_fingerprint", None) is None:
+            import hashlib
+
+            digest = hashlib.sha256()
+            for name in sorted(self.samples):
+                array = np.ascontiguousarray(self.samples[name])
+                digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+                digest.update(array.tobytes())
+            digest.update(np.ascontiguousarray(self.lengths, dtype=np.int64).tobytes())
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
+
+
+def file_record(path: str) -> Dict[str, Any]:
+    """What a resume compares of an input: a file's size and SHA-256; a directory's (a saved
+    dataset) files with their sizes and modification times."""
+    import hashlib
+
+    if os.path.isdir(path):
+        files = []
+        for folder, _, names in sorted(os.walk(path)):
+            for name in sorted(names):
+                stat = os.stat(os.path.join(folder, name))
+                files.append([os.path.relpath(os.path.join(folder, name), path), stat.st_size, stat.st_mtime_ns])
+        return {"path": path, "files": files}
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return {"path": path, "size": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def _record_change(saved: Dict[str, Any], now: Dict[str, Any]) -> str:
+    """How an input's record changed, in a few words."""
+    if "sha256" in saved and "sha256" in now:
+        if saved["size"] != now["size"]:
+            return f"{saved['size']:,} bytes then, {now['size']:,} now"
+        return f"same size, other content: sha256 {saved['sha256'][:12]} then, {now['sha256'][:12]} now"
+    return "its files differ (names, sizes or modification times)"
 
 
 class PackedSource:
@@ -456,13 +576,23 @@ class PackedSource:
 
     Packs of epoch e come in the order of ``assignment(e)``; epochs follow each other
     seamlessly (a micro-batch may span two), so every sequence is seen once per epoch.
-    Global micro-batch g holds packs [g*B, (g+1)*B) of that stream; rank r serves g % n == r.
+    Global micro-batch g holds packs [p0 + (g-g0)*B, p0 + (g-g0+1)*B) of that stream (the base
+    (g0, p0) is (0, 0) until a resume changes the micro-batch size B); rank r serves g % n == r.
+
+    Its state records what the run read: the input files (``inputs``: size and SHA-256) and a
+    SHA-256 of the training sequences themselves (tokens, segments, masks, labels: what the
+    tokenizer made of the files). A resume on other data is refused unless forced; forced, the
+    stream starts a new epoch of the new data where the checkpoint stopped.
     """
 
-    def __init__(self, dataset: PackedDataset, micro_batch_size: int, rank: int, world_size: int):
+    def __init__(self, dataset: PackedDataset, micro_batch_size: int, rank: int, world_size: int,
+                 inputs: Sequence[str] = ()):
         self.dataset, self.micro_batch_size = dataset, int(micro_batch_size)
         self.rank, self.world_size = int(rank), int(world_size)
         self.next_global = self.rank
+        self.base_global, self.base_pack = 0, 0
+        self.inputs = [p for p in inputs if p]
+        self.records = [file_record(p) for p in self.inputs]  # as read now, at setup
         self.packing_factor = dataset.packing_factor
         self.packing = {"algorithm": dataset.algorithm, "max_sequences_per_pack": dataset.max_sequences_per_pack,
                         "num_sequences": dataset.num_sequences, "num_packs": dataset.num_packs,
@@ -474,9 +604,14 @@ class PackedSource:
     def __iter__(self):
         return self
 
+    def _first_pack(self, global_batch: int) -> int:
+        """Where micro-batch ``global_batch`` starts in the stream of packs (epochs end to end)."""
+        return self.base_pack + (int(global_batch) - self.base_global) * self.micro_batch_size
+
     def __next__(self) -> Dict[str, np.ndarray]:
         B, P = self.micro_batch_size, self.dataset.num_packs
-        stream = np.arange(self.next_global * B, (self.next_global + 1) * B)
+        first = self._first_pack(self.next_global)
+        stream = np.arange(first, first + B)
         epochs, positions = stream // P, stream % P
         self.next_global += self.world_size
         parts = []
@@ -487,10 +622,48 @@ class PackedSource:
         return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"next_global": int(self.next_global)}
+        return {"next_global": int(self.next_global), "base_global": self.base_global, "base_pack": self.base_pack,
+                "micro_batch_size": self.micro_batch_size, "num_packs": self.dataset.num_packs,
+                "num_sequences": self.dataset.num_sequences, "sequences_sha256": self.dataset.fingerprint(),
+                "inputs": self.records}
 
     def load_state_dict(self, state: Dict[str, Any], force: bool = False) -> None:
-        self.next_global = int(state["next_global"])
+        """Continue after the checkpoint's last micro-batch. Data other than the checkpoint's (an
+        input file, or the sequences the tokenizer made of them) is refused unless ``force``;
+        forced, the stream starts a new epoch of this data there. With another micro-batch size
+        the stream continues at the same pack of the same epoch: nothing skipped or read twice."""
+        next_global = int(state["next_global"])
+        if next_global % self.world_size != self.rank:
+            raise DataError(f"the data state (next micro-batch {next_global}) belongs to another rank than "
+                            f"{self.rank} of {self.world_size}; resume with the same number of processes")
+        old_size = int(state.get("micro_batch_size", self.micro_batch_size))
+        first = next_global - self.rank  # the step's first micro-batch: where the global stream stands
+        position = int(state.get("base_pack", 0)) + (first - int(state.get("base_global", 0))) * old_size
+        changed = self._changed_inputs(state)
+        if changed:
+            if not force:
+                raise DataError(f"the fine-tuning data changed since the checkpoint: {changed}; resume with the data "
+                                f"the run started on, or pass --resume-force to continue on this data (from a new "
+                                f"epoch)")
+            old_packs = int(state.get("num_packs") or self.dataset.num_packs)
+            position = (position // old_packs + 1) * self.dataset.num_packs
+            if self.rank == 0:
+                print(f"note: --resume-force: the fine-tuning data changed since the checkpoint ({changed}); training "
+                      f"continues from the start of a new epoch of this data", file=sys.stderr)
+        self.next_global, self.base_global, self.base_pack = next_global, first, position
+
+    def _changed_inputs(self, state: Dict[str, Any]) -> str:
+        """'' when this is the checkpoint's data (as far as it recorded: a checkpoint from before
+        these records is taken as is), else what changed."""
+        saved = {r["path"]: r for r in state.get("inputs", ())}
+        for path, now in zip(self.inputs, self.records):
+            if path in saved:
+                if now != saved[path]:
+                    return f"{path}: {_record_change(saved[path], now)}"
+        if "sequences_sha256" in state and state["sequences_sha256"] != self.dataset.fingerprint():
+            return (f"{state.get('num_sequences')} training sequences then, {self.dataset.num_sequences} now, with "
+                    f"other tokens or labels (another tokenizer or data?)")
+        return ""
 
 
 def held_out(num_items: int, fraction: float, seed: int, *, what: str, where: str) -> Tuple[List[int], List[int]]:
@@ -569,7 +742,9 @@ class PackedTask(Task):
     def data_source(self, split: str, *, micro_batch_size: int, rank: int, world_size: int):
         if split != "train":
             raise ValueError(f"{self.name} evaluates the whole validation set (evaluate), not a stream")
-        return self.train_data.source(micro_batch_size, rank, world_size)
+        f = self.config.finetune
+        return self.train_data.source(micro_batch_size, rank, world_size,
+                                      inputs=[p for p in (f.train_file, f.validation_file) if p and os.path.exists(p)])
 
     def prepare_evaluation(self, *, micro_batch_size: int, rank: int, world_size: int) -> None:
         self._eval_batches = list(self.eval_data.batches(micro_batch_size))

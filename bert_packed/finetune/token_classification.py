@@ -106,21 +106,20 @@ def _read_conll(path: str) -> Sentences:
             words.append([]), tags.append([]), lines.append([])
 
     start_sentence()
-    try:
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                parts = line.split()
-                if not parts or parts[0] == "-DOCSTART-":  # a blank line ends a sentence; so does a document
-                    start_sentence()
-                    continue
-                if len(parts) < 2:
-                    raise DataError(f"{path}:{number}: expected a word and its tag separated by whitespace (CoNLL), "
-                                    f"got {line.strip()!r}")
-                words[-1].append(parts[0])
-                tags[-1].append(parts[-1])  # CoNLL-2003 has POS and chunk columns before the tag
-                lines[-1].append(number)
-    except UnicodeDecodeError:
-        raise DataError(f"{path}: not UTF-8 text") from None
+    # UTF-8 read as read_table reads it: a byte-order mark dropped (else line 1's -DOCSTART- was
+    # the word '\ufeff-DOCSTART-' and a sentence), another encoding refused naming its line.
+    with open(path, "rb") as handle:
+        for number, line in enumerate(ft_data._utf8_lines(path, handle), 1):
+            parts = line.split()
+            if not parts or parts[0] == "-DOCSTART-":  # a blank line ends a sentence; so does a document
+                start_sentence()
+                continue
+            if len(parts) < 2:
+                raise DataError(f"{path}:{number}: expected a word and its tag separated by whitespace (CoNLL), "
+                                f"got {ft_data._short(line.strip())!r}")
+            words[-1].append(parts[0])
+            tags[-1].append(parts[-1])  # CoNLL-2003 has POS and chunk columns before the tag
+            lines[-1].append(number)
     if not words[-1]:
         words.pop(), tags.pop(), lines.pop()
     if not words:

@@ -22,10 +22,28 @@ def setup_distributed(backend, timeout_minutes: float = 10.0) -> Tuple[int, int]
         return int(shard[0]), int(shard[1])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
+        check_launcher(world_size)
         dist.init_process_group(backend=backend.dist_backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     if is_distributed():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+LAUNCHER_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets besides WORLD_SIZE
+
+
+def check_launcher(world_size: int) -> None:
+    """A one-line ``ConfigError`` when ``WORLD_SIZE`` asks for several processes but the rest of
+    torchrun's variables are not there (a WORLD_SIZE left set in the shell): torch's env://
+    rendezvous would end in a traceback."""
+    from bert_packed.errors import ConfigError
+
+    missing = [name for name in LAUNCHER_VARIABLES if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={world_size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                          f"not: this process was not started by torchrun; for one process unset WORLD_SIZE "
+                          f"(unset WORLD_SIZE), for {world_size} launch with torchrun --nproc_per_node {world_size} "
+                          f"run.py ...")
 
 
 def is_distributed() -> bool:
