@@ -168,6 +168,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared
     Per bucket: gather its tokens (``[rows, N, length, D]``), one sdpa with the key-padding
     mask and dropout, and keep the output rows; one gather then puts every token's output
     back in its packed place. Scale 1/sqrt(D) (sdpa's default), as in BERT.
+
+    The "packing/attention" profiler scope holds the gathers, the work packing adds (as it
+    holds the mask's addition in ``dense``); the sdpa calls are attention an unpacked batch
+    pays too.
     """
     batch_size, num_heads, seq_len, head_dim = query.shape
     p = dropout_p if training else 0.0
@@ -177,13 +181,13 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared
 
     q, k, v = tokens(query), tokens(key), tokens(value)
     outputs = []
+    for bucket in prepared.buckets:
+        with profiler_scope("packing/attention"):
+            q_b, k_b, v_b = (t.index_select(0, bucket.tokens).view(bucket.rows, bucket.length, num_heads, head_dim)
+                             .transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=bucket.mask, dropout_p=p)
+        outputs.append(out.transpose(1, 2).reshape(bucket.rows * bucket.length, num_heads, head_dim))
     with profiler_scope("packing/attention"):
-        for bucket in prepared.buckets:
-            def gather(t: torch.Tensor) -> torch.Tensor:
-                return t.index_select(0, bucket.tokens).view(bucket.rows, bucket.length, num_heads, head_dim).transpose(1, 2)
-
-            out = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), attn_mask=bucket.mask, dropout_p=p)
-            outputs.append(out.transpose(1, 2).reshape(bucket.rows * bucket.length, num_heads, head_dim))
         outputs.append(q.new_zeros(1, num_heads, head_dim))  # the padding tokens' output
         context = torch.cat(outputs).index_select(0, prepared.inverse)
     return context.view(batch_size, seq_len, num_heads, head_dim).transpose(1, 2)
