@@ -89,10 +89,14 @@ class Bucket(NamedTuple):
 
 
 class BucketPlan(NamedTuple):
-    """What :func:`attend` needs: the buckets and, for every token of ``B*S``, its row in
-    the concatenated bucket outputs (padding tokens: the extra zero row at the end)."""
+    """What :func:`attend` needs: the buckets; ``tokens``, all buckets' gather indices in
+    one (``[num_rows]``: one gather per tensor and layer, so one zero-fill and one
+    scatter-add in its backward, whatever the number of buckets); and ``inverse``, for
+    every token of ``B*S`` its row in the concatenated bucket outputs (padding tokens: the
+    extra zero row at the end)."""
 
     buckets: List[Bucket]
+    tokens: torch.Tensor
     inverse: torch.Tensor
     num_rows: int
 
@@ -158,16 +162,18 @@ def prepare(sequence_ids: torch.Tensor, *, dtype: torch.dtype, lengths_set: Opti
         rank = torch.arange(order.numel(), device=order.device) - starts[segment_of]
         inverse = torch.full((batch_size * seq_len,), total, dtype=torch.long, device=order.device)
         inverse[order] = offset_of[segment_of] + rank
-        return BucketPlan(buckets, inverse, total)
+        tokens = torch.cat([b.tokens for b in buckets]) if buckets else inverse[:0]
+        return BucketPlan(buckets, tokens, inverse, total)
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared: BucketPlan, *,
            dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
     """Attention of ``[B, N, S, D]`` query/key/value within each sequence; same shape back.
 
-    Per bucket: gather its tokens (``[rows, N, length, D]``), one sdpa with the key-padding
-    mask and dropout, and keep the output rows; one gather then puts every token's output
-    back in its packed place. Scale 1/sqrt(D) (sdpa's default), as in BERT.
+    One gather per tensor lays out every bucket's tokens; per bucket a slice of it
+    (``[rows, N, length, D]``) goes through one sdpa with the key-padding mask and dropout;
+    one gather then puts every token's output back in its packed place. Scale 1/sqrt(D)
+    (sdpa's default), as in BERT.
 
     The "packing/attention" profiler scope holds the gathers, the work packing adds (as it
     holds the mask's addition in ``dense``); the sdpa calls are attention an unpacked batch
@@ -179,16 +185,17 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared
     def tokens(t: torch.Tensor) -> torch.Tensor:  # [B, N, S, D] -> [B*S, N, D] (free for the model's layout)
         return t.transpose(1, 2).reshape(batch_size * seq_len, num_heads, head_dim)
 
-    q, k, v = tokens(query), tokens(key), tokens(value)
+    sizes = [bucket.rows * bucket.length for bucket in prepared.buckets]
+    with profiler_scope("packing/attention"):
+        # split, not slicing: split's backward is one cat, a slice's a zero-filled full tensor per bucket
+        gathered = [torch.split(tokens(t).index_select(0, prepared.tokens), sizes) for t in (query, key, value)]
     outputs = []
-    for bucket in prepared.buckets:
-        with profiler_scope("packing/attention"):
-            q_b, k_b, v_b = (t.index_select(0, bucket.tokens).view(bucket.rows, bucket.length, num_heads, head_dim)
-                             .transpose(1, 2) for t in (q, k, v))
+    for bucket, q_b, k_b, v_b in zip(prepared.buckets, *gathered):
+        q_b, k_b, v_b = (t.view(bucket.rows, bucket.length, num_heads, head_dim).transpose(1, 2) for t in (q_b, k_b, v_b))
         out = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=bucket.mask, dropout_p=p)
         outputs.append(out.transpose(1, 2).reshape(bucket.rows * bucket.length, num_heads, head_dim))
     with profiler_scope("packing/attention"):
-        outputs.append(q.new_zeros(1, num_heads, head_dim))  # the padding tokens' output
+        outputs.append(query.new_zeros(1, num_heads, head_dim))  # the padding tokens' output
         context = torch.cat(outputs).index_select(0, prepared.inverse)
     return context.view(batch_size, seq_len, num_heads, head_dim).transpose(1, 2)
 
