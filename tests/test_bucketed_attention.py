@@ -15,6 +15,7 @@ from bert_packed.attention import get_attention, mask_value
 from bert_packed.bucketed_attention import bucket_lengths
 from bert_packed.config import ConfigError, load_config
 from ipu.config import validate as validate_ipu_section
+from test_ipu_torch20 import TORCH_2_0, _Recorder
 
 
 def random_sequence_ids(rng, batch_size, S, K):
@@ -152,3 +153,24 @@ def test_the_ipu_refuses_bucketed_attention_in_one_line():
     with pytest.raises(ConfigError, match=r"^model.attention_implementation=bucketed has shapes that depend on each batch"):
         validate_ipu_section(config)
     validate_ipu_section(load_config("phase2"))
+
+
+# Calls of bucketed attention beyond the IPU path's list, checked by hand against the torch 2.0
+# reference (pytorch.org/docs/2.0): the CPU/CUDA backends' CI also runs on torch 2.0.1.
+BUCKETED_2_0 = {
+    "torch.sort": {"stable", "dim", "descending"}, "torch.bucketize": {"right", "out_int32"},
+    "torch.bincount": {"weights", "minlength"}, "torch.cumsum": {"dim", "dtype"}, "torch.nonzero": set(),
+    "torch.functional.split": {"dim"}, "torch.full_like": {"dtype", "device"}, "Tensor.repeat_interleave": set(),
+}
+
+
+def test_bucketed_attention_calls_only_torch_2_0_apis():
+    sequence_ids = torch.tensor([[1] * 5 + [2] * 40 + [0] * 19, [1] * 64])
+    leaves = [torch.randn(2, 2, 64, 8, requires_grad=True) for _ in range(3)]
+    with _Recorder() as recorder:
+        out = run("bucketed", *leaves, sequence_ids, dropout_p=0.1, training=True)
+        out.sum().backward()
+    allowed = {**TORCH_2_0, **BUCKETED_2_0}
+    unknown = {name: sorted(kw) for name, kw in recorder.calls.items()
+               if name not in allowed or not kw <= allowed[name]}
+    assert not unknown, f"calls not checked against torch 2.0: {unknown}"
