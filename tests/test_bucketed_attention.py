@@ -13,7 +13,8 @@ import torch
 from bert_packed import bucketed_attention
 from bert_packed.attention import get_attention, mask_value
 from bert_packed.bucketed_attention import bucket_lengths
-from bert_packed.config import ConfigError, load_config
+from backends import get_backend_class
+from bert_packed.config import ConfigError, load_config, validate
 from ipu.config import validate as validate_ipu_section
 from test_ipu_torch20 import TORCH_2_0, _Recorder
 
@@ -153,6 +154,15 @@ def test_the_ipu_refuses_bucketed_attention_in_one_line():
     with pytest.raises(ConfigError, match=r"^model.attention_implementation=bucketed has shapes that depend on each batch"):
         validate_ipu_section(config)
     validate_ipu_section(load_config("phase2"))
+
+
+@pytest.mark.parametrize("backend, section", [("cpu", "cpu"), ("cuda", "cuda")])
+def test_compile_refuses_bucketed_attention_at_start_up(backend, section):
+    """Every batch would compile a new graph: the run would stop at the first step after warm-up."""
+    base = ["model.attention_implementation=bucketed", "cuda.device=cpu"]
+    with pytest.raises(ConfigError, match=rf"^{section}.compile cannot compile model.attention_implementation=bucketed"):
+        validate(load_config("tiny", base + [f"{section}.compile=true"]), get_backend_class(backend))
+    validate(load_config("tiny", base), get_backend_class(backend))
 
 
 # Calls of bucketed attention beyond the IPU path's list, checked by hand against the torch 2.0
