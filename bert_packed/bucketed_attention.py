@@ -181,6 +181,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared
     """
     batch_size, num_heads, seq_len, head_dim = query.shape
     p = dropout_p if training else 0.0
+    if not prepared.buckets:
+        # Padding only: zeros, but still computed from the inputs, so that the Q/K/V projections
+        # get a (zero) gradient as with the dense mask, not none (DDP and accumulation expect one).
+        return (query + key + value) * 0.0
 
     def tokens(t: torch.Tensor) -> torch.Tensor:  # [B, N, S, D] -> [B*S, N, D] (free for the model's layout)
         return t.transpose(1, 2).reshape(batch_size * seq_len, num_heads, head_dim)

@@ -72,6 +72,14 @@ def test_forward_and_backward_equal_dense_on_random_packs(B, S, K):
             assert (grad - reference).abs().max().item() <= 1e-5
 
 
+def test_a_batch_of_padding_only_gives_zeros_and_zero_gradients():
+    leaves = [torch.randn(2, 2, 16, 4, requires_grad=True) for _ in range(3)]
+    out = run("bucketed", *leaves, torch.zeros(2, 16, dtype=torch.long), dropout_p=0.1, training=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    for grad in torch.autograd.grad(out.sum(), leaves):
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
 def test_bucket_lengths_come_from_S_alone():
     assert bucket_lengths(128) == [32, 48, 64, 96, 128]
     assert bucket_lengths(512) == [32, 48, 64, 96, 128, 192, 256, 384, 512]
