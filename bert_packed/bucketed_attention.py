@@ -29,7 +29,8 @@ Layout, built once per forward by :func:`prepare` (shared by every layer):
   padding tokens (``sequence_ids == 0``) get zeros (finite, and in no bucket: they never
   reach a real token, as with the dense mask).
 
-Attention dropout is sdpa's own (``dropout_p``): each real probability is kept with
+Attention dropout is sdpa's own (``dropout_p``; on a CPU ``F.dropout`` in the written-out
+form, :func:`attend_bucket`): each real probability is kept with
 probability 1 - p and scaled by 1 / (1 - p), as in ``dense``; masked key slots have
 probability 0 before and after dropout, and no sequence shares a score row with another, so
 nothing crosses sequences with dropout on either.
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from bert_packed.attention import (
     AttentionImplementation,
     attention_compute_dtype,
+    dense_attend,
     mask_value,
     profiler_scope,
     register_attention,
@@ -166,12 +168,29 @@ def prepare(sequence_ids: torch.Tensor, *, dtype: torch.dtype, lengths_set: Opti
         return BucketPlan(buckets, tokens, inverse, total)
 
 
+def attend_bucket(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                  dropout_p: float) -> torch.Tensor:
+    """One bucket's attention: sdpa, except with dropout on a CPU, the written-out form.
+
+    With dropout sdpa has no fused CPU kernel and runs its math path, which adds checks of
+    the mask (``aten::all``, ``where``) to the same matmul, softmax and dropout: with the
+    written-out :func:`dense_attend` per bucket, the whole bucketed attention's forward +
+    backward was about 1.1x faster (median of 25 paired repeats, [4, 12, 128, 32] packs at
+    dropout 0.1, 1 thread, busy machine). Same semantics: dropout on the
+    probabilities, each kept with probability 1 - p and scaled by 1 / (1 - p).
+    """
+    if dropout_p > 0.0 and query.device.type == "cpu":
+        return dense_attend(query, key, value, mask, dropout_p=dropout_p, training=True)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p)
+
+
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared: BucketPlan, *,
            dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
     """Attention of ``[B, N, S, D]`` query/key/value within each sequence; same shape back.
 
     One gather per tensor lays out every bucket's tokens; per bucket a slice of it
-    (``[rows, N, length, D]``) goes through one sdpa with the key-padding mask and dropout;
+    (``[rows, N, length, D]``) goes through one attention call (:func:`attend_bucket`) with the
+    key-padding mask and dropout;
     one gather then puts every token's output back in its packed place. Scale 1/sqrt(D)
     (sdpa's default), as in BERT.
 
@@ -196,7 +215,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared
     outputs = []
     for bucket, q_b, k_b, v_b in zip(prepared.buckets, *gathered):
         q_b, k_b, v_b = (t.view(bucket.rows, bucket.length, num_heads, head_dim).transpose(1, 2) for t in (q_b, k_b, v_b))
-        out = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=bucket.mask, dropout_p=p)
+        out = attend_bucket(q_b, k_b, v_b, bucket.mask, p)
         outputs.append(out.transpose(1, 2).reshape(bucket.rows * bucket.length, num_heads, head_dim))
     with profiler_scope("packing/attention"):
         outputs.append(query.new_zeros(1, num_heads, head_dim))  # the padding tokens' output
