@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert_packed.attention import no_profiler_scopes
+from bert_packed.attention import AttentionError, get_attention, no_profiler_scopes
+from bert_packed.config import ConfigError
 from bert_packed.backend import Backend, StepMetrics
 from bert_packed.loop.estimate import host_flops_per_second
 from bert_packed.losses import metric_keys, step_normalizers
@@ -69,6 +70,21 @@ def reuse_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def check_compiled_attention(config, section: str) -> None:
+    """Refuse ``compile`` with an attention whose shapes follow each batch (``bucketed``), at
+    start-up: every batch would compile a new graph, and the run would stop at the first step
+    after warm-up with a recompile error, minutes of compiling later."""
+    name = config.model.attention_implementation
+    try:
+        static = get_attention(name).static_shapes
+    except AttentionError:
+        return  # an unknown name is the model config's error
+    if config.sections[section].compile and not static:
+        raise ConfigError(f"{section}.compile cannot compile model.attention_implementation={name}: its shapes "
+                          f"depend on each batch (a new graph every step); set {section}.compile=false or use "
+                          f"attention 'dense' or 'sdpa'")
+
+
 class CPUBackend(Backend):
     name = "cpu"
     config_section = "cpu"
@@ -76,6 +92,11 @@ class CPUBackend(Backend):
     dist_backend = "gloo"  # process-group backend the loop initialises under torchrun
     cost_unit = "ms"
     cost_note = "wall time of forward+backward, fastest of interleaved runs"
+
+    @classmethod
+    def validate_config(cls, config, world_size: int) -> List[str]:
+        check_compiled_attention(config, cls.config_section)
+        return []
 
     @staticmethod
     def is_available(config=None) -> bool:

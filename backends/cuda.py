@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from backends.cpu import CPUBackend, RecompileError, num_compiled_graphs  # noqa: F401  (re-exported)
+from backends.cpu import CPUBackend, RecompileError, check_compiled_attention, num_compiled_graphs  # noqa: F401
 from bert_packed.backend import Deferred, StepMetrics
 from bert_packed.config import ConfigError, check_section
 from bert_packed.optim import step_unless_non_finite
@@ -84,6 +84,7 @@ class CUDABackend(CPUBackend):
 
     @classmethod
     def validate_config(cls, config, world_size: int) -> List[str]:
+        check_compiled_attention(config, cls.config_section)
         attention = config.model.attention_implementation
         if config.sections["cuda"].device == "cpu" and attention in _GPU_ONLY_TRAINING:
             raise ConfigError(

@@ -91,6 +91,8 @@ FINETUNE_ROWS = {
     "packed": ("ours", "packed-bert, packed"),
     "packed-baseline": ("ours", "packed-bert, packed, at --baseline-root (e.g. before a change)"),
     "packed-compile": ("ours", "packed-bert, packed + cpu.compile (torch.compile of the fixed-shape step)"),
+    "packed-bucketed": ("ours", "packed-bert, packed + model.attention_implementation=bucketed (attention per "
+                                "sequence in length buckets, issue 35)"),
 }
 NOT_YET: dict = {}
 NER_ROWS = {
@@ -406,6 +408,7 @@ def finetune_plans(args, paths, splits):
         "padded": ("ours", padded),
         "packed": ("ours", packed),
         "packed-compile": ("ours", packed + ["cpu.compile=true"]),
+        "packed-bucketed": ("ours", packed + ["model.attention_implementation=bucketed"]),
         "packed-baseline": ("ours", ("root", args.baseline_root, packed)),
     }
 

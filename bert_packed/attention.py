@@ -30,7 +30,10 @@ padding rows stay finite in fp32, bf16 and fp16. The GPU implementations live in
 ``bert_packed/flex_attention.py`` (block-sparse FlexAttention) and
 ``bert_packed/varlen_attention.py`` (torch's variable-length Flash attention) and
 register themselves with ``register_attention``; they are imported lazily on lookup so
-that this module imports on a CPU-only torch 2.0.
+that this module imports on a CPU-only torch 2.0. ``bert_packed/bucketed_attention.py``
+(``bucketed``: the sequences of a batch in a few padded length buckets, one sdpa call per
+bucket, so the masked scores between sequences are never computed) registers the same way;
+its shapes depend on the batch, so it is for eager CPU/CUDA runs, not the IPU or torch.compile.
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ __all__ = [
 # Modules that register further implementations when imported. They may need CUDA-only
 # or newer-torch features, so they are imported on demand and an ImportError just means
 # "not available here".
-_LAZY_MODULES = ("bert_packed.flex_attention", "bert_packed.varlen_attention")
+_LAZY_MODULES = ("bert_packed.flex_attention", "bert_packed.varlen_attention", "bert_packed.bucketed_attention")
 
 
 _PROFILER_SCOPES = True
@@ -115,6 +118,9 @@ class AttentionImplementation:
     attend: Callable[..., torch.Tensor]
     check: Optional[Callable[..., None]] = None
     description: str = ""
+    # False when the tensors' shapes depend on the batch's contents (``bucketed``): a graph
+    # compiled for fixed shapes (PopTorch on the IPU) cannot run it.
+    static_shapes: bool = True
 
 
 ATTENTION_IMPLEMENTATIONS: Dict[str, AttentionImplementation] = {}

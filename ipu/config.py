@@ -97,8 +97,22 @@ def validate(config, world_size: int = 1) -> List[str]:
             f"ipu.embedding_serialization_factor={ipu.embedding_serialization_factor} must be >= 1 and divide "
             f"model.vocab_size={m.vocab_size}; pick a divisor (1 = no serialization)"
         )
+    _check_attention(m.attention_implementation)
     _check_call_size(config, world_size)
     return []
+
+
+def _check_attention(name: str) -> None:
+    """PopTorch compiles one static graph: an attention whose shapes follow the batch cannot run."""
+    from bert_packed.attention import AttentionError, get_attention
+
+    try:
+        static = get_attention(name).static_shapes
+    except AttentionError:
+        return  # an unknown name is the model config's error (one line there)
+    if not static:
+        raise ConfigError(f"model.attention_implementation={name} has shapes that depend on each batch; the IPU "
+                          f"compiles one static graph: use 'dense' there")
 
 
 def _check_call_size(config, world_size: int) -> None:

@@ -211,7 +211,7 @@ def test_padding_rows_give_finite_outputs_and_gradients_in_every_precision(dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("name", ["dense", "sdpa"])
+@pytest.mark.parametrize("name", ["dense", "sdpa", "bucketed"])
 def test_model_under_autocast_with_a_padding_row_has_finite_loss_and_gradients(name, dtype):
     samples, assignment = random_packed_problem(6, num_packs=3, max_sequence_length=64, max_sequences_per_pack=4)
     packed, _ = packed_and_unpacked(

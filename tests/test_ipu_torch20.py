@@ -76,7 +76,7 @@ POST_2_0_KEYWORDS = {("scaled_dot_product_attention", "scale"): "2.1",
                      ("scaled_dot_product_attention", "enable_gqa"): "2.5"}
 
 SCANNED = ["bert_packed/modeling.py", "bert_packed/attention.py", "bert_packed/losses.py", "bert_packed/optim.py",
-           "bert_packed/collate.py"] + sorted(
+           "bert_packed/collate.py", "bert_packed/bucketed_attention.py"] + sorted(
     os.path.relpath(os.path.join(d, f), ROOT) for d, _, files in os.walk(os.path.join(ROOT, "ipu"))
     for f in files if f.endswith(".py"))
 

@@ -79,11 +79,12 @@ def assert_gradients_close(actual, expected, rtol=1e-5):
 # ----------------------------------------------------------------------------- hidden states
 
 
+@pytest.mark.parametrize("attention", ["dense", "bucketed"])
 @pytest.mark.parametrize("S, num_packs", SHAPES)
-def test_hidden_states_in_a_pack_equal_the_sequence_alone(S, num_packs):
+def test_hidden_states_in_a_pack_equal_the_sequence_alone(S, num_packs, attention):
     torch.manual_seed(0)
     _, _, packed, unpacked = problem(S, num_packs)
-    model = BertModel(tiny_config()).eval()
+    model = BertModel(tiny_config(attention_implementation=attention)).eval()
     with torch.no_grad():
         packed_out = model(**model_inputs(packed))
         alone_out = model(**model_inputs(unpacked))
@@ -203,7 +204,7 @@ def test_gradient_accumulation_over_packed_micro_batches_equals_the_unpacked_ste
 # ----------------------------------------------------------------------------- isolation
 
 
-@pytest.mark.parametrize("attention", ["dense", "sdpa"])
+@pytest.mark.parametrize("attention", ["dense", "sdpa", "bucketed"])
 @pytest.mark.parametrize("S, num_packs", SHAPES)
 def test_changing_one_sequence_leaves_the_others_bit_identical(S, num_packs, attention):
     torch.manual_seed(0)

@@ -66,9 +66,10 @@ def _hf_inputs(unpacked):
     )
 
 
+@pytest.mark.parametrize("attention", ["dense", "bucketed"])
 @pytest.mark.parametrize("S, num_packs", [(128, 6), (512, 3)])
-def test_logits_and_loss_match_transformers_unpacked_and_packed(S, num_packs):
-    config = tiny_config()
+def test_logits_and_loss_match_transformers_unpacked_and_packed(S, num_packs, attention):
+    config = tiny_config(attention_implementation=attention)
     hf, ours = hf_pair(config)
     samples, assignment = random_packed_problem(7, num_packs=num_packs, max_sequence_length=S, max_sequences_per_pack=16, max_predictions=MAX_PREDICTIONS)
     packed, unpacked = packed_and_unpacked(
