@@ -48,7 +48,7 @@ def _parser():
     p.add_argument("--output-shards", type=int, default=None,
                    help="number of shards (default: one per ~4 MiB of input)")
     p.add_argument("--block-bytes", type=int, default=None,
-                   help="input block size of a tokenising task (default: 32 MiB)")
+                   help="input block size of a tokenising task (default: 8 MiB)")
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="progress bars on stderr (default: when stderr is a terminal)")
     p.add_argument("--no-progress", dest="progress", action="store_false")

@@ -5,7 +5,7 @@ memory; at Wikipedia scale (~20 GB of text) that is over a TiB. Here memory is b
 of input and by one shard, whatever the corpus size, and the work runs on ``engine.run_tasks``
 (this process, a local Dask cluster, or an existing one):
 
-Phase A, one task per input block (``corpus.plan_blocks``: ~32 MiB of whole documents, or a
+Phase A, one task per input block (``corpus.plan_blocks``: ~8 MiB of whole documents, or a
 Parquet row group): read the block's documents, tokenise them (WordPiece, as create.py),
 and send every document to one of N shards by a hash of (seed, block, document). The block's
 documents are stored under ``DIR/.work/blocks/block-NNNNNN/`` grouped by shard, as flat numpy
@@ -45,7 +45,7 @@ from .errors import DataError, refuse_output_over_input
 from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
 from ..io import TEMP_PREFIX, DirectoryLock, OutputInUseError, write_text_atomic
 
-DEFAULT_BLOCK_BYTES = 32 << 20
+DEFAULT_BLOCK_BYTES = 8 << 20  # 20 GB: 2,500 tasks; small enough to balance 2 workers on 80 MB
 DEFAULT_SHARD_BYTES = 4 << 20
 MAX_SHARDS = 100_000  # shard names have five digits (shards.shard_name)
 MAX_BLOCK_BYTES = 1 << 30  # a block is decoded whole in one task's memory
