@@ -146,9 +146,19 @@ def safe_torch_load(path: str, *, mmap: bool = False) -> Any:
     refused in one line naming it, instead of torch's multi-line advice to load it unsafely."""
     import pickle
 
+    import inspect
+
+    # mmap (torch >= 2.1) only saves reading; torch 2.0 reads the file.
+    options = {"mmap": True} if mmap and "mmap" in inspect.signature(torch.load).parameters else {}
+    safe_globals = getattr(torch.serialization, "safe_globals", None)
+    if safe_globals is None:
+        # torch < 2.5 (the Poplar SDK's 2.0.1) has no allowlist for the numpy arrays our checkpoints
+        # hold (the RNG states): there the checkpoint is loaded as before this check existed, after
+        # its checksum; the refusal of foreign pickles needs torch >= 2.5.
+        return torch.load(path, map_location="cpu", weights_only=False, **options)
     try:
-        with torch.serialization.safe_globals(_plain_data_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with safe_globals(_plain_data_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, **options)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         if "weights only load failed" not in text.lower():
