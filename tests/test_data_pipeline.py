@@ -59,3 +59,33 @@ def test_kjv_text_to_packed_training(tmp_path):
         rows = sum(line["packs"] for line in lines)
         assert (sequences == rows) if depth == 1 else (sequences >= rows)
         assert "eval_mlm_accuracy" in lines[-1]
+
+
+def test_kjv_text_to_sharded_packed_training(tmp_path):
+    """The Wikipedia-scale path at KJV size: sharded create on 2 local workers -> sharded pack
+    (one global plan) -> run.py on the packed directory, evaluating on the unpacked one."""
+    corpus, vocab = tmp_path / "corpus.txt", tmp_path / "vocab.txt"
+    unpacked, packed = tmp_path / "train", tmp_path / "packed"
+    run("kjv", "--output", corpus, "--first", "Gen1:1", "--last", "Gen30:43")
+    run("vocab", "--input", corpus, "--size", 600, "--output", vocab)
+    run("create", "--input", corpus, "--vocab", vocab, "--output", unpacked, "--max-seq-length", 128,
+        "--max-predictions", 20, "--dupe-factor", 2, "--seed", 0, "--short-seq-prob", 0.5, "--output-shards", 4,
+        "--workers", 2)
+    out = run("pack", "--input", unpacked, "--output", packed, "--algorithm", "lp", "--max-sequences-per-pack", 3,
+              "--workers", 1, "--verify")
+    assert "LP bound" in out and "each exactly once" in out
+    manifest = json.loads((packed / "manifest.json").read_text())
+    assert manifest["kind"] == "packed" and manifest["num_shards"] == 4
+    assert manifest["num_sequences"] == json.loads((unpacked / "manifest.json").read_text())["num_sequences"]
+    num_vocab = len(open(vocab).read().split("\n")) - 1
+    output_dir = tmp_path / "run"
+    run("run.py", "--config", "tiny", "--steps", 4, "--output-dir", output_dir,
+        "--set", f"data.path={packed}", "--set", f"data.eval_path={unpacked}",
+        "--set", "data.max_sequences_per_pack=3", "--set", f"model.vocab_size={num_vocab}",
+        "--set", "data.max_sequence_length=128", "--set", "model.max_position_embeddings=128",
+        "--set", "data.max_masked_tokens=20", "--set", "train.eval_every=4", "--set", "train.eval_batches=2",
+        "--no-progress", module=False)
+    lines = [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert all(np.isfinite(line["loss"]) for line in lines) and "eval_mlm_accuracy" in lines[-1]
+    assert sum(line["sequences"] for line in lines) > sum(line["packs"] for line in lines)  # packs of several
