@@ -110,7 +110,8 @@ def test_training_stream_sees_every_sequence_once_per_epoch_and_shards_and_resum
     # state_dict resumes at exactly the next micro-batch.
     resumed = dataset.source(B)
     resumed.load_state_dict(json.loads(json.dumps(rank0.state_dict())))  # JSON-able
-    assert resumed.state_dict() == {"next_global": 8}
+    state = resumed.state_dict()  # the position, and what was read (issue 37: a changed dataset is refused)
+    assert state["next_global"] == 8 and state["num_sequences"] == 50 and state["micro_batch_size"] == B
     assert _sequences(next(resumed)) == seen[8]
     # Evaluation batches: every pack once, fixed order, rows map slots back to sequences.
     rows = np.concatenate([r[r >= 0] for _, r in dataset.batches(B)])
