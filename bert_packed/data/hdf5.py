@@ -18,7 +18,7 @@ import types
 import numpy as np
 
 from . import h5io
-from .source import EpochCursor
+from .source import EpochCursor, RankStream
 from .errors import DataError
 
 INT_FIELDS = tuple(name for name in h5io.PACKED_FIELDS if name != "nsp_weights")
@@ -30,7 +30,7 @@ INT_FIELDS = tuple(name for name in h5io.PACKED_FIELDS if name != "nsp_weights")
 CHUNK_CACHE = dict(rdcc_nbytes=64 << 20, rdcc_nslots=10007)
 
 
-class HDF5Source:
+class HDF5Source(RankStream):
     """Packed micro-batches [micro_batch_size, ...] of one rank from an HDF5 file (see module doc).
 
     Shapes follow the configuration: S = max_sequence_length, K = max_sequences_per_pack,
@@ -128,13 +128,6 @@ class HDF5Source:
         return to_batch(raw, packed=self.packed, max_sequence_length=self.max_sequence_length,
                         max_sequences_per_pack=self.max_sequences_per_pack,
                         max_masked_tokens_per_pack=self.max_masked_tokens_per_pack)
-
-    def __iter__(self):
-        while True:
-            global_batch = self._next_global_batch
-            batch = self.batch(global_batch)
-            self._next_global_batch = global_batch + self.world_size
-            yield batch
 
     def state_dict(self):
         return {"next_global_batch": int(self._next_global_batch), "seed": self.seed,

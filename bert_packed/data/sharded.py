@@ -55,6 +55,7 @@ from . import h5io
 from .errors import DataError
 from .hdf5 import CHUNK_CACHE, check_dims, check_rows, check_vocab, read_layout, to_batch
 from .shards import load_manifest, shard_paths
+from .source import RankStream
 
 WINDOW_PACKS = 16384  # packs held in windows over all lanes (per lane: at least one block)
 
@@ -142,7 +143,7 @@ class _Shard:
         return raw
 
 
-class ShardedSource:
+class ShardedSource(RankStream):
     """Packed micro-batches [micro_batch_size, ...] of one rank from a directory of shards (see
     the module docstring for the stream). Shapes follow the configuration as in ``HDF5Source``
     (narrower shards zero-padded, wider ones refused naming the option to raise).
@@ -323,13 +324,6 @@ class ShardedSource:
         raw = pieces[0] if len(pieces) == 1 else {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
         return to_batch(raw, packed=self.packed, max_sequence_length=self.dims[0],
                         max_sequences_per_pack=self.dims[1], max_masked_tokens_per_pack=self.dims[2])
-
-    def __iter__(self):
-        while True:
-            global_batch = self._next_global_batch
-            batch = self.batch(global_batch)
-            self._next_global_batch = global_batch + self.world_size
-            yield batch
 
     def held_rows(self):
         """Rows this source holds in windows now, per lane (finished and in-flight ones)."""

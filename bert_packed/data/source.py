@@ -57,6 +57,19 @@ class EpochCursor:
         return self.base_epoch + 1 + epoch, index * self.micro_batch_size
 
 
+class RankStream:
+    """The endless iterator of a rank's global micro-batches g = rank, rank + world_size, ...
+    for sources that can build any global micro-batch (``batch(g)``) and keep the next one in
+    ``_next_global_batch`` (their state)."""
+
+    def __iter__(self):
+        while True:
+            global_batch = self._next_global_batch
+            batch = self.batch(global_batch)
+            self._next_global_batch = global_batch + self.world_size
+            yield batch
+
+
 @runtime_checkable
 class DataSource(Protocol):
     packing_factor: float
