@@ -152,6 +152,8 @@ WORKERS_RANGE = ("--workers must be between 1 and 4096 (local worker processes, 
      "--output-shards must be between 1 and 100000 (shard names have five digits), got 100001"),
     ("--block-bytes", "0", "--block-bytes must be between 1 and 1073741824 (a block is read whole into one task's "
                            "memory), got 0"),
+    ("--text-column", "", "--text-column must name the JSONL field / Parquet column of the text, got ''"),
+    ("--text-column", " ", "--text-column must name the JSONL field / Parquet column of the text, got ' '"),
 ])
 def test_bad_counts(work, capsys, flag, value, message):
     assert create_error(capsys, work, [work / "corpus.txt"], flag, value) == (2, f"error: {message}")

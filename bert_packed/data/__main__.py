@@ -195,7 +195,7 @@ def _create_shards(args):
         args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
         max_predictions=args.max_predictions, dupe_factor=args.dupe_factor, seed=args.seed,
         short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob, lowercase=not args.cased,
-        whole_word_mask=args.whole_word_mask, input_format=args.format, text_column=args.text_column or "text",
+        whole_word_mask=args.whole_word_mask, input_format=args.format, text_column="text" if args.text_column is None else args.text_column,
         workers=args.workers, scheduler=args.scheduler, output_shards=args.output_shards,
         block_bytes=DEFAULT_BLOCK_BYTES if args.block_bytes is None else args.block_bytes,
         show_progress=sys.stderr.isatty() if args.progress is None else args.progress)

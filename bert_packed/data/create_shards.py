@@ -65,6 +65,8 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
     check_options(max_seq_length, max_predictions, dupe_factor, masked_lm_prob, short_seq_prob)
     workers = engine.check_workers(workers, scheduler)
     _check_counts(output_shards, block_bytes, input_format)
+    if not isinstance(text_column, str) or not text_column.strip():
+        raise DataError(f"--text-column must name the JSONL field / Parquet column of the text, got {text_column!r}")
     paths = corpus.expand_inputs(inputs)
     if not paths:
         raise DataError("--input names no files")
