@@ -527,15 +527,20 @@ def worker_main(spec_json: str) -> int:
 # ----------------------------------------------------------------------------- the parent: one process per setup
 
 
-def run_in_subprocess(spec: Dict[str, Any], gpus: Optional[int] = None) -> Dict[str, Any]:
-    """Run one setup in a fresh interpreter (torchrun with ``gpus`` processes); its result row."""
+def run_in_subprocess(spec: Dict[str, Any], gpus: Optional[int] = None,
+                      timeout: Optional[float] = None) -> Dict[str, Any]:
+    """Run one setup in a fresh interpreter (torchrun with ``gpus`` processes); its result row.
+    A setup that outlasts ``timeout`` seconds is killed and becomes a 'failed: timeout' row."""
     script = os.path.abspath(__file__)
     if gpus is None:
         command = [sys.executable, script, "--worker", json.dumps(spec)]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
                    script, "--worker", json.dumps(spec)]
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return status_row(spec, f"failed: timeout after {timeout:g} s (--setup-timeout)", gpus=gpus or 1)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
@@ -574,6 +579,17 @@ def tile_fractions(args):
                     "active_tile_fraction": float(np.mean(fractions)), "rows": rows,
                 })
     return results
+
+
+def _read_results(path: str) -> List[Dict[str, Any]]:
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--table {path}: cannot read results ({exc})") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "setup" in r and "status" in r for r in rows):
+        raise ConfigError(f"--table {path}: not a results file of this benchmark (a JSON list of rows)")
+    return rows
 
 
 def _fmt(value, pattern="{:.1f}", missing="n/a"):
@@ -668,7 +684,11 @@ def parse_args(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="extra config override")
     p.add_argument("--tiles-only", action="store_true", help="only flex's share of score tiles (no GPU, no model)")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[128], help="--tiles-only: tile sizes to measure")
-    p.add_argument("--output", default=None, help="JSON results file (default: print only)")
+    p.add_argument("--output", default=None, help="JSON results file, rewritten after every row (default: print only)")
+    p.add_argument("--setup-timeout", type=float, default=None, metavar="SECONDS",
+                   help="kill a setup's process after this long (a 'failed: timeout' row)")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="print one table of earlier --output files (rows of several runs, one machine)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -696,6 +716,10 @@ def main(argv=None):
     if args.worker is not None:
         return worker_main(args.worker)
     try:
+        if args.table:
+            results = [row for path in args.table for row in _read_results(path)]
+            print(markdown(results))
+            return 0
         if args.tiles_only:
             results = tile_fractions(args)
             table = tiles_markdown(results)
@@ -726,16 +750,20 @@ def main(argv=None):
                     compilable = setup.family == "ours" or setup.attention == "sdpa"
                     for compile_ in (modes if compilable else [False]):
                         spec = {**base, "model": model_name, "setup": name, "compile": compile_}
-                        result = status_row(spec, reason) if reason else run_in_subprocess(spec)
+                        result = status_row(spec, reason) if reason else run_in_subprocess(spec, timeout=args.setup_timeout)
                         print(json.dumps(result), file=sys.stderr)
                         results.append(result)
+                        if args.output:  # what has run survives a kill of the whole benchmark
+                            write_text_atomic(args.output, json.dumps(results, indent=1))
                         if setup.family != "ours" or setup.depth == 1 or reason:
                             continue
                         for gpus in counts:
-                            row = run_in_subprocess(spec, gpus=gpus)
+                            row = run_in_subprocess(spec, gpus=gpus, timeout=args.setup_timeout)
                             row["scaling"] = True
                             print(json.dumps(row), file=sys.stderr)
                             results.append(row)
+                            if args.output:
+                                write_text_atomic(args.output, json.dumps(results, indent=1))
             table = markdown(results)
     except ValueError as exc:
         if type(exc) is ValueError:

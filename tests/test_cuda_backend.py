@@ -419,13 +419,19 @@ def test_the_checkpoint_carries_the_cuda_generator_and_a_resume_restores_it(tmp_
     assert [(state.tolist(), device) for state, device in fake.set_calls] == [(list(range(16)), "cuda:0")]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_a_resumed_run_with_dropout_reproduces_the_uninterrupted_one(tmp_path, precision):
-    """cuda.device=cpu, hidden and attention dropout (sdpa), a warm-up + linear schedule; fp16 with a
-    loss scale that overflows now and then, so the scaler's state and the schedule hold-back are in
-    play. A run stopped at step 4 and resumed logs steps 5-8 and ends with weights bit-identical to
-    the uninterrupted run."""
-    overrides = ["cuda.device=cpu", f"cuda.precision={precision}", "cuda.loss_scale_init=1.0e+6",
+@pytest.mark.parametrize("device,precision", [
+    ("cpu", "fp32"), ("cpu", "fp16"),
+    pytest.param("cuda", "fp32", marks=pytest.mark.cuda), pytest.param("cuda", "bf16", marks=pytest.mark.cuda),
+    pytest.param("cuda", "fp16", marks=pytest.mark.cuda),
+])
+def test_a_resumed_run_with_dropout_reproduces_the_uninterrupted_one(tmp_path, device, precision):
+    """Hidden and attention dropout (sdpa), a warm-up + linear schedule; fp16 with a loss scale that
+    overflows now and then, so the scaler's state and the schedule hold-back are in play. A run
+    stopped at step 4 and resumed logs steps 5-8 and ends with weights bit-identical to the
+    uninterrupted run: on cuda.device=cpu (CI) and on a GPU (fp32 without TF32, bf16, fp16), where
+    the checkpoint carries the CUDA generator."""
+    overrides = [f"cuda.device={device}", f"cuda.precision={precision}", "cuda.loss_scale_init=1.0e+6",
+                 "cuda.allow_tf32=false",
                  "model.hidden_dropout_prob=0.1", "model.attention_probs_dropout_prob=0.1",
                  "model.attention_implementation=sdpa", "train.steps=8", "train.checkpoint_every=4"]
     config = load_config("tiny", overrides)
@@ -446,7 +452,10 @@ def test_a_resumed_run_with_dropout_reproduces_the_uninterrupted_one(tmp_path, p
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
     weights_a = load_checkpoint(str(full / CHECKPOINT_NAME))
     weights_b = load_checkpoint(str(stopped / CHECKPOINT_NAME))
-    assert "cuda_rng" not in weights_a["backend_state"]  # on the CPU the generator is the loop's
+    if device == "cpu":
+        assert "cuda_rng" not in weights_a["backend_state"]  # on the CPU the generator is the loop's
+    else:
+        assert all("cuda_rng" in rank for rank in weights_a["backend_state"])
     for name, tensor in weights_a["model"].items():
         assert torch.equal(tensor, weights_b["model"][name]), name
 
@@ -638,6 +647,25 @@ def test_short_training_run_on_gpu(tmp_path, attention, precision, compile_):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]), "training reduces the loss"
     assert rows[-1]["recompiles_after_warmup"] == 0
     assert rows[-1]["device_seconds"] > 0
+
+
+@pytest.mark.cuda
+def test_fp16_with_loss_scaling_is_stable_for_200_steps_on_gpu(tmp_path):
+    """fp16 autocast + dynamic loss scaling from the default initial scale (65536, which overflows at
+    first): 200 steps, every loss finite, few skipped steps, a scale that settled, a falling loss."""
+    out = str(tmp_path / "run")
+    _run_py(["--backend", "cuda", "--config", "tiny", "--steps", "200", "--output-dir", out,
+             "--set", "cuda.precision=fp16", "--set", "model.attention_implementation=sdpa",
+             *(a for o in S128 for a in ("--set", o))])
+    rows = _metrics(out)
+    assert len(rows) == 200
+    losses = np.array([r["loss"] for r in rows])
+    assert np.isfinite(losses).all()
+    skipped = sum(r["skipped_step"] for r in rows)
+    assert skipped <= 20, f"{skipped} of 200 steps skipped"
+    assert not any(r["skipped_step"] for r in rows[100:]), "overflows after the scale settled"
+    assert 1.0 <= rows[-1]["loss_scale"] <= 65536.0 * 2 ** 10
+    assert losses[-20:].mean() < losses[:20].mean()
 
 
 @pytest.mark.cuda

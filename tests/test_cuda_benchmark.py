@@ -120,6 +120,36 @@ def test_scaling_rows_run_under_torchrun_and_count_every_rank(tmp_path):
     assert two["sequences_timed"] > 1.5 * one["sequences_timed"]
 
 
+def test_a_setup_over_its_timeout_is_a_failed_row_and_earlier_rows_are_kept(tmp_path, capsys):
+    """--setup-timeout kills a setup's process (a GPU run has minutes, not hours); the rows before
+    it are already in --output, and --table prints the rows of several files as one table."""
+    out = tmp_path / "rows.json"
+    code = cuda_throughput.main(SMALL + ["--setups", "packed-dense", "padded-dense", "--output", str(out),
+                                         "--setup-timeout", "0.01"])
+    assert code == 1  # a failed row fails the command
+    rows = json.loads(out.read_text())
+    assert [r["status"] for r in rows] == ["failed: timeout after 0.01 s (--setup-timeout)"] * 2
+    ok = tmp_path / "ok.json"
+    assert cuda_throughput.main(SMALL + ["--setups", "packed-dense", "--output", str(ok)]) == 0
+    capsys.readouterr()
+    assert cuda_throughput.main(["--table", str(ok), str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 2 + 3 and "failed: timeout" in table[-1] and "| tiny |" in table[2]
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read results"), ("{not json", "cannot read results"), ('{"a": 1}', "not a results file"),
+    ('[{"setup": "packed-dense"}]', "not a results file"),
+])
+def test_table_of_a_bad_results_file_is_one_line_error(tmp_path, capsys, content, message):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    assert cuda_throughput.main(["--table", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --table") and message in err[0]
+
+
 def test_bad_scaling_argument_is_one_line_error(capsys):
     assert cuda_throughput.main(SMALL + ["--scaling", "two"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
