@@ -133,6 +133,11 @@ class Lamb(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
                 elif not torch.is_tensor(state["step"]):  # an int from an older checkpoint
                     state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device=param.device)
+                elif state["step"].device != param.device:
+                    # torch's Optimizer.load_state_dict moves every state tensor to its parameter's
+                    # device except "step", which stays where the checkpoint was loaded (the CPU): a
+                    # resumed GPU run then mixed devices in the first foreach update (seen on an H200).
+                    state["step"] = state["step"].to(param.device)
             if not params:
                 continue
             if group.get("foreach") is not False:  # None (default) or True
