@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import run
-from bert_packed.finetune.squad_data import read_squad
+from bert_packed.finetune.squad.data import read_squad
 from bert_packed.finetune.squad_features import build_features
 from bert_packed.finetune.squad_metrics import squad_scores
 from squad_fixtures import corpus_texts, make_squad_v2, make_tokenizer, write_squad

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bert_packed.finetune.squad_collate import collate_question_answering, feature_slots, pack_features
-from bert_packed.finetune.squad_postprocess import feature_logits, postprocess_predictions
+from bert_packed.finetune.squad.metrics import feature_logits, postprocess_predictions
 from bert_packed.losses import span_loss_terms
 from bert_packed.modeling import BertConfig, BertForQuestionAnswering
 from squad_fixtures import make_features

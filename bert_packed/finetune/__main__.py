@@ -148,7 +148,7 @@ def predict(model_dir: str, input_path: str, output: str, *, text_column: str = 
     from bert_packed import hf_io
     from bert_packed.collate import collate_classification
     from bert_packed.finetune import data as ft_data
-    from bert_packed.finetune.classification import prediction_lines
+    from bert_packed.finetune.classification.task import prediction_lines
     from bert_packed.modeling import BertConfig, BertForSequenceClassification
 
     refuse_output(output, "--output", inputs=[("--input file", input_path)],

@@ -17,7 +17,7 @@ from typing import Any, Dict, NamedTuple, Sequence, Tuple
 import numpy as np
 
 from bert_packed.data import DataError
-from bert_packed.finetune.squad_data import SquadExample
+from bert_packed.finetune.squad.data import SquadExample
 
 __all__ = ["SquadFeatures", "backend_tokenizer", "build_features"]
 

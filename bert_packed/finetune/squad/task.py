@@ -3,7 +3,7 @@
 The steps are plain functions over plain data, each in its own module:
 
 1. **Read** (``squad_data``): SQuAD v1.1 / v2.0 JSON or Hugging Face ``squad`` /
-   ``squad_v2`` rows -> :class:`~bert_packed.finetune.squad_data.SquadExample`, checked.
+   ``squad_v2`` rows -> :class:`~bert_packed.finetune.squad.data.SquadExample`, checked.
 2. **Featurise** (``squad_features``): question + context windows through the checkpoint's
    fast tokenizer, answers mapped to window tokens -> ``SquadFeatures``.
 3. **Pack and collate** (``squad_collate``): features packed side by side in fixed
@@ -26,7 +26,7 @@ import numpy as np
 from bert_packed.errors import ConfigError
 from bert_packed.finetune.data import PackedTask, held_out
 from bert_packed.finetune.squad_collate import collate_question_answering
-from bert_packed.finetune.squad_data import Moved, SquadExample, read_squad, squad_version
+from bert_packed.finetune.squad.data import Moved, SquadExample, read_squad, squad_version
 from bert_packed.finetune.squad_features import SquadFeatures, build_features
 from bert_packed.limits import SEQUENCE_TOKENS, at_most, bounded
 
@@ -164,7 +164,7 @@ class SquadTask(PackedTask):
     # -- evaluation -------------------------------------------------------------------------
     def predict_logits(self, backend) -> Tuple[np.ndarray, np.ndarray]:
         """Start / end logits ``[F, S]`` of every validation window (feature-local, token t at t)."""
-        from bert_packed.finetune.squad_postprocess import feature_logits
+        from bert_packed.finetune.squad.metrics import feature_logits
 
         shape = (self.eval_features.num_features, self.config.data.max_sequence_length)
         start, end = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
@@ -175,7 +175,7 @@ class SquadTask(PackedTask):
 
     def evaluate(self, backend) -> Dict[str, float]:
         from bert_packed.finetune.squad_metrics import squad_scores
-        from bert_packed.finetune.squad_postprocess import postprocess_predictions
+        from bert_packed.finetune.squad.metrics import postprocess_predictions
 
         f = self.config.finetune
         start, end = self.predict_logits(backend)
@@ -211,7 +211,7 @@ class SquadTask(PackedTask):
         return [outputs.answers, outputs.null_odds, outputs.nbest]
 
     def outputs_from_state(self, state: Any):
-        from bert_packed.finetune.squad_postprocess import Predictions
+        from bert_packed.finetune.squad.metrics import Predictions
 
         return Predictions(*state)
 

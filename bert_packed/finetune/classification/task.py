@@ -8,7 +8,7 @@ The training and validation files are tokenised with the checkpoint's tokenizer,
 (several sequences, each with its own [CLS], per row of data.max_sequence_length tokens;
 ``finetune.packing=false``: one per row) and trained with the per-sequence losses of
 ``BertForSequenceClassification``. Every ``train.eval_every`` steps and at the end the whole
-validation set is evaluated (``bert_packed.finetune.metrics``); the best evaluation's
+validation set is evaluated (``bert_packed.finetune.classification.metrics``); the best evaluation's
 weights are kept in ``OUT/best`` (a Hugging Face directory) and, with
 ``finetune.load_best_model_at_end``, exported as ``OUT/hf`` with their metrics under
 ``eval`` in ``OUT/summary.json`` and their predictions in ``OUT/predictions.jsonl``.
@@ -27,7 +27,7 @@ import numpy as np
 from bert_packed.data import DataError
 from bert_packed.errors import ConfigError
 from bert_packed.finetune import data as ft_data
-from bert_packed.finetune import metrics as ft_metrics
+from bert_packed.finetune.classification import metrics as ft_metrics
 from bert_packed.io import write_text_atomic
 from bert_packed.limits import at_most, bounded
 
