@@ -45,7 +45,6 @@ __all__ = [
     "per_sequence",
     "collate",
     "collate_unpacked",
-    "collate_classification",
     "validate_batch",
 ]
 
@@ -228,28 +227,6 @@ def collate(
     batch["mlm_positions"][mask_pack, mask_slot] = start[sequence_of_mask] + masked_positions[sequence_of_mask, column]
     batch["mlm_labels"][mask_pack, mask_slot] = masked_ids[sequence_of_mask, column]
     batch["mlm_sequence_ids"][mask_pack, mask_slot] = slot[sequence_of_mask] + 1
-    return batch
-
-
-def collate_classification(
-    samples: Mapping[str, np.ndarray],
-    assignment: Any,
-    *,
-    max_sequence_length: int,
-    max_sequences_per_pack: int,
-) -> Dict[str, np.ndarray]:
-    """Packed sequence-classification batch: token fields, ``cls_positions``, ``labels`` and
-    ``label_weights`` ``[B, K]`` (``BertForSequenceClassification``'s inputs).
-
-    ``samples``: ``input_ids``, ``segment_ids``, optional ``input_mask`` (as for ``collate``)
-    and ``labels``: ``[N]`` int class per sequence (-> int64 ``[B, K]``), or floats ``[N]`` /
-    ``[N, C]`` (regression targets, multi-hot labels -> float32 ``[B, K(, C)]``).
-    """
-    S, K = int(max_sequence_length), int(max_sequences_per_pack)
-    batch, layout = pack_tokens(samples, assignment, S, K)
-    labels = np.asarray(samples["labels"])
-    batch["labels"] = per_sequence(layout, labels, K, np.float32 if labels.dtype.kind == "f" else np.int64)
-    batch["label_weights"] = per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
     return batch
 
 
