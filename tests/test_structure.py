@@ -245,3 +245,17 @@ def test_every_registered_fine_tuning_task_lives_in_its_package():
         assert cls.__module__ == f"bert_packed.finetune.{name}.task" and issubclass(cls, PackedTask), (name, cls)
         model = cls.model_class(None)  # reads nothing of the task
         assert model.__module__ == f"bert_packed.finetune.{name}.model", (name, model)
+
+
+def test_user_text_is_decoded_in_one_place():
+    # bert_packed.io.read_utf8 / utf8_lines decode user text files; bert_packed/data keeps the
+    # corpus readers of its own pipeline (data.vocab.utf8_lines) until it adopts them.
+    found = []
+    for name, path in MODULES.items():
+        if name.split(".")[0] != "bert_packed" or name in ("bert_packed.io",) or name.startswith("bert_packed.data"):
+            continue
+        for node in ast.walk(_tree(path)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "decode"
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "utf-8"):
+                found.append(f"{name}:{node.lineno}")
+    assert not found, found

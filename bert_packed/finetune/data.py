@@ -32,7 +32,7 @@ import numpy as np
 
 from bert_packed.data import DataError
 from bert_packed.errors import ConfigError
-from bert_packed.io import not_utf8_message
+from bert_packed.io import utf8_lines
 
 __all__ = ["read_table", "encode_texts", "Encoded", "PackedDataset", "held_out", "TRUNCATION"]
 
@@ -113,37 +113,6 @@ def value_where(values: Sequence[Any], i: int, where: str, column: bool = True) 
 def value_at(values: Sequence[Any], i: int) -> str:
     """``line N`` (or ``row N``) of value ``i`` of ``values``."""
     return values.at(i) if isinstance(values, Column) else f"row {i + 1}"
-
-
-def _utf8_lines(path: str, handle) -> Iterator[str]:
-    """The lines of the binary ``handle`` decoded as UTF-8, a leading byte-order mark dropped.
-
-    The first byte that is not UTF-8 is a ``DataError`` naming the line, byte offset and
-    column: decoding with a guessed encoding (or replacing the byte) would train on text the
-    file does not hold. (UTF-8's byte-order mark, which Excel writes, is standard and is not
-    part of the first column's name.)"""
-    offset = 0
-    for number, raw in enumerate(handle, 1):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(not_utf8_message(path, raw, exc.start, first_line=number, base_offset=offset)) from None
-        if number == 1 and text.startswith("\ufeff"):
-            text = text[1:]
-        offset += len(raw)
-        yield text
-
-
-def read_utf8(path: str) -> str:
-    """The whole text of ``path`` as UTF-8, a leading byte-order mark dropped; a byte that is
-    not UTF-8 is refused as :func:`read_table` refuses it (line, byte offset, column)."""
-    with open(path, "rb") as handle:
-        raw = handle.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(not_utf8_message(path, raw, exc.start)) from None
-    return text[1:] if text.startswith("\ufeff") else text
 
 
 def no_duplicate_keys(where: str) -> Callable[[List[Tuple[str, Any]]], Dict[str, Any]]:
@@ -342,7 +311,7 @@ def read_table(path: str, columns: Sequence[str]) -> Dict[str, Column]:
         raise DataError(f"{path}: file not found")
     kind = _format(path)
     with open(path, "rb") as handle:
-        lines = _utf8_lines(path, handle)
+        lines = utf8_lines(path, handle, DataError)
         if kind == ".jsonl":
             available, rows, numbers = _read_jsonl(path, lines)
             index = None

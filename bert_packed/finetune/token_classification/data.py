@@ -19,6 +19,7 @@ import numpy as np
 
 from bert_packed.data import DataError
 from bert_packed.finetune import data as ft_data
+from bert_packed.io import utf8_lines
 
 __all__ = ["Sentences", "read_sentences", "check_sentences", "TagSet", "EncodedSentences", "encode_sentences",
            "collate_token_classification", "split_sentences", "IGNORE_INDEX", "JSON_LINES"]
@@ -74,7 +75,7 @@ def _read_conll(path: str) -> Sentences:
     # UTF-8 read as read_table reads it: a byte-order mark dropped (else line 1's -DOCSTART- was
     # the word '\ufeff-DOCSTART-' and a sentence), another encoding refused naming its line.
     with open(path, "rb") as handle:
-        for number, line in enumerate(ft_data._utf8_lines(path, handle), 1):
+        for number, line in enumerate(utf8_lines(path, handle, DataError), 1):
             parts = line.split()
             if not parts or parts[0] == "-DOCSTART-":  # a blank line ends a sentence; so does a document
                 start_sentence()
