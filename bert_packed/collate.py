@@ -18,7 +18,7 @@ next_sentence_labels        [N]        NSP label
 
 The assignment is ``packing.Assignment`` (or anything with the same two CSR arrays):
 pack p holds samples ``sequence_indices[pack_offsets[p]:pack_offsets[p + 1]]``, in that
-order. The output is the packed batch of DESIGN.md §2 as numpy arrays (int64, and
+order. The output is the packed batch of docs/design.md as numpy arrays (int64, and
 float32 ``nsp_weights``): sequences side by side in natural order, each with its own
 [CLS], positions restarting at 0, ``sequence_ids`` 1..K, the masked tokens of the pack in
 ``M`` fixed slots (the seeds' rule M = masked tokens of a full-length sequence + K - 1).
@@ -187,7 +187,7 @@ def collate(
     max_sequences_per_pack: int,
     max_masked_tokens_per_pack: int,
 ) -> Dict[str, np.ndarray]:
-    """Packed pre-training batch of ``assignment.num_packs`` packs (DESIGN.md §2 fields, numpy).
+    """Packed pre-training batch of ``assignment.num_packs`` packs (the fields of docs/design.md, numpy).
 
     Shapes: ``[B, S]`` token fields with S = ``max_sequence_length``, ``[B, M]`` masked
     slots with M = ``max_masked_tokens_per_pack``, ``[B, K]`` per-sequence fields with

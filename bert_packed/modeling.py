@@ -58,7 +58,7 @@ __all__ = [
     "load_hf_state_dict",
 ]
 
-# The packed batch (DESIGN.md §2). All int64 except nsp_weights (float); the two optional
+# The packed batch (docs/design.md, "The packed batch"). All int64 except nsp_weights (float); the two optional
 # normaliser fields are float [B] (see bert_packed.losses.add_step_normalizers).
 PRETRAINING_FIELDS = (
     "input_ids",  # [B,S] tokens, 0 = padding
