@@ -1,6 +1,9 @@
 """Packed BERT: one model for packed and unpacked batches, read top to bottom.
 
-    config -> embeddings -> attention -> layer -> encoder -> pooler -> heads -> task models
+    config -> embeddings -> attention -> layer -> encoder -> pooler -> heads -> BertForPreTraining
+
+(The fine-tuning models build on ``BertModel`` in their task packages,
+``bert_packed/finetune/<task>/model.py``.)
 
 A *pack* is one fixed-length row of ``S`` tokens holding up to ``K`` sequences side by
 side (natural order, each with its own [CLS]). Three things make a pack compute exactly
@@ -19,9 +22,9 @@ An unpacked batch is a pack with one sequence (K = 1); there is no second code p
 Shape legend: B packs per batch, S tokens per pack, K = max_sequences_per_pack,
 M = max_masked_tokens_per_pack, H hidden size, N heads, D = H / N, V vocabulary.
 
-Parameter names and shapes are those of ``transformers.BertForPreTraining`` /
-``BertForSequenceClassification`` (the MLM decoder is tied to the word embeddings), so a
-Hugging Face state dict loads (``load_hf_state_dict``) and exports (``hf_state_dict``).
+Parameter names and shapes are those of ``transformers.BertForPreTraining`` and the other
+``BertFor*`` classes (the MLM decoder is tied to the word embeddings), so a Hugging Face state
+dict loads (``load_hf_state_dict``) and exports (``hf_state_dict``).
 Only torch 2.0 operations are used (the IPU path compiles this file with PopTorch) and
 every shape is static: gathers take index tensors, masks replace boolean indexing.
 """
