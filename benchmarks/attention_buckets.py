@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bert_packed.attention import get_attention  # noqa: E402
-from bert_packed.modeling import BertConfig, BertForSequenceClassification  # noqa: E402
+from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
+from bert_packed.modeling import BertConfig  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001
 MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)

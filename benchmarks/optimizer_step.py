@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bert_packed.modeling import BertConfig, BertForSequenceClassification  # noqa: E402
+from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
+from bert_packed.modeling import BertConfig  # noqa: E402
 from bert_packed.optim import build_optimizer, grad_norm_, step_unless_non_finite  # noqa: E402
 
 MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,

@@ -10,7 +10,7 @@ _LAZY = {
     "BertConfig": "bert_packed.modeling",
     "BertModel": "bert_packed.modeling",
     "BertForPreTraining": "bert_packed.modeling",
-    "BertForSequenceClassification": "bert_packed.modeling",
+    "BertForSequenceClassification": "bert_packed.finetune.classification.model",
     "ModelConfigError": "bert_packed.modeling",
     "register_attention": "bert_packed.attention",
     "AttentionImplementation": "bert_packed.attention",

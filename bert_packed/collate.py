@@ -18,7 +18,7 @@ next_sentence_labels        [N]        NSP label
 
 The assignment is ``packing.Assignment`` (or anything with the same two CSR arrays):
 pack p holds samples ``sequence_indices[pack_offsets[p]:pack_offsets[p + 1]]``, in that
-order. The output is the packed batch of DESIGN.md §2 as numpy arrays (int64, and
+order. The output is the packed batch of docs/design.md as numpy arrays (int64, and
 float32 ``nsp_weights``): sequences side by side in natural order, each with its own
 [CLS], positions restarting at 0, ``sequence_ids`` 1..K, the masked tokens of the pack in
 ``M`` fixed slots (the seeds' rule M = masked tokens of a full-length sequence + K - 1).
@@ -45,7 +45,6 @@ __all__ = [
     "per_sequence",
     "collate",
     "collate_unpacked",
-    "collate_classification",
     "validate_batch",
 ]
 
@@ -188,7 +187,7 @@ def collate(
     max_sequences_per_pack: int,
     max_masked_tokens_per_pack: int,
 ) -> Dict[str, np.ndarray]:
-    """Packed pre-training batch of ``assignment.num_packs`` packs (DESIGN.md §2 fields, numpy).
+    """Packed pre-training batch of ``assignment.num_packs`` packs (the fields of docs/design.md, numpy).
 
     Shapes: ``[B, S]`` token fields with S = ``max_sequence_length``, ``[B, M]`` masked
     slots with M = ``max_masked_tokens_per_pack``, ``[B, K]`` per-sequence fields with
@@ -228,28 +227,6 @@ def collate(
     batch["mlm_positions"][mask_pack, mask_slot] = start[sequence_of_mask] + masked_positions[sequence_of_mask, column]
     batch["mlm_labels"][mask_pack, mask_slot] = masked_ids[sequence_of_mask, column]
     batch["mlm_sequence_ids"][mask_pack, mask_slot] = slot[sequence_of_mask] + 1
-    return batch
-
-
-def collate_classification(
-    samples: Mapping[str, np.ndarray],
-    assignment: Any,
-    *,
-    max_sequence_length: int,
-    max_sequences_per_pack: int,
-) -> Dict[str, np.ndarray]:
-    """Packed sequence-classification batch: token fields, ``cls_positions``, ``labels`` and
-    ``label_weights`` ``[B, K]`` (``BertForSequenceClassification``'s inputs).
-
-    ``samples``: ``input_ids``, ``segment_ids``, optional ``input_mask`` (as for ``collate``)
-    and ``labels``: ``[N]`` int class per sequence (-> int64 ``[B, K]``), or floats ``[N]`` /
-    ``[N, C]`` (regression targets, multi-hot labels -> float32 ``[B, K(, C)]``).
-    """
-    S, K = int(max_sequence_length), int(max_sequences_per_pack)
-    batch, layout = pack_tokens(samples, assignment, S, K)
-    labels = np.asarray(samples["labels"])
-    batch["labels"] = per_sequence(layout, labels, K, np.float32 if labels.dtype.kind == "f" else np.int64)
-    batch["label_weights"] = per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
     return batch
 
 

@@ -35,7 +35,7 @@ import torch
 
 # One error class for every unusable checkpoint (ours or Hugging Face's): one line, exit 2.
 from bert_packed.checkpoint import CheckpointError, safe_torch_load
-from bert_packed.io import atomic_path, write_text_atomic
+from bert_packed.io import atomic_path, read_utf8, write_text_atomic
 
 __all__ = [
     "CheckpointError", "Pretrained", "read_pretrained", "resolve_model_config", "load_weights",
@@ -218,9 +218,8 @@ def check_layers(num_hidden_layers: int, state: Mapping[str, Any], where: str) -
 
 def _read_json(path: str) -> Dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        value = json.loads(read_utf8(path, CheckpointError, drop_bom=False))  # json refuses a BOM, as before
+    except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: not readable JSON ({exc})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object")

@@ -1,5 +1,10 @@
-"""Atomic file output and run-directory locking, shared by checkpoints, metrics, reports and
-the data pipeline.
+"""Reading user text files, atomic file output and run-directory locking, shared by
+checkpoints, metrics, reports, the config loader, the fine-tuning readers and the data pipeline.
+
+User text files (configs, tables, SQuAD JSON, CoNLL, Hugging Face config.json) are read as
+UTF-8 through :func:`read_utf8` (the whole text) or :func:`utf8_lines` (line by line): a byte
+that is not UTF-8 is refused in one line naming the file, line, byte offset and column
+(:func:`not_utf8_message`), raised as the caller's own error class.
 
 Every file the project publishes is written to a temporary file in the destination's
 folder and ``os.replace``-d onto its name, so a reader (or a run killed half-way) sees
@@ -18,12 +23,12 @@ import os
 import re
 import socket
 import tempfile
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Iterator, Optional, Tuple, Type
 
 from bert_packed.errors import ConfigError
 
-__all__ = ["write_text_atomic", "atomic_path", "publish", "make_temp", "make_folder", "remove_orphans",
-           "DirectoryLock", "OutputInUseError", "not_utf8_message", "check_output_dir"]
+__all__ = ["read_utf8", "utf8_lines", "write_text_atomic", "atomic_path", "publish", "make_temp", "make_folder",
+           "remove_orphans", "DirectoryLock", "OutputInUseError", "not_utf8_message", "check_output_dir"]
 
 TEMP_PREFIX = ".tmp-"
 
@@ -40,6 +45,38 @@ def not_utf8_message(path, data: bytes, start: int, *, first_line: int = 1, base
     bom = ": a UTF-16 byte-order mark" if offset == 0 and data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
     return (f"{path}: line {line}: not UTF-8 (byte 0x{data[start]:02x} at byte offset {offset}, column {column}{bom}); "
             f"save the file as UTF-8, e.g. iconv -f <encoding> -t utf-8")
+
+
+def read_utf8(path, error: Type[Exception] = ValueError, *, drop_bom: bool = True) -> str:
+    """The whole text of the user file ``path`` as UTF-8, a leading byte-order mark dropped
+    (``drop_bom=False`` keeps it, for readers such as ``json`` that refuse it). A byte that is not
+    UTF-8 raises ``error`` (the caller's one-line error class) with :func:`not_utf8_message`:
+    decoding with a guessed encoding, or replacing the byte, would use text the file does not
+    hold. An ``OSError`` (no such file, not readable) is the caller's to word."""
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(not_utf8_message(path, raw, exc.start)) from None
+    return text[1:] if drop_bom and text.startswith("\ufeff") else text
+
+
+def utf8_lines(path, handle, error: Type[Exception] = ValueError) -> Iterator[str]:
+    """The lines of the binary ``handle`` (opened on ``path``) decoded as UTF-8, a leading
+    byte-order mark dropped (Excel writes one; it is not part of the first column's name). The
+    first byte that is not UTF-8 raises ``error`` naming the line, byte offset and column, as
+    :func:`read_utf8` does; the lines before it have been yielded."""
+    offset = 0
+    for number, raw in enumerate(handle, 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise error(not_utf8_message(path, raw, exc.start, first_line=number, base_offset=offset)) from None
+        if number == 1 and text.startswith("\ufeff"):
+            text = text[1:]
+        offset += len(raw)
+        yield text
 
 
 def _host() -> str:

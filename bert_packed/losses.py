@@ -31,8 +31,6 @@ __all__ = [
     "MLM_LOSS_NORMALIZATIONS",
     "mlm_loss_terms",
     "nsp_loss_terms",
-    "span_loss_terms",
-    "classification_loss_terms",
     "normalize",
     "step_counts",
     "add_step_normalizers",
@@ -120,87 +118,6 @@ def nsp_loss_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
     nll = nll.view(num_packs, num_slots) * weights
     correct = (logits.argmax(dim=-1) == labels).float() * weights
     return {"loss_sum": nll.sum(dim=1), "correct_sum": correct.sum(dim=1), "count": weights.sum(dim=1)}
-
-
-def span_loss_terms(
-    start_logits: torch.Tensor,
-    end_logits: torch.Tensor,
-    sequence_ids: torch.Tensor,
-    start_positions: torch.Tensor,
-    end_positions: torch.Tensor,
-    weights: torch.Tensor,
-) -> Dict[str, torch.Tensor]:
-    """Per-pack span-extraction (question answering) numerators and counts.
-
-    Every sequence k of a pack gets its own softmax over ITS OWN tokens only (other
-    sequences and padding are masked out), so no span can start in one sequence and end in
-    another and a packed sequence's loss is the one it has alone. Its loss is Hugging
-    Face's ``(CE(start) + CE(end)) / 2``; ``correct`` means start and end both right.
-
-    Args:
-        start_logits, end_logits: ``[B, S]`` one score per token.
-        sequence_ids: ``[B, S]`` 1..K, 0 = padding.
-        start_positions, end_positions: ``[B, K]`` answer columns in the pack (any valid
-            column in empty slots).
-        weights: ``[B, K]`` 1.0 where sequence k exists.
-
-    Returns ``[B]`` float tensors ``loss_sum``, ``correct_sum``, ``count`` (sequences), and
-    ``[B, K, S]`` ``start_scores`` / ``end_scores`` (the logits with other sequences' tokens
-    at a large negative value: each slot's own distribution).
-    """
-    num_slots = weights.shape[1]
-    slots = torch.arange(1, num_slots + 1, device=sequence_ids.device)
-    own = sequence_ids[:, None, :] == slots[None, :, None]  # [B, K, S]
-    # A finite mask value (not -inf) keeps empty slots' softmax finite; their weight is 0.
-    masked = torch.full_like(own, -1e4, dtype=torch.float32)
-    zeros = torch.zeros_like(masked)
-    bias = torch.where(own, zeros, masked)
-    weights = weights.float()
-    terms = []
-    for logits, positions in ((start_logits, start_positions), (end_logits, end_positions)):
-        scores = logits.float()[:, None, :] + bias  # [B, K, S]
-        nll = F.cross_entropy(scores.reshape(-1, scores.shape[-1]), positions.reshape(-1), reduction="none")
-        terms.append((scores, nll.view(positions.shape), scores.argmax(dim=-1) == positions))
-    (start_scores, start_nll, start_ok), (end_scores, end_nll, end_ok) = terms
-    loss = (start_nll + end_nll) * 0.5 * weights
-    correct = (start_ok & end_ok).float() * weights
-    return {"loss_sum": loss.sum(dim=1), "correct_sum": correct.sum(dim=1), "count": weights.sum(dim=1),
-            "start_scores": start_scores, "end_scores": end_scores}
-
-
-def classification_loss_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                              problem_type: str) -> Dict[str, torch.Tensor]:
-    """Per-pack numerators and counts of a per-sequence classification or regression loss.
-
-    Args:
-        logits: ``[B, K, C]`` one row of scores per sequence slot.
-        labels: ``single_label_classification``: int ``[B, K]``; ``multi_label_classification``:
-            0/1 floats ``[B, K, C]``; ``regression``: floats ``[B, K]`` (C = 1) or ``[B, K, C]``.
-            Any valid value in empty slots.
-        weights: ``[B, K]`` 1.0 where sequence k exists.
-        problem_type: one of Hugging Face's three names.
-
-    Each sequence's loss is Hugging Face's for that problem type on that sequence alone
-    (cross-entropy; binary cross-entropy with logits averaged over the C labels; squared
-    error averaged over the C outputs). Returns ``[B]`` float tensors ``loss_sum``,
-    ``count`` (sequences) and, for the two classification types, ``correct_sum``
-    (multi-label: every label right at logit > 0).
-    """
-    if problem_type == "single_label_classification":
-        return nsp_loss_terms(logits, labels, weights)
-    weights = weights.float()
-    logits = logits.float()
-    if problem_type == "multi_label_classification":
-        targets = labels.float()
-        per_sequence = F.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(dim=-1)
-        correct = ((logits > 0) == (targets > 0.5)).all(dim=-1).float() * weights
-        return {"loss_sum": (per_sequence * weights).sum(dim=1), "correct_sum": correct.sum(dim=1),
-                "count": weights.sum(dim=1)}
-    if problem_type == "regression":
-        targets = labels.float().reshape(logits.shape)
-        per_sequence = ((logits - targets) ** 2).mean(dim=-1)
-        return {"loss_sum": (per_sequence * weights).sum(dim=1), "count": weights.sum(dim=1)}
-    raise ValueError(f"unknown problem_type {problem_type!r}")
 
 
 def normalize(per_pack_sum: torch.Tensor, count: torch.Tensor, normalizer: Optional[torch.Tensor]) -> torch.Tensor:

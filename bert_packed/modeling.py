@@ -1,6 +1,9 @@
 """Packed BERT: one model for packed and unpacked batches, read top to bottom.
 
-    config -> embeddings -> attention -> layer -> encoder -> pooler -> heads -> task models
+    config -> embeddings -> attention -> layer -> encoder -> pooler -> heads -> BertForPreTraining
+
+(The fine-tuning models build on ``BertModel`` in their task packages,
+``bert_packed/finetune/<task>/model.py``.)
 
 A *pack* is one fixed-length row of ``S`` tokens holding up to ``K`` sequences side by
 side (natural order, each with its own [CLS]). Three things make a pack compute exactly
@@ -19,9 +22,9 @@ An unpacked batch is a pack with one sequence (K = 1); there is no second code p
 Shape legend: B packs per batch, S tokens per pack, K = max_sequences_per_pack,
 M = max_masked_tokens_per_pack, H hidden size, N heads, D = H / N, V vocabulary.
 
-Parameter names and shapes are those of ``transformers.BertForPreTraining`` /
-``BertForSequenceClassification`` (the MLM decoder is tied to the word embeddings), so a
-Hugging Face state dict loads (``load_hf_state_dict``) and exports (``hf_state_dict``).
+Parameter names and shapes are those of ``transformers.BertForPreTraining`` and the other
+``BertFor*`` classes (the MLM decoder is tied to the word embeddings), so a Hugging Face state
+dict loads (``load_hf_state_dict``) and exports (``hf_state_dict``).
 Only torch 2.0 operations are used (the IPU path compiles this file with PopTorch) and
 every shape is static: gathers take index tensors, masks replace boolean indexing.
 """
@@ -38,8 +41,7 @@ from torch import nn
 from bert_packed import attention as attention_registry
 from bert_packed.attention import profiler_scope
 from bert_packed.losses import (MLM_LOSS_NORMALIZATIONS, PRETRAINING_COUNTS, PRETRAINING_METRICS,
-                                 add_sequence_normalizer, add_step_normalizers, classification_loss_terms,
-                                 mlm_loss_terms, normalize, nsp_loss_terms, span_loss_terms)
+                                 add_step_normalizers, mlm_loss_terms, normalize, nsp_loss_terms)
 
 __all__ = [
     "ModelConfigError",
@@ -51,18 +53,15 @@ __all__ = [
     "BertPooler",
     "BertModel",
     "BertForPreTraining",
-    "BertForSequenceClassification",
-    "BertForQuestionAnswering",
     "PipelineLayout",
     "PRETRAINING_FIELDS",
-    "CLASSIFICATION_FIELDS",
     "PROBLEM_TYPES",
     "hf_state_dict",
     "hf_parameter_name",
     "load_hf_state_dict",
 ]
 
-# The packed batch (DESIGN.md §2). All int64 except nsp_weights (float); the two optional
+# The packed batch (docs/design.md, "The packed batch"). All int64 except nsp_weights (float); the two optional
 # normaliser fields are float [B] (see bert_packed.losses.add_step_normalizers).
 PRETRAINING_FIELDS = (
     "input_ids",  # [B,S] tokens, 0 = padding
@@ -77,8 +76,6 @@ PRETRAINING_FIELDS = (
     "nsp_weights",  # [B,K] 1.0 where sequence k exists
 )
 OPTIONAL_FIELDS = ("mlm_normalizer", "nsp_normalizer")  # [B] float, the step's global counts
-# Packed sequence classification: one label per packed sequence.
-CLASSIFICATION_FIELDS = ("input_ids", "segment_ids", "position_ids", "sequence_ids", "cls_positions", "labels", "label_weights")
 # Hugging Face's names (``BertConfig.problem_type``); None resolves as Hugging Face does.
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 
@@ -639,158 +636,6 @@ class BertForPreTraining(BertPreTrainedModel):
             "num_mlm_correct": mlm["num_correct"].sum(),
             "num_nsp_correct": nsp["correct_sum"].sum(),
         }
-
-
-class BertForSequenceClassification(BertPreTrainedModel):
-    """Packed sequence classification: one logit row per packed sequence, from its own [CLS].
-
-    Hugging Face's flattening collator gives one loss per *row*; here every sequence of
-    the pack is classified and weighted on its own. ``model(**batch)`` with the fields of
-    ``CLASSIFICATION_FIELDS``: ``cls_positions`` ``[B,K]``, ``label_weights`` ``[B,K]``
-    (1.0 where sequence k exists) and ``labels`` by ``config.resolved_problem_type``
-    (Hugging Face's names and losses):
-
-    * ``single_label_classification``: int64 ``[B,K]``, cross-entropy; metric ``accuracy``;
-    * ``multi_label_classification``: float ``[B,K,num_labels]`` of 0/1, binary
-      cross-entropy with logits averaged over the labels; metric ``accuracy`` = exact match
-      (every label right at logit > 0);
-    * ``regression``: float ``[B,K]`` (``num_labels`` 1) or ``[B,K,num_labels]``, mean
-      squared error averaged over the labels.
-
-    Every loss is a mean over *sequences* (each sequence's own loss, weighted by
-    ``label_weights``), divided by the optional ``normalizer`` ``[B]`` (the step's sequence
-    count, as for NSP) or by the batch's own count: the sequence-weighted loss of Hugging
-    Face's unpacked ``BertForSequenceClassification`` (whose means over the batch's
-    elements are the same numbers when every sequence has ``num_labels`` labels).
-    Returns ``logits`` ``[B,K,num_labels]``, and with labels ``loss``, the metrics of
-    ``metric_names`` and ``num_sequences``.
-    """
-
-    count_names = ("num_sequences",)
-    normalizer_fields = ("normalizer",)
-
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = config
-        self.num_labels = config.num_labels
-        self.problem_type = config.resolved_problem_type
-        self.bert = BertModel(config)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.classifier.apply(self._init_weights)
-
-    @property
-    def metric_names(self):
-        return ("loss",) if self.problem_type == "regression" else ("loss", "accuracy")
-
-    def pipeline_layout(self) -> PipelineLayout:
-        return PipelineLayout(self.bert.embeddings, self.bert.encoder.layer, self.bert.pooler, False)
-
-    def hf_label_config(self, id2label: Optional[Mapping[int, str]] = None) -> Dict[str, Any]:
-        return {**self._labels_of(id2label), "problem_type": self.config.resolved_problem_type}
-
-    def add_step_normalizers(self, micro_batches, *, all_reduce=None):
-        """Set ``normalizer`` (float32 ``[B]``) in every micro-batch to the step's sequence count
-        (``label_weights`` summed over all micro-batches, and over processes by ``all_reduce``)."""
-        return add_sequence_normalizer(micro_batches, "label_weights", "normalizer", all_reduce=all_reduce)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        segment_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        sequence_ids: torch.Tensor,
-        cls_positions: torch.Tensor,
-        labels: Optional[torch.Tensor] = None,
-        label_weights: Optional[torch.Tensor] = None,
-        normalizer: Optional[torch.Tensor] = None,
-    ) -> Dict[str, torch.Tensor]:
-        sequence_output = self.bert(input_ids, segment_ids, position_ids, sequence_ids)
-        with profiler_scope("packing/loss_unpacking"):
-            pooled_output = self.bert.pool(sequence_output, cls_positions)
-        logits = self.classifier(self.dropout(pooled_output))  # [B,K,num_labels]
-        outputs: Dict[str, torch.Tensor] = {"logits": logits}
-        if labels is None:
-            return outputs
-        if label_weights is None:
-            label_weights = torch.ones(cls_positions.shape, dtype=torch.float32, device=cls_positions.device)
-        with profiler_scope("packing/loss_unpacking"):
-            terms = classification_loss_terms(logits, labels, label_weights, self.problem_type)
-            outputs["loss"] = normalize(terms["loss_sum"], terms["count"], normalizer)
-            if "correct_sum" in terms:
-                outputs["accuracy"] = normalize(terms["correct_sum"], terms["count"], normalizer)
-            outputs["num_sequences"] = terms["count"].sum()
-        return outputs
-
-
-class BertForQuestionAnswering(BertPreTrainedModel):
-    """Packed extractive question answering (SQuAD): a start and an end score per token.
-
-    Hugging Face's ``BertForQuestionAnswering`` layout (``bert`` without pooler,
-    ``qa_outputs`` Linear(H, 2)), so its checkpoints load and ours export. Each packed
-    feature (question + context window, with its own [CLS]) is scored on its own tokens
-    only: ``model(**batch)`` with ``input_ids, segment_ids, position_ids, sequence_ids``
-    ``[B,S]`` returns ``start_logits`` / ``end_logits`` ``[B,S]`` (per token, as in the
-    pack); with ``start_positions`` / ``end_positions`` ``[B,K]`` (answer columns in the
-    pack; a feature without the answer points at its [CLS]) and ``label_weights`` ``[B,K]``
-    (1.0 where slot k holds a feature) it also returns ``loss``: the mean over features of
-    ``(CE(start) + CE(end)) / 2``, each softmax over that feature's own tokens, divided by
-    ``normalizer`` ``[B]`` (the step's feature count, as for NSP) when given, and
-    ``span_accuracy`` and ``num_sequences``. ``span_accuracy``: the share of the features whose
-    predicted start AND end (each the argmax over the feature's own tokens) are both the labelled
-    ones ([CLS] for a feature without the answer): exact-span accuracy on the batch, the training
-    counterpart of EM. Named for what it measures (it was ``accuracy``, which read like a
-    classification metric): an untrained head scores ~0 (it hits one of ~S^2/2 spans by chance).
-
-    Unlike Hugging Face's padded model, padding positions never enter the softmax, so the
-    loss of a feature does not depend on how much padding its row has (the logits of real
-    tokens are identical to Hugging Face's).
-    """
-
-    metric_names = ("loss", "span_accuracy")
-    count_names = ("num_sequences",)
-    normalizer_fields = ("normalizer",)
-
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = config
-        self.bert = BertModel(config, add_pooling_layer=False)
-        self.qa_outputs = nn.Linear(config.hidden_size, 2)
-        self.qa_outputs.apply(self._init_weights)
-
-    # The step's feature count (label_weights over all micro-batches and processes), as for classification.
-    add_step_normalizers = BertForSequenceClassification.add_step_normalizers
-
-    def pipeline_layout(self) -> PipelineLayout:
-        return PipelineLayout(self.bert.embeddings, self.bert.encoder.layer, self.qa_outputs, False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        segment_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        sequence_ids: torch.Tensor,
-        cls_positions: Optional[torch.Tensor] = None,  # part of the packed batch; the head needs no [CLS] gather
-        start_positions: Optional[torch.Tensor] = None,
-        end_positions: Optional[torch.Tensor] = None,
-        label_weights: Optional[torch.Tensor] = None,
-        normalizer: Optional[torch.Tensor] = None,
-    ) -> Dict[str, torch.Tensor]:
-        sequence_output = self.bert(input_ids, segment_ids, position_ids, sequence_ids)
-        logits = self.qa_outputs(sequence_output)  # [B,S,2]
-        start_logits, end_logits = logits[..., 0], logits[..., 1]
-        outputs: Dict[str, torch.Tensor] = {"start_logits": start_logits, "end_logits": end_logits}
-        if start_positions is None or end_positions is None:
-            return outputs
-        if label_weights is None:
-            label_weights = torch.ones(start_positions.shape, dtype=torch.float32, device=start_positions.device)
-        with profiler_scope("packing/loss_unpacking"):
-            terms = span_loss_terms(start_logits, end_logits, sequence_ids, start_positions, end_positions, label_weights)
-            outputs["loss"] = normalize(terms["loss_sum"], terms["count"], normalizer)
-            outputs["span_accuracy"] = normalize(terms["correct_sum"], terms["count"], normalizer)
-            outputs["num_sequences"] = terms["count"].sum()
-        return outputs
 
 
 # ----------------------------------------------------------------------------- HF weights

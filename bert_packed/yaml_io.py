@@ -27,7 +27,7 @@ from typing import Any, Dict
 
 import yaml
 
-from bert_packed.io import not_utf8_message
+from bert_packed.io import read_utf8
 
 __all__ = ["YamlError", "YamlSyntaxError", "load_yaml", "loads_yaml", "MAX_NODES"]
 
@@ -132,10 +132,4 @@ def loads_yaml(text: str, where: str = "YAML", *, max_nodes: int = MAX_NODES) ->
 
 def load_yaml(path: str, *, max_nodes: int = MAX_NODES) -> Any:
     """The YAML document of the file ``path`` (UTF-8), checked as above; ``YamlError`` names the file."""
-    with open(path, "rb") as handle:
-        raw = handle.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise YamlError(not_utf8_message(path, raw, exc.start)) from None
-    return loads_yaml(text, path, max_nodes=max_nodes)
+    return loads_yaml(read_utf8(path, YamlError), path, max_nodes=max_nodes)

@@ -119,6 +119,36 @@ def _stage_of_layers(num_layers: int, num_stages: int, layers_per_ipu: Optional[
     return stages
 
 
+def _add_head_ops(add, *, B: int, K: int, H: int, V: int, M: int, b: int, ids: int, packed: bool) -> None:
+    """The heads' operations of :func:`build_ops` (``add`` appends one), on stage 0 with the tied
+    word embeddings, as in Graphcore's pipelined BERT."""
+    # NSP: the classic model slices position 0; the packed one gathers K [CLS] tokens.
+    if packed:
+        add("heads/cls_gather", "loss_unpacking", "vector", 0, B * K * (ids + 2 * H * b), B * K * H * b)
+    else:
+        add("heads/cls_slice", "rest", "vector", 0, 2 * B * H * b, B * H * b)
+    add("heads/pooler", "rest", "matmul", 2 * B * K * H * H, (2 * B * K * H + H * H) * b)
+    add("heads/pooler_tanh", "rest", "vector", 4 * B * K * H, 2 * B * K * H * b)
+    add("heads/nsp", "rest", "matmul", 2 * B * K * H * 2, (B * K * H + 2 * H + B * K * 2) * b)
+    add("heads/nsp_log_softmax", "rest", "vector", 10 * B * K, 4 * B * K * b)
+    # MLM: M masked positions per pack, the same M for the padded and the packed model.
+    masked = B * M
+    add("heads/mlm_gather", "rest", "vector", 0, masked * (ids + 2 * H * b), masked * H * b)
+    add("heads/mlm_transform", "rest", "matmul", 2 * masked * H * H, (2 * masked * H + H * H) * b)
+    add("heads/mlm_transform_gelu_layernorm", "rest", "vector", 20 * masked * H, 4 * masked * H * b)
+    add("heads/mlm_decoder", "rest", "matmul", 2 * masked * H * V, (masked * H + H * V + masked * V) * b)
+    add("heads/mlm_log_softmax", "rest", "vector", 5 * masked * V, 2 * masked * V * b)
+    add("heads/mlm_label_pick_accuracy", "rest", "vector", 2 * masked * V, masked * (V * b + 2 * ids))
+    # Loss and accuracy reductions: plain weighted means, or per sequence (one-hot over K).
+    if packed:
+        add("heads/mlm_per_sequence", "loss_unpacking", "vector", 4 * masked * K,
+            masked * (ids + 2 * b) + masked * K * b + 2 * B * K * b)
+        add("heads/nsp_per_sequence", "loss_unpacking", "vector", 6 * B * K, B * K * (ids + 3 * b))
+    else:
+        add("heads/mlm_mean", "loss_unpacking", "vector", 3 * masked, masked * (ids + 2 * b))
+        add("heads/nsp_mean", "loss_unpacking", "vector", 3 * B, B * (ids + 2 * b))
+
+
 def build_ops(config, *, micro_batch_size: int, sequence_length: int, max_sequences_per_pack: int = 1,
               packed: bool = True, training: bool = True, precision: str = "fp16",
               max_masked_tokens_per_pack: Optional[int] = None, num_ipus_per_replica: int = 1,
@@ -196,32 +226,7 @@ def build_ops(config, *, micro_batch_size: int, sequence_length: int, max_sequen
         add(p + "ffn_out", "rest", "matmul", 2 * tokens * I * H, (tokens * I + I * H + tokens * H) * b, stage=stage)
         add(p + "ffn_residual_layernorm", "rest", "vector", 12 * tokens * H, 4 * tokens * H * b, stage=stage)
 
-    # Heads (on stage 0 with the tied word embeddings, as in Graphcore's pipelined BERT).
-    # NSP: the classic model slices position 0; the packed one gathers K [CLS] tokens.
-    if packed:
-        add("heads/cls_gather", "loss_unpacking", "vector", 0, B * K * (ids + 2 * H * b), B * K * H * b)
-    else:
-        add("heads/cls_slice", "rest", "vector", 0, 2 * B * H * b, B * H * b)
-    add("heads/pooler", "rest", "matmul", 2 * B * K * H * H, (2 * B * K * H + H * H) * b)
-    add("heads/pooler_tanh", "rest", "vector", 4 * B * K * H, 2 * B * K * H * b)
-    add("heads/nsp", "rest", "matmul", 2 * B * K * H * 2, (B * K * H + 2 * H + B * K * 2) * b)
-    add("heads/nsp_log_softmax", "rest", "vector", 10 * B * K, 4 * B * K * b)
-    # MLM: M masked positions per pack, the same M for the padded and the packed model.
-    masked = B * M
-    add("heads/mlm_gather", "rest", "vector", 0, masked * (ids + 2 * H * b), masked * H * b)
-    add("heads/mlm_transform", "rest", "matmul", 2 * masked * H * H, (2 * masked * H + H * H) * b)
-    add("heads/mlm_transform_gelu_layernorm", "rest", "vector", 20 * masked * H, 4 * masked * H * b)
-    add("heads/mlm_decoder", "rest", "matmul", 2 * masked * H * V, (masked * H + H * V + masked * V) * b)
-    add("heads/mlm_log_softmax", "rest", "vector", 5 * masked * V, 2 * masked * V * b)
-    add("heads/mlm_label_pick_accuracy", "rest", "vector", 2 * masked * V, masked * (V * b + 2 * ids))
-    # Loss and accuracy reductions: plain weighted means, or per sequence (one-hot over K).
-    if packed:
-        add("heads/mlm_per_sequence", "loss_unpacking", "vector", 4 * masked * K,
-            masked * (ids + 2 * b) + masked * K * b + 2 * B * K * b)
-        add("heads/nsp_per_sequence", "loss_unpacking", "vector", 6 * B * K, B * K * (ids + 3 * b))
-    else:
-        add("heads/mlm_mean", "loss_unpacking", "vector", 3 * masked, masked * (ids + 2 * b))
-        add("heads/nsp_mean", "loss_unpacking", "vector", 3 * B, B * (ids + 2 * b))
+    _add_head_ops(add, B=B, K=K, H=H, V=V, M=M, b=b, ids=ids, packed=packed)
     return ops
 
 

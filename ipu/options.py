@@ -78,6 +78,34 @@ ENGINE_OPTIONS = {"opt.useAutoloader": "true", "target.syncReplicasIndependently
 REPORT_ENGINE_OPTIONS = {"debug.allowOutOfMemory": "true", "autoReport.all": "true"}
 
 
+def _set_popart_options(opts, ipu, *, training: bool, popart: Optional[Any], profile_dir: Optional[str]) -> None:
+    """The PopART session and engine options of :func:`build_options` (Graphcore BERT's, the
+    pipelined accumulation's, and the report settings of a ``profile_dir`` compile)."""
+    if training and ipu.ipus_per_replica > 1:
+        # Graphcore BERT's PopART settings for pipelined accumulation: no host streams for the
+        # accumulators, the outer (weight-update) fragment scheduled to save memory, except on
+        # IPU 0 (embeddings + heads, the fullest), and subgraph copies just in time.
+        opts._Popart.set("disableGradAccumulationTensorStreams", True)
+        opts._Popart.set("accumulateOuterFragmentSettings.schedule",
+                         int(popart.AccumulateOuterFragmentSchedule.OverlapMemoryOptimized) if popart else 3)
+        opts._Popart.set("accumulateOuterFragmentSettings.excludedVirtualGraphs", ["0"])
+        opts._Popart.set("subgraphCopyingStrategy",
+                         int(popart.SubgraphCopyingStrategy.JustInTime) if popart else 1)
+    for key, value in POPART_OPTIONS.items():
+        opts._Popart.set(key, value)
+    # TiedGather(Accumulate): the MLM decoder and the word embedding share one weight and one
+    # accumulator instead of a transposed copy of the 30522 x 1024 table on IPU 0.
+    opts._Popart.setPatterns(dict(PATTERNS))
+    engine = dict(ENGINE_OPTIONS)
+    if profile_dir:
+        engine.update(REPORT_ENGINE_OPTIONS, **{"autoReport.directory": profile_dir})
+        # PopART hashes every engine option into the executable-cache key (sessionoptions.cpp
+        # std::hash<SessionOptions>), so a report compile can never serve the real run; and a
+        # report compile that loaded from the cache would write no report. Never cache it.
+        opts.enableExecutableCaching(None)
+    opts._Popart.setEngineOptions(engine)
+
+
 def build_options(poptorch, ipu, *, seed: int, gradient_accumulation: int = 1, training: bool = True,
                   popdist: Optional[Any] = None, popart: Optional[Any] = None, log_cycle_count: Optional[bool] = None,
                   profile_dir: Optional[str] = None, device_iterations: Optional[int] = None,
@@ -155,29 +183,7 @@ def build_options(poptorch, ipu, *, seed: int, gradient_accumulation: int = 1, t
         .useOnChipStorage(not ipu.optimizer_state_offchip)
         .useReplicatedTensorSharding(sharded))
 
-    if training and ipu.ipus_per_replica > 1:
-        # Graphcore BERT's PopART settings for pipelined accumulation: no host streams for the
-        # accumulators, the outer (weight-update) fragment scheduled to save memory, except on
-        # IPU 0 (embeddings + heads, the fullest), and subgraph copies just in time.
-        opts._Popart.set("disableGradAccumulationTensorStreams", True)
-        opts._Popart.set("accumulateOuterFragmentSettings.schedule",
-                         int(popart.AccumulateOuterFragmentSchedule.OverlapMemoryOptimized) if popart else 3)
-        opts._Popart.set("accumulateOuterFragmentSettings.excludedVirtualGraphs", ["0"])
-        opts._Popart.set("subgraphCopyingStrategy",
-                         int(popart.SubgraphCopyingStrategy.JustInTime) if popart else 1)
-    for key, value in POPART_OPTIONS.items():
-        opts._Popart.set(key, value)
-    # TiedGather(Accumulate): the MLM decoder and the word embedding share one weight and one
-    # accumulator instead of a transposed copy of the 30522 x 1024 table on IPU 0.
-    opts._Popart.setPatterns(dict(PATTERNS))
-    engine = dict(ENGINE_OPTIONS)
-    if profile_dir:
-        engine.update(REPORT_ENGINE_OPTIONS, **{"autoReport.directory": profile_dir})
-        # PopART hashes every engine option into the executable-cache key (sessionoptions.cpp
-        # std::hash<SessionOptions>), so a report compile can never serve the real run; and a
-        # report compile that loaded from the cache would write no report. Never cache it.
-        opts.enableExecutableCaching(None)
-    opts._Popart.setEngineOptions(engine)
+    _set_popart_options(opts, ipu, training=training, popart=popart, profile_dir=profile_dir)
     return opts
 
 

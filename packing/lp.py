@@ -771,6 +771,121 @@ def _plan_packs(repeats):
     return int(sum(int(r) for r in repeats))
 
 
+def _solve_coarse_to_fine(weights, demand, best_strategies, max_sequence_length, depth, *, max_lp_items,
+                          lp_deadline, master, target_gap, quantum):
+    """The LP of :func:`pack_lp`, coarse to fine (only when lengths are grouped anyway): the LP
+    is solved on a few groups first (a handful of rounds), and each finer grouping starts from
+    the coarser one's columns, so its column generation starts near the optimum instead of from
+    the heuristic plan (mixture-8192 at depth 8, 10 s: 0.73 % -> 0.66 % over the bound).
+
+    Returns (the finest level's solution, the best certificate (bound, duals per length), the
+    group of each length, the longest length's index of each group)."""
+    if weights.size > max_lp_items:
+        # Lengths are grouped anyway; few sequences per group make the LP pointlessly wide: at
+        # most one row per _SEQUENCES_PER_ROW sequences (2,000 LLM sequences at depth 8: 64
+        # rows plan 306 packs in 0.9 s, 1,024 rows 325 packs in 10 s).
+        max_lp_items = min(max_lp_items, max(_REFINE_LEVELS[0], int(demand.sum()) // _SEQUENCES_PER_ROW))
+    levels = [size for size in _REFINE_LEVELS if size < max_lp_items < weights.size] + [max_lp_items]
+    groupings = _nested_groups(weights, demand, levels)
+    previous, certificate = None, (0.0, None)
+    for level, group in enumerate(groupings):
+        num_groups = int(group[-1]) + 1
+        first_item = np.searchsorted(group, np.arange(num_groups))
+        top_item = np.append(first_item[1:], weights.size) - 1
+        group_demand = np.bincount(group, weights=demand, minlength=num_groups).astype(np.int64)
+        top, bottom = weights[top_item], weights[first_item]
+        columns = _Columns()
+        if previous is None:
+            # A wide enumerated start pays on big data (Wikipedia: one solve, no generation); on
+            # small data a few cheap generation rounds beat one wide solve.
+            for block in dominant_columns(top, max_sequence_length, depth,
+                                          max_triples=min(40_000, int(demand.sum()))):
+                for items in block.tolist():
+                    columns.add(items)
+            for strategy in best_strategies:
+                members = group[np.searchsorted(weights, np.asarray(strategy))]  # item of each length
+                if top[members].sum() <= max_sequence_length:  # with each length raised to its group's longest
+                    columns.add(members.tolist())
+        else:
+            coarse_columns, coarse_top_item = previous
+            for items in coarse_columns.items:  # a coarse slot is its top length, a fine group's top
+                columns.add([int(group[coarse_top_item[g]]) for g in items])
+        last = level == len(groupings) - 1
+        level_deadline = lp_deadline if last or lp_deadline is None else \
+            time.perf_counter() + 0.25 * (lp_deadline - time.perf_counter())
+        solution = solve_lp(group_demand, top, max_sequence_length, depth, columns, deadline=level_deadline,
+                            bound_weights=bottom, master=master, target_gap=target_gap if last else 0.0,
+                            quantum=quantum)
+        if solution.bound_duals is not None and solution.bound > certificate[0]:
+            certificate = (solution.bound, solution.bound_duals[group])
+        previous = (solution.columns, top_item)
+    return solution, certificate, group, top_item
+
+
+def _round_solution(solution, group, top_item, weights, demand, max_sequence_length, depth, *, max_repair_rounds,
+                    deadline, master, quantum):
+    """Rounding of the LP's ``solution``: floor, fill the slots (a group's slot has its longest
+    length) with the real sequences, re-solve the LP on the left-overs, and pack the last few
+    with the heuristics. Returns (strategies, repeats, whether the deadline cut it short)."""
+    num_groups, top = int(group[-1]) + 1, weights[top_item]
+    strategies, repeats, timed_out = [], [], False
+    remaining, current, rounds_used = demand.copy(), solution, 0
+    while True:
+        floor = np.floor(current.x + 1e-9).astype(np.int64)
+        slots = [tuple(int(top_item[g]) for g in items) for items in current.columns.items]
+        placed, placed_counts, remaining = _fill_slots(slots, floor, weights, remaining)
+        strategies += placed
+        repeats += placed_counts
+        rounds_used += 1
+        if not remaining.any() or not floor.any() or rounds_used > max_repair_rounds:
+            break
+        if deadline is not None and time.perf_counter() > deadline:
+            timed_out = True
+            break
+        cheap = _prune(current.columns, current.x, current.duals, keep_reduced_cost=0.01,
+                       max_kept=4 * num_groups)
+        left = np.bincount(group, weights=remaining, minlength=num_groups).astype(np.int64)
+        current = solve_lp(left, top, max_sequence_length, depth, cheap, max_rounds=20, deadline=deadline,
+                           master=master, quantum=quantum)
+        if current.x is None:
+            timed_out = True
+            break
+    if remaining.any():
+        left = remaining > 0
+        left_counts = LengthCounts(weights[left], remaining[left])
+        extra_strategies, extra_repeats = pack_lpfhp(left_counts, max_sequence_length, depth)
+        strategies += list(extra_strategies)
+        repeats += list(extra_repeats)
+    return strategies, repeats, timed_out
+
+
+def _milp_plan(solution, weights, demand, num_groups, bound, best_packs, *, milp_time_limit, milp_node_limit,
+               max_milp_sequences, max_milp_columns, deadline):
+    """The MILP's plan (strategies, repeats) on the LP's support, where it pays (see
+    :func:`pack_lp`) and beats ``best_packs`` with every sequence placed; else None."""
+    gap = best_packs - bound
+    support = [solution.columns.items[s] for s in np.flatnonzero(solution.x > 1e-9)]
+    remaining_time = None if deadline is None else deadline - time.perf_counter()
+    if not (gap > 0 and (milp_time_limit or milp_node_limit is not None) and demand.sum() <= max_milp_sequences
+            and num_groups == weights.size
+            and 0 < len(support) <= max_milp_columns and (remaining_time is None or remaining_time > 0.05)):
+        return None
+    milp_columns = _Columns()
+    for items in support:
+        milp_columns.add(items)
+    for k in range(weights.size):
+        milp_columns.add([k])
+    limit = None if milp_node_limit is not None else milp_time_limit
+    if remaining_time is not None:
+        limit = remaining_time if limit is None else min(limit, remaining_time)
+    found = _milp(milp_columns, demand, limit, bound, milp_node_limit)
+    if found is not None and found[1].sum() < best_packs:
+        placed, placed_counts, left = _fill_slots(found[0].items, found[1], weights, demand)
+        if not left.any():
+            return placed, placed_counts
+    return None
+
+
 def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_limit=2.0, max_milp_sequences=10_000,
             max_milp_columns=3000, time_limit=None, max_lp_items=1024, master="highs", target_gap=1e-4,
             pricing_cells=2048, milp_node_limit=None):
@@ -830,51 +945,12 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
         details["lp_skipped"] = "the heuristic plan is within one pack of the simple bounds"
         return best_strategies, best_repeats, details
 
-    # Coarse to fine (only when lengths are grouped anyway): the LP is solved on a few groups
-    # first (a handful of rounds), and each finer grouping starts from the coarser one's
-    # columns, so its column generation starts near the optimum instead of from the
-    # heuristic plan (mixture-8192 at depth 8, 10 s: 0.73 % -> 0.66 % over the bound).
-    if weights.size > max_lp_items:
-        # Lengths are grouped anyway; few sequences per group make the LP pointlessly wide: at
-        # most one row per _SEQUENCES_PER_ROW sequences (2,000 LLM sequences at depth 8: 64
-        # rows plan 306 packs in 0.9 s, 1,024 rows 325 packs in 10 s).
-        max_lp_items = min(max_lp_items, max(_REFINE_LEVELS[0], int(demand.sum()) // _SEQUENCES_PER_ROW))
-    levels = [size for size in _REFINE_LEVELS if size < max_lp_items < weights.size] + [max_lp_items]
-    groupings = _nested_groups(weights, demand, levels)
     lp_deadline = None if deadline is None else started + 0.8 * float(time_limit)
     quantum = max(1, max_sequence_length // int(pricing_cells))
-    previous, certificate = None, (0.0, None)
-    for level, group in enumerate(groupings):
-        num_groups = int(group[-1]) + 1
-        first_item = np.searchsorted(group, np.arange(num_groups))
-        top_item = np.append(first_item[1:], weights.size) - 1
-        group_demand = np.bincount(group, weights=demand, minlength=num_groups).astype(np.int64)
-        top, bottom = weights[top_item], weights[first_item]
-        columns = _Columns()
-        if previous is None:
-            # A wide enumerated start pays on big data (Wikipedia: one solve, no generation); on
-            # small data a few cheap generation rounds beat one wide solve.
-            for block in dominant_columns(top, max_sequence_length, depth,
-                                          max_triples=min(40_000, int(demand.sum()))):
-                for items in block.tolist():
-                    columns.add(items)
-            for strategy in best_strategies:
-                members = group[np.searchsorted(weights, np.asarray(strategy))]  # item of each length
-                if top[members].sum() <= max_sequence_length:  # with each length raised to its group's longest
-                    columns.add(members.tolist())
-        else:
-            coarse_columns, coarse_top_item = previous
-            for items in coarse_columns.items:  # a coarse slot is its top length, a fine group's top
-                columns.add([int(group[coarse_top_item[g]]) for g in items])
-        last = level == len(groupings) - 1
-        level_deadline = lp_deadline if last or lp_deadline is None else \
-            time.perf_counter() + 0.25 * (lp_deadline - time.perf_counter())
-        solution = solve_lp(group_demand, top, max_sequence_length, depth, columns, deadline=level_deadline,
-                            bound_weights=bottom, master=master, target_gap=target_gap if last else 0.0,
-                            quantum=quantum)
-        if solution.bound_duals is not None and solution.bound > certificate[0]:
-            certificate = (solution.bound, solution.bound_duals[group])
-        previous = (solution.columns, top_item)
+    solution, certificate, group, top_item = _solve_coarse_to_fine(
+        weights, demand, best_strategies, max_sequence_length, depth, max_lp_items=max_lp_items,
+        lp_deadline=lp_deadline, master=master, target_gap=target_gap, quantum=quantum)
+    num_groups = int(group[-1]) + 1
     details["num_lp_items"] = num_groups
     lp_bound = _ceil_bound(certificate[0])
     timed_out = solution.timed_out
@@ -889,58 +965,17 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
         details["lp_bound_packs"] = lp_bound
 
     if solution.x is not None:
-        # Rounding: floor, fill the slots (a group's slot has its longest length) with the
-        # real sequences, re-solve the LP on the left-overs, and pack the last few with the
-        # heuristics.
-        strategies, repeats = [], []
-        remaining, current, rounds_used = demand.copy(), solution, 0
-        while True:
-            floor = np.floor(current.x + 1e-9).astype(np.int64)
-            slots = [tuple(int(top_item[g]) for g in items) for items in current.columns.items]
-            placed, placed_counts, remaining = _fill_slots(slots, floor, weights, remaining)
-            strategies += placed
-            repeats += placed_counts
-            rounds_used += 1
-            if not remaining.any() or not floor.any() or rounds_used > max_repair_rounds:
-                break
-            if deadline is not None and time.perf_counter() > deadline:
-                timed_out = True
-                break
-            cheap = _prune(current.columns, current.x, current.duals, keep_reduced_cost=0.01,
-                           max_kept=4 * num_groups)
-            left = np.bincount(group, weights=remaining, minlength=num_groups).astype(np.int64)
-            current = solve_lp(left, top, max_sequence_length, depth, cheap, max_rounds=20, deadline=deadline,
-                               master=master, quantum=quantum)
-            if current.x is None:
-                timed_out = True
-                break
-        if remaining.any():
-            left = remaining > 0
-            left_counts = LengthCounts(weights[left], remaining[left])
-            extra_strategies, extra_repeats = pack_lpfhp(left_counts, max_sequence_length, depth)
-            strategies += list(extra_strategies)
-            repeats += list(extra_repeats)
+        strategies, repeats, rounding_timed_out = _round_solution(
+            solution, group, top_item, weights, demand, max_sequence_length, depth,
+            max_repair_rounds=max_repair_rounds, deadline=deadline, master=master, quantum=quantum)
+        timed_out = timed_out or rounding_timed_out
         if _plan_packs(repeats) < _plan_packs(best_repeats):
             best_strategies, best_repeats, details["rounding"] = strategies, repeats, "floor+repair"
-
-        gap = _plan_packs(best_repeats) - max(lp_bound, simple_bound)
-        support = [solution.columns.items[s] for s in np.flatnonzero(solution.x > 1e-9)]
-        remaining_time = None if deadline is None else deadline - time.perf_counter()
-        if (gap > 0 and (milp_time_limit or milp_node_limit is not None) and demand.sum() <= max_milp_sequences
-                and num_groups == weights.size
-                and 0 < len(support) <= max_milp_columns and (remaining_time is None or remaining_time > 0.05)):
-            milp_columns = _Columns()
-            for items in support:
-                milp_columns.add(items)
-            for k in range(weights.size):
-                milp_columns.add([k])
-            limit = None if milp_node_limit is not None else milp_time_limit
-            if remaining_time is not None:
-                limit = remaining_time if limit is None else min(limit, remaining_time)
-            found = _milp(milp_columns, demand, limit, max(lp_bound, simple_bound), milp_node_limit)
-            if found is not None and found[1].sum() < _plan_packs(best_repeats):
-                placed, placed_counts, left = _fill_slots(found[0].items, found[1], weights, demand)
-                if not left.any():
-                    best_strategies, best_repeats, details["rounding"] = placed, placed_counts, "milp"
+        found = _milp_plan(solution, weights, demand, num_groups, max(lp_bound, simple_bound),
+                           _plan_packs(best_repeats), milp_time_limit=milp_time_limit,
+                           milp_node_limit=milp_node_limit, max_milp_sequences=max_milp_sequences,
+                           max_milp_columns=max_milp_columns, deadline=deadline)
+        if found is not None:
+            best_strategies, best_repeats, details["rounding"] = found[0], found[1], "milp"
     details["time_limit_reached"] = bool(timed_out)
     return best_strategies, best_repeats, details

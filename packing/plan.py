@@ -175,7 +175,7 @@ def exact_plan(strategies, repeats, counts, max_sequence_length):
 
 
 class PackingResult:
-    """A plan plus what a report says about it (DESIGN.md §1 field names in ``to_dict``).
+    """A plan plus what a report says about it (docs/design.md's field names in ``to_dict``).
 
     ``num_padding_tokens`` is ``num_packs * L - num_tokens`` for every packing algorithm;
     only ``sort`` (sorted batching, where a batch is padded to its longest sequence) sets

@@ -359,7 +359,7 @@ def test_lists_of_labels_for_a_single_label_task_are_refused(capsys, checkpoint,
 
 
 def test_whole_numbers_as_decimals_are_class_ids_when_the_problem_type_says_so():
-    from bert_packed.finetune.classification import Labels
+    from bert_packed.finetune.classification.data import Labels
 
     labels = Labels.from_training(["1.0", "0", "2.0"], "single_label_classification", None, ",", None, "t")
     assert labels.num_labels == 3 and labels.encode(["2.0", "1"], ",", "v").tolist() == [2, 1]
@@ -397,7 +397,7 @@ def test_an_empty_multi_label_value_is_a_row_with_no_labels(capsys, checkpoint, 
     with open(out / "summary.json") as f:
         summary = json.load(f)
     assert summary["status"] == "completed" and "eval" in summary
-    from bert_packed.finetune.classification import Labels
+    from bert_packed.finetune.classification.data import Labels
 
     labels = Labels.from_training(["pos,pet", "", "pos", "  "], "multi_label_classification", None, ",", None, "t")
     assert labels.id2label == {0: "pet", 1: "pos"}
@@ -502,7 +502,7 @@ def test_an_answer_start_off_its_text_is_refused(capsys, checkpoint, tmp_path, s
 
 
 def test_an_answer_start_a_few_characters_off_is_moved_and_counted(tmp_path, capsys):
-    from bert_packed.finetune.squad_data import Moved, read_squad
+    from bert_packed.finetune.squad.data import Moved, read_squad
 
     document = squad_document([qa("a", [{"text": "the mat", "answer_start": 13}]),
                                qa("b", [{"text": "the log", "answer_start": 39}]),
@@ -577,7 +577,7 @@ def test_a_non_utf8_squad_file_is_refused_naming_line_and_byte(capsys, checkpoin
 
 def test_version_2_false_with_unanswerable_training_questions_is_refused():
     from bert_packed.data import DataError
-    from bert_packed.finetune.squad_data import SquadExample, squad_version
+    from bert_packed.finetune.squad.data import SquadExample, squad_version
 
     answered = SquadExample("a", "q", CONTEXT, [("the mat", 15)])
     unanswerable = SquadExample("b", "q", CONTEXT, [])
@@ -665,7 +665,8 @@ def test_weights_lacking_the_embeddings_are_an_error(capsys, checkpoint, tmp_pat
 def test_load_weights_refuses_a_missing_body_tensor_and_allows_a_new_head(checkpoint):
     # The backstop for what read_pretrained does not see (our own checkpoints, state dicts from code).
     from bert_packed import hf_io
-    from bert_packed.modeling import BertConfig, BertForSequenceClassification
+    from bert_packed.finetune.classification.model import BertForSequenceClassification
+    from bert_packed.modeling import BertConfig
 
     pretrained = hf_io.read_pretrained(str(checkpoint))
     model = BertForSequenceClassification(BertConfig.from_hf(pretrained.hf_config, num_labels=3))
@@ -916,7 +917,7 @@ def test_epochs_that_come_to_more_steps_than_the_maximum_are_refused():
     import types
 
     from bert_packed.config import ConfigError, load_config
-    from bert_packed.finetune.classification import ClassificationTask
+    from bert_packed.finetune.classification.task import ClassificationTask
 
     task = ClassificationTask(load_config("finetune_classification", ["finetune.epochs=1000000"]))
     task.train_data = types.SimpleNamespace(num_packs=5000)

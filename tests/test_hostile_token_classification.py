@@ -121,7 +121,7 @@ def test_bad_data_is_one_line_before_the_first_step(checkpoint, tmp_path, capsys
 
 def test_a_byte_order_mark_does_not_make_the_docstart_line_a_sentence(tmp_path):
     # Was: '\ufeff-DOCSTART-' was a word tagged O, a sentence of its own.
-    from bert_packed.finetune.token_classification import read_sentences
+    from bert_packed.finetune.token_classification.data import read_sentences
 
     text = "-DOCSTART- -X- -X- O\n\nmet O\nalice B-PER\n"
     plain = read_sentences(_text(tmp_path / "plain.conll", text))

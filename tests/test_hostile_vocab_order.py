@@ -98,8 +98,8 @@ def test_predict_gives_transformers_logits_whatever_id_0_is(tmp_path, seed, one_
 def test_token_classification_gives_transformers_logits_whatever_id_0_is(tmp_path, seed, one_thread):
     from bert_packed import hf_io
     from bert_packed.finetune import data as ft_data
-    from bert_packed.finetune.token_classification import (BertForTokenClassification, TagSet,
-                                                           collate_token_classification, encode_sentences)
+    from bert_packed.finetune.token_classification.data import TagSet, collate_token_classification, encode_sentences
+    from bert_packed.finetune.token_classification.model import BertForTokenClassification
     from bert_packed.modeling import BertConfig
     from finetune_fixtures import tiny_hf_config
 
@@ -138,11 +138,11 @@ def test_token_classification_gives_transformers_logits_whatever_id_0_is(tmp_pat
 def test_question_answering_gives_transformers_logits_whatever_id_0_is(tmp_path, seed, one_thread):
     from bert_packed import hf_io
     from bert_packed.collate import slice_assignment
-    from bert_packed.finetune.squad_collate import collate_question_answering, feature_slots, pack_features
-    from bert_packed.finetune.squad_data import SquadExample
-    from bert_packed.finetune.squad_features import build_features
-    from bert_packed.finetune.squad_postprocess import feature_logits
-    from bert_packed.modeling import BertConfig, BertForQuestionAnswering
+    from bert_packed.finetune.squad.data import (SquadExample, build_features, collate_question_answering,
+                                                 feature_slots, pack_features)
+    from bert_packed.finetune.squad.metrics import feature_logits
+    from bert_packed.finetune.squad.model import BertForQuestionAnswering
+    from bert_packed.modeling import BertConfig
     from finetune_fixtures import tiny_hf_config
 
     S, K = 64, 4

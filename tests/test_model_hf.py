@@ -7,7 +7,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from bert_packed.modeling import BertConfig, BertForPreTraining, BertForSequenceClassification  # noqa: E402
+from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
+from bert_packed.modeling import BertConfig, BertForPreTraining  # noqa: E402
 from test_model_fixtures import packed_and_unpacked, random_packed_problem, tiny_config  # noqa: E402
 
 MAX_PREDICTIONS = 20

@@ -133,7 +133,7 @@ def test_lp_unlimited_is_within_a_hair_of_its_certificate(lp_results, wikipedia)
 
 
 def test_lp_bounds_match_the_design_measurements(lp_results):
-    # DESIGN.md §1 (measured independently): depth 2: 10,099,081; 3: 8,143,829; 4: 8,135,727.
+    # docs/design.md's LP bounds (measured independently): depth 2: 10,099,081; 3: 8,143,829; 4: 8,135,727.
     assert lp_results[2].lp_bound_packs == 10_099_081
     assert lp_results[3].lp_bound_packs == 8_143_829
     assert lp_results[4].lp_bound_packs == 8_135_727

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import run
-from bert_packed.finetune.squad_data import read_squad
-from bert_packed.finetune.squad_features import build_features
-from bert_packed.finetune.squad_metrics import squad_scores
+from bert_packed.finetune.squad.data import build_features, read_squad
+from bert_packed.finetune.squad.metrics import squad_scores
 from squad_fixtures import corpus_texts, make_squad_v2, make_tokenizer, write_squad
 
 transformers = pytest.importorskip("transformers")
@@ -80,7 +79,8 @@ def test_outputs_follow_the_contract(job, runs):
 
 def test_export_loads_in_transformers_with_our_logits(job, runs):
     from bert_packed import hf_io
-    from bert_packed.modeling import BertConfig, BertForQuestionAnswering
+    from bert_packed.finetune.squad.model import BertForQuestionAnswering
+    from bert_packed.modeling import BertConfig
 
     directory = runs["packed"] / "hf"
     theirs = transformers.AutoModelForQuestionAnswering.from_pretrained(directory).eval()

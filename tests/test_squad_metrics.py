@@ -5,9 +5,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bert_packed.finetune.squad_data import SquadExample
-from bert_packed.finetune.squad_metrics import normalize_answer, squad_scores
-from bert_packed.finetune.squad_postprocess import postprocess_predictions
+from bert_packed.finetune.squad.data import SquadExample
+from bert_packed.finetune.squad.metrics import normalize_answer, postprocess_predictions, squad_scores
 
 
 def _example(key, *golds):

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from bert_packed.finetune.squad_collate import collate_question_answering, feature_slots, pack_features
-from bert_packed.finetune.squad_postprocess import feature_logits, postprocess_predictions
-from bert_packed.losses import span_loss_terms
-from bert_packed.modeling import BertConfig, BertForQuestionAnswering
+from bert_packed.finetune.squad.data import collate_question_answering, feature_slots, pack_features
+from bert_packed.finetune.squad.metrics import feature_logits, postprocess_predictions
+from bert_packed.finetune.squad.model import BertForQuestionAnswering, span_loss_terms
+from bert_packed.modeling import BertConfig
 from squad_fixtures import make_features
 
 S, STRIDE, QUERY, K = 192, 64, 24, 4

@@ -4,7 +4,7 @@ A *data source* yields the packed micro-batches of ONE data-parallel rank:
 
     source = build_data_source(config, split="train", micro_batch_size=B, rank=r, world_size=n)
     source.packing_factor          # float: sequences per pack over the data
-    batch = next(iter(source))     # dict of numpy arrays, DESIGN §2 fields, each [B, ...]
+    batch = next(iter(source))     # dict of numpy arrays, docs/design.md's fields, [B, ...]
     state = source.state_dict()    # JSON-able; after load_state_dict(state) the next
     source.load_state_dict(state)  # micro-batch is exactly the one that would have come
 

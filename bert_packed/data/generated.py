@@ -14,7 +14,7 @@ the pair structure from context. 15 % of each sequence is masked (80 % [MASK], 1
 random, 10 % kept, as in BERT); NSP labels are random coin flips (so the NSP loss stays
 near log 2: there is nothing to learn there).
 
-Layout of a sequence of length l (natural token order, DESIGN §2):
+Layout of a sequence of length l (natural token order, docs/design.md):
 ``[CLS] A [SEP] B [SEP]`` with segment ids 0 for ``[CLS] A [SEP]`` and 1 for ``B [SEP]``
 (``[CLS] A [SEP]`` alone when l < 5; lengths below 3 are raised to 3).
 
@@ -106,7 +106,7 @@ class GeneratedSource:
     """Generated packed micro-batches of one rank (the interface of bert_packed.data).
 
     Attributes: ``packing_factor`` (sequences per pack), ``num_packs``,
-    ``num_sequences``, ``packing`` (the packing result dict of DESIGN §1).
+    ``num_sequences``, ``packing`` (the packing result dict of docs/design.md).
     """
 
     def __init__(self, config, *, split: str = "train", micro_batch_size: int, rank: int = 0,

@@ -13,7 +13,7 @@ they are:
 | masked_lm_ids | [N,P] | original tokens there, 0 in unused slots |
 | next_sentence_labels | [N] (or [N,1]) | 1 = B is a random sentence, 0 = B follows A |
 
-Packed files (written by `pack`) hold the packed-batch fields of DESIGN.md section 2 with
+Packed files (written by `pack`) hold the packed-batch fields of docs/design.md with
 B = number of packs (see `PACKED_FIELDS`), and the packing statistics as attributes.
 """
 import contextlib

@@ -1,4 +1,4 @@
-"""`pack`: unpacked HDF5 (NVIDIA/MLPerf layout) -> packed HDF5 (DESIGN.md section 2 fields).
+"""`pack`: unpacked HDF5 (NVIDIA/MLPerf layout) -> packed HDF5 (the packed-batch fields of docs/design.md).
 
 Memory stays bounded whatever the input size; only per-sequence scalars (lengths, masked
 counts, the assignment: a few tens of bytes per sequence) live in RAM:

@@ -146,10 +146,11 @@ def predict(model_dir: str, input_path: str, output: str, *, text_column: str = 
     import torch
 
     from bert_packed import hf_io
-    from bert_packed.collate import collate_classification
     from bert_packed.finetune import data as ft_data
-    from bert_packed.finetune.classification import prediction_lines
-    from bert_packed.modeling import BertConfig, BertForSequenceClassification
+    from bert_packed.finetune.classification.data import collate_classification
+    from bert_packed.finetune.classification.metrics import prediction_lines
+    from bert_packed.finetune.classification.model import BertForSequenceClassification
+    from bert_packed.modeling import BertConfig
 
     refuse_output(output, "--output", inputs=[("--input file", input_path)],
                   input_dirs=[("--model directory", model_dir)], kind="file")

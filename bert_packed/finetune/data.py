@@ -15,14 +15,14 @@ Shared by the fine-tuning tasks:
   collate function into fixed-shape micro-batches; ``source(...)`` serves the training
   stream (re-shuffled per epoch) with the data-source contract of ``bert_packed.data``,
   ``batches(...)`` the evaluation batches in a fixed order with each slot's row index;
-- ``PackedTask``: the ``Task`` steps every fine-tuning task takes the same way with its
-  ``train_data`` / ``eval_data`` ``PackedDataset`` (the run's length, evaluation batches).
+- ``held_out(...)``: the seeded validation split of a training file without a validation file.
+
+The tasks' base class, ``PackedTask``, is in ``bert_packed.finetune.base``.
 """
 from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import sys
 from functools import partial
@@ -32,11 +32,9 @@ import numpy as np
 
 from bert_packed.data import DataError
 from bert_packed.errors import ConfigError
-from bert_packed.io import not_utf8_message
-from bert_packed.limits import STEPS
-from bert_packed.task import Task
+from bert_packed.io import utf8_lines
 
-__all__ = ["read_table", "encode_texts", "Encoded", "PackedDataset", "PackedTask", "TRUNCATION"]
+__all__ = ["read_table", "encode_texts", "Encoded", "PackedDataset", "held_out", "TRUNCATION"]
 
 TRUNCATION = ("truncate", "error")
 _DELIMITERS = {".csv": ",", ".tsv": "\t", ".tab": "\t"}
@@ -115,37 +113,6 @@ def value_where(values: Sequence[Any], i: int, where: str, column: bool = True) 
 def value_at(values: Sequence[Any], i: int) -> str:
     """``line N`` (or ``row N``) of value ``i`` of ``values``."""
     return values.at(i) if isinstance(values, Column) else f"row {i + 1}"
-
-
-def _utf8_lines(path: str, handle) -> Iterator[str]:
-    """The lines of the binary ``handle`` decoded as UTF-8, a leading byte-order mark dropped.
-
-    The first byte that is not UTF-8 is a ``DataError`` naming the line, byte offset and
-    column: decoding with a guessed encoding (or replacing the byte) would train on text the
-    file does not hold. (UTF-8's byte-order mark, which Excel writes, is standard and is not
-    part of the first column's name.)"""
-    offset = 0
-    for number, raw in enumerate(handle, 1):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(not_utf8_message(path, raw, exc.start, first_line=number, base_offset=offset)) from None
-        if number == 1 and text.startswith("\ufeff"):
-            text = text[1:]
-        offset += len(raw)
-        yield text
-
-
-def read_utf8(path: str) -> str:
-    """The whole text of ``path`` as UTF-8, a leading byte-order mark dropped; a byte that is
-    not UTF-8 is refused as :func:`read_table` refuses it (line, byte offset, column)."""
-    with open(path, "rb") as handle:
-        raw = handle.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(not_utf8_message(path, raw, exc.start)) from None
-    return text[1:] if text.startswith("\ufeff") else text
 
 
 def no_duplicate_keys(where: str) -> Callable[[List[Tuple[str, Any]]], Dict[str, Any]]:
@@ -344,7 +311,7 @@ def read_table(path: str, columns: Sequence[str]) -> Dict[str, Column]:
         raise DataError(f"{path}: file not found")
     kind = _format(path)
     with open(path, "rb") as handle:
-        lines = _utf8_lines(path, handle)
+        lines = utf8_lines(path, handle, DataError)
         if kind == ".jsonl":
             available, rows, numbers = _read_jsonl(path, lines)
             index = None
@@ -447,7 +414,7 @@ class PackedDataset:
     """Encoded sequences (+ per-sequence ``extra`` arrays, e.g. labels) packed into rows.
 
     ``collate(samples, assignment_slice) -> batch`` builds one micro-batch (e.g.
-    ``bert_packed.collate.collate_classification`` with S and K bound). Packing:
+    ``bert_packed.finetune.classification.data.collate_classification`` with S and K bound). Packing:
     ``packing.pack`` with ``algorithm`` at depth ``max_sequences_per_pack`` (depth 1 and
     algorithm ``none``: one sequence per row, the padded baseline).
     """
@@ -678,79 +645,3 @@ def held_out(num_items: int, fraction: float, seed: int, *, what: str, where: st
                         f"give finetune.validation_file")
     order = np.random.default_rng(seed).permutation(num_items)
     return np.sort(order[num_held:]).tolist(), np.sort(order[:num_held]).tolist()
-
-
-def epochs_to_steps(epochs: float, num_packs: int, packs_per_step: int) -> int:
-    """Optimizer steps that cover ``epochs`` passes over ``num_packs`` packs (at least 1)."""
-    return max(1, math.ceil(epochs * num_packs / packs_per_step))
-
-
-class PackedTask(Task):
-    """A fine-tuning task that trains on ``train_data`` and evaluates every pack of ``eval_data``
-    (``PackedDataset``s its ``setup`` builds)."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.train_data: Optional[PackedDataset] = None
-        self.eval_data: Optional[PackedDataset] = None
-        self._eval_batches: List[Tuple[Dict[str, np.ndarray], np.ndarray]] = []
-
-    def checked_tokenizer(self, purpose: str):
-        """:meth:`Task.tokenizer`, refused in one line when there is none or it has more tokens
-        than the model's vocabulary (``purpose`` names the task in the message)."""
-        tokenizer = self.tokenizer()
-        if tokenizer is None:
-            raise ConfigError(f"{purpose} needs a tokenizer: --init-checkpoint a Hugging Face directory with "
-                              "tokenizer files (tokenizer.json or vocab.txt), or set model.tokenizer")
-        vocab_size = self.config.model.vocab_size
-        if tokenizer.get_vocab_size() > vocab_size:
-            raise ConfigError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
-                              f"{vocab_size}; use the checkpoint's own tokenizer")
-        return tokenizer
-
-    def num_steps(self, packs_per_step: int) -> int:
-        """``train.steps``, or ``finetune.epochs`` over the training packs (unless steps came from the CLI).
-
-        Training data smaller than one optimizer step cannot make an epoch: one step would hold
-        the same packs several times (18 SQuAD questions in a 32-pack step trained each six
-        times in one update, reported as "1 steps"). With steps from ``finetune.epochs`` that is
-        refused (``DataError``) rather than trained with a smaller step, because the step size is
-        part of the recipe (the learning rate and warm-up were chosen for it): shrinking it
-        silently would train something else than configured. With steps given (``--steps``)
-        the passes are the user's to choose, so the repetition is said in a note instead."""
-        f, t = self.config.finetune, self.config.train
-        data = self.train_data
-        small = data.num_packs < packs_per_step
-        what = (f"{f.train_file}: {data.num_sequences} training sequences make {data.num_packs} packs, fewer than "
-                f"the {packs_per_step} packs of one optimizer step") if small else ""
-        if f.epochs is None or "steps" in self.config.cli_keys["train"]:
-            if small:
-                self.note(f"note: {what}: every step repeats them (~{packs_per_step / data.num_packs:.0f} passes)")
-            return t.steps
-        if small:
-            raise DataError(
-                f"{what}, so finetune.epochs={f.epochs:g} cannot be kept; lower train.micro_batch_size="
-                f"{t.micro_batch_size} or train.gradient_accumulation (or train.global_batch_size) to at most "
-                f"{data.num_packs} packs per step, or give more training data")
-        steps = epochs_to_steps(f.epochs, data.num_packs, packs_per_step)
-        if steps > STEPS["le"]:
-            raise ConfigError(f"finetune.epochs={f.epochs:g} over {data.num_packs} training packs, "
-                              f"{packs_per_step} per step, come to {steps} optimizer steps, more than train.steps' "
-                              f"maximum {STEPS['le']} ({STEPS['why']}); lower finetune.epochs")
-        return steps
-
-    def data_source(self, split: str, *, micro_batch_size: int, rank: int, world_size: int):
-        if split != "train":
-            raise ValueError(f"{self.name} evaluates the whole validation set (evaluate), not a stream")
-        f = self.config.finetune
-        return self.train_data.source(micro_batch_size, rank, world_size,
-                                      inputs=[p for p in (f.train_file, f.validation_file) if p and os.path.exists(p)])
-
-    def prepare_evaluation(self, *, micro_batch_size: int, rank: int, world_size: int) -> None:
-        self._eval_batches = list(self.eval_data.batches(micro_batch_size))
-
-    def evaluation_batches(self) -> List[Tuple[Dict[str, np.ndarray], np.ndarray]]:
-        """Every validation pack once, as ``(batch, rows)`` (built on first use when the loop did not)."""
-        if not self._eval_batches:
-            self.prepare_evaluation(micro_batch_size=self.config.train.micro_batch_size, rank=0, world_size=1)
-        return self._eval_batches

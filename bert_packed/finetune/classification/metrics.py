@@ -12,7 +12,7 @@ Hugging Face ``evaluate``:
 from __future__ import annotations
 
 import warnings
-from typing import Dict
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -58,3 +58,25 @@ def compute_metrics(logits: np.ndarray, labels: np.ndarray, problem_type: str) -
             spearman = float(spearmanr(x, y)[0]) if len(x) > 1 else float("nan")
         return {"pearson": pearson, "spearman": spearman, "mse": float(np.mean((x - y) ** 2))}
     raise ValueError(f"unknown problem_type {problem_type!r}")
+
+
+def prediction_lines(logits: np.ndarray, problem_type: str, id2label: Dict[int, str],
+                     labels: Optional[np.ndarray] = None) -> List[Dict[str, Any]]:
+    """One JSON-able dict per sequence: ``row``, ``prediction`` (label name(s) or value(s)),
+    ``logits``, and ``label`` when the true labels are known."""
+    predicted = predictions(logits, problem_type)
+
+    def named(value):
+        if problem_type == "single_label_classification":
+            return id2label[int(value)]
+        if problem_type == "multi_label_classification":
+            return [id2label[j] for j in np.flatnonzero(value)]
+        return float(value) if np.ndim(value) == 0 else [float(x) for x in value]
+
+    lines = []
+    for i in range(len(logits)):
+        line = {"row": i, "prediction": named(predicted[i]), "logits": [round(float(x), 6) for x in logits[i]]}
+        if labels is not None:
+            line["label"] = named(labels[i] > 0.5) if problem_type == "multi_label_classification" else named(labels[i])
+        lines.append(line)
+    return lines

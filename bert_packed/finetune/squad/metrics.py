@@ -1,7 +1,8 @@
-"""From start/end logits to answer texts: n-best spans per window, windows merged per question.
+"""SQuAD evaluation: answers from logits, then the official scores.
 
-The rules of Hugging Face's ``postprocess_qa_predictions`` (itself the original BERT
-``run_squad.py``'s):
+**Answers** (:func:`postprocess_predictions`): from start/end logits to answer texts, n-best
+spans per window, windows merged per question, by the rules of Hugging Face's
+``postprocess_qa_predictions`` (itself the original BERT ``run_squad.py``'s):
 
 * per feature (window): the ``n_best_size`` highest start and end scores are paired; a pair
   is a candidate when both tokens are context tokens of that window, ``end >= start`` and
@@ -17,6 +18,17 @@ The rules of Hugging Face's ``postprocess_qa_predictions`` (itself the original 
 Logits come in per pack; :func:`feature_logits` maps them back to features by
 ``sequence_ids`` / ``position_ids`` (vectorised), so the same code serves packed and padded
 batches.
+
+**Scores** (:func:`squad_scores`): exact match and F1 as the official evaluation scripts
+define them. The per-answer arithmetic (lower case; drop punctuation, the articles a/an/the and extra
+whitespace; EM = normalised strings equal; F1 over the bags of normalised tokens; the
+best score over all gold answers; percentages) is torchmetrics' ``squad`` (a port of the
+official v1.1 script), not hand-written. SQuAD v2.0's official script adds two rules,
+applied here before calling it: gold answers that normalise to nothing are dropped, and a
+question without gold answers has the single gold answer ``""`` (so only the empty
+prediction scores, EM = F1 = 1). With v2.0 data the scores are also reported for the
+answerable (``has_ans_*``) and unanswerable (``no_ans_*``) questions apart, as the official
+script does.
 """
 from __future__ import annotations
 
@@ -24,7 +36,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Predictions", "feature_logits", "postprocess_predictions"]
+__all__ = ["Predictions", "feature_logits", "postprocess_predictions", "squad_scores", "normalize_answer"]
 
 
 class Predictions(NamedTuple):
@@ -42,7 +54,7 @@ def feature_logits(batch: Mapping[str, np.ndarray], start_logits: np.ndarray, en
     """Scatter one packed batch's per-token logits ``[B, S]`` into per-feature arrays.
 
     ``slots`` ``[B, K]``: the feature index of every pack slot (-1 = empty, see
-    ``squad_collate.feature_slots``); ``out_start`` / ``out_end`` ``[F, L]`` receive token t of
+    ``data.feature_slots``); ``out_start`` / ``out_end`` ``[F, L]`` receive token t of
     feature f at ``[f, t]`` (t = the token's position id).
     """
     sequence_ids = np.asarray(batch["sequence_ids"])
@@ -73,9 +85,9 @@ def postprocess_predictions(examples: Sequence[Any], features: Any, start_logits
                             *, n_best_size: int = 20, max_answer_length: int = 30,
                             version_2_with_negative: bool = False,
                             null_score_diff_threshold: float = 0.0) -> Predictions:
-    """Answers of ``examples`` (``squad_data.SquadExample``) from per-feature logits.
+    """Answers of ``examples`` (``data.SquadExample``) from per-feature logits.
 
-    ``features``: ``squad_features.SquadFeatures`` (``offsets``, ``example_index``, ``lengths``);
+    ``features``: ``data.SquadFeatures`` (``offsets``, ``example_index``, ``lengths``);
     ``start_logits`` / ``end_logits`` ``[F, L]`` feature-local (see :func:`feature_logits`).
     """
     if n_best_size < 1 or max_answer_length < 1:
@@ -116,3 +128,51 @@ def postprocess_predictions(examples: Sequence[Any], features: Any, start_logits
         answers[example.id] = best_text
         nbest[example.id] = best
     return Predictions(answers, null_odds, nbest)
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def normalize_answer(text: str) -> str:
+    """The official normalisation (torchmetrics' implementation of it)."""
+    from torchmetrics.functional.text.squad import _normalize_text
+
+    return _normalize_text(text)
+
+
+def _score(pairs) -> Dict[str, float]:
+    from torchmetrics.functional.text.squad import squad
+
+    if not pairs:
+        return {"exact_match": 0.0, "f1": 0.0}
+    # A question without a prediction is left out of preds: torchmetrics scores it 0 (and warns).
+    preds = [{"id": key, "prediction_text": text} for key, text, _ in pairs if text is not None]
+    targets = [{"id": key, "answers": {"text": gold, "answer_start": [0] * len(gold)}} for key, _, gold in pairs]
+    result = squad(preds, targets)
+    return {"exact_match": float(result["exact_match"]), "f1": float(result["f1"])}
+
+
+def squad_scores(predictions: Mapping[str, str], examples: Sequence[Any], version_2: bool = None) -> Dict[str, Any]:
+    """``{"exact_match", "f1", "total"}`` in percent over ``examples`` (``SquadExample``, or any
+    object with ``id`` and ``answer_texts``); v2.0 (``version_2``, default: any example is
+    unanswerable) adds ``has_ans_exact_match``, ``has_ans_f1``, ``has_ans_total`` and the
+    ``no_ans_*`` three. A question missing from ``predictions`` scores 0, as officially."""
+    if version_2 is None:
+        version_2 = any(not ex.answer_texts for ex in examples)
+    has_ans, no_ans = [], []
+    for ex in examples:
+        prediction = predictions.get(ex.id)
+        gold = [text for text in ex.answer_texts if normalize_answer(text)] if version_2 else list(ex.answer_texts)
+        if not gold:
+            if not version_2:
+                raise ValueError(f"question {ex.id!r} has no gold answer (SQuAD v1.1 needs one; v2.0 data allows none)")
+            gold = [""]
+        (has_ans if gold != [""] else no_ans).append((ex.id, prediction, gold))
+    total = len(has_ans) + len(no_ans)
+    overall = _score(has_ans + no_ans)
+    out: Dict[str, Any] = {"exact_match": overall["exact_match"], "f1": overall["f1"], "total": total}
+    if version_2:
+        for name, pairs in (("has_ans", has_ans), ("no_ans", no_ans)):
+            split = _score(pairs)
+            out[f"{name}_exact_match"], out[f"{name}_f1"], out[f"{name}_total"] = split["exact_match"], split["f1"], len(pairs)
+    return out

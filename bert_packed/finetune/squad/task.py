@@ -1,18 +1,18 @@
 """SQuAD-style extractive question answering as a task of the training loop.
 
-The steps are plain functions over plain data, each in its own module:
+The steps are plain functions over plain data, in the files of this package:
 
-1. **Read** (``squad_data``): SQuAD v1.1 / v2.0 JSON or Hugging Face ``squad`` /
-   ``squad_v2`` rows -> :class:`~bert_packed.finetune.squad_data.SquadExample`, checked.
-2. **Featurise** (``squad_features``): question + context windows through the checkpoint's
-   fast tokenizer, answers mapped to window tokens -> ``SquadFeatures``.
-3. **Pack and collate** (``squad_collate``): features packed side by side in fixed
-   ``[B, S]`` rows, each with its own [CLS] -> the ``QA_FIELDS`` batch.
+1. **Read** (``data.read_squad``): SQuAD v1.1 / v2.0 JSON or Hugging Face ``squad`` /
+   ``squad_v2`` rows -> :class:`~bert_packed.finetune.squad.data.SquadExample`, checked.
+2. **Featurise** (``data.build_features``): question + context windows through the
+   checkpoint's fast tokenizer, answers mapped to window tokens -> ``SquadFeatures``.
+3. **Pack and collate** (``data.collate_question_answering``): features packed side by side
+   in fixed ``[B, S]`` rows, each with its own [CLS] -> the ``QA_FIELDS`` batch.
+4. **Model** (``model.BertForQuestionAnswering``): start / end scores and the span loss.
+5. **Evaluate** (``metrics``): post-processing to answer texts, official EM / F1.
 
 This module holds what ties them to the loop: :func:`split_examples` (the held-out
-validation contexts), :class:`SquadTask` and :func:`span_loss`. Post-processing and metrics
-are in ``squad_postprocess`` / ``squad_metrics``; the model is
-``bert_packed.modeling.BertForQuestionAnswering``.
+validation contexts), :class:`SquadTask` and :func:`span_loss`.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from bert_packed.errors import ConfigError
-from bert_packed.finetune.data import PackedTask, held_out
-from bert_packed.finetune.squad_collate import collate_question_answering
-from bert_packed.finetune.squad_data import Moved, SquadExample, read_squad, squad_version
-from bert_packed.finetune.squad_features import SquadFeatures, build_features
+from bert_packed.finetune.base import PackedTask
+from bert_packed.finetune.data import held_out
+from bert_packed.finetune.squad.data import (Moved, SquadExample, SquadFeatures, build_features,
+                                             collate_question_answering, read_squad, squad_version)
 from bert_packed.limits import SEQUENCE_TOKENS, at_most, bounded
 
 __all__ = ["split_examples", "SquadTask", "span_loss"]
@@ -157,14 +157,14 @@ class SquadTask(PackedTask):
 
     # -- model, data ------------------------------------------------------------------------
     def model_class(self):
-        from bert_packed.modeling import BertForQuestionAnswering
+        from bert_packed.finetune.squad.model import BertForQuestionAnswering
 
         return BertForQuestionAnswering
 
     # -- evaluation -------------------------------------------------------------------------
     def predict_logits(self, backend) -> Tuple[np.ndarray, np.ndarray]:
         """Start / end logits ``[F, S]`` of every validation window (feature-local, token t at t)."""
-        from bert_packed.finetune.squad_postprocess import feature_logits
+        from bert_packed.finetune.squad.metrics import feature_logits
 
         shape = (self.eval_features.num_features, self.config.data.max_sequence_length)
         start, end = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
@@ -174,8 +174,7 @@ class SquadTask(PackedTask):
         return start, end
 
     def evaluate(self, backend) -> Dict[str, float]:
-        from bert_packed.finetune.squad_metrics import squad_scores
-        from bert_packed.finetune.squad_postprocess import postprocess_predictions
+        from bert_packed.finetune.squad.metrics import postprocess_predictions, squad_scores
 
         f = self.config.finetune
         start, end = self.predict_logits(backend)
@@ -211,18 +210,18 @@ class SquadTask(PackedTask):
         return [outputs.answers, outputs.null_odds, outputs.nbest]
 
     def outputs_from_state(self, state: Any):
-        from bert_packed.finetune.squad_postprocess import Predictions
+        from bert_packed.finetune.squad.metrics import Predictions
 
         return Predictions(*state)
 
 
 def span_loss(start_logits: np.ndarray, end_logits: np.ndarray, features: SquadFeatures) -> float:
     """Mean over features of ``(CE(start) + CE(end)) / 2``, each over the feature's own tokens:
-    the model's training loss (``losses.span_loss_terms``) on per-feature logits ``[F, L]``,
+    the model's training loss (``model.span_loss_terms``) on per-feature logits ``[F, L]``,
     each feature a row holding one sequence."""
     import torch
 
-    from bert_packed.losses import span_loss_terms
+    from bert_packed.finetune.squad.model import span_loss_terms
 
     if not features.num_features:
         return 0.0

@@ -1,38 +1,29 @@
-"""Packed sequence classification (single-label, multi-label, regression) as a task of the loop.
+"""Sequence classification data: the labels of a table (their problem type, checked), the
+seeded validation split, and the collation of packed batches.
 
-    python run.py --config finetune_classification --init-checkpoint DIR \\
-        --set finetune.train_file=train.csv --set finetune.validation_file=dev.csv \\
-        --set finetune.text_column=sentence --set finetune.label_column=label --output-dir OUT
-
-The training and validation files are tokenised with the checkpoint's tokenizer, packed
-(several sequences, each with its own [CLS], per row of data.max_sequence_length tokens;
-``finetune.packing=false``: one per row) and trained with the per-sequence losses of
-``BertForSequenceClassification``. Every ``train.eval_every`` steps and at the end the whole
-validation set is evaluated (``bert_packed.finetune.metrics``); the best evaluation's
-weights are kept in ``OUT/best`` (a Hugging Face directory) and, with
-``finetune.load_best_model_at_end``, exported as ``OUT/hf`` with their metrics under
-``eval`` in ``OUT/summary.json`` and their predictions in ``OUT/predictions.jsonl``.
+- :class:`Labels` (``Labels.from_training``, ``encode``): label values -> class ids, multi-hot
+  rows or regression targets, refusing in one line what it would have to guess;
+- :func:`collate_classification`: the packed batch ``CLASSIFICATION_FIELDS`` (the inputs of
+  ``bert_packed.finetune.classification.model.BertForSequenceClassification``).
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from bert_packed.collate import pack_tokens, per_sequence
 from bert_packed.data import DataError
-from bert_packed.errors import ConfigError
 from bert_packed.finetune import data as ft_data
-from bert_packed.finetune import metrics as ft_metrics
-from bert_packed.io import write_text_atomic
-from bert_packed.limits import at_most, bounded
+from bert_packed.limits import at_most
+
+__all__ = ["Labels", "infer_problem_type", "MAX_LABELS", "CLASSIFICATION_FIELDS", "collate_classification"]
 
 _INTEGER = re.compile(r"^[+-]?\d+$")
-PREDICTIONS_NAME = "predictions.jsonl"
+# Packed sequence classification: one label per packed sequence.
+CLASSIFICATION_FIELDS = ("input_ids", "segment_ids", "position_ids", "sequence_ids", "cls_positions", "labels", "label_weights")
 
 
 # ----------------------------------------------------------------------------- labels
@@ -285,185 +276,34 @@ def _preview(names, limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-# ----------------------------------------------------------------------------- the task
-
-
-@dataclass
-class ClassificationFields:
-    """``finetune.*`` keys of sequence classification (CSV/TSV/JSONL files with named columns)."""
-
-    text_column: str = "text"
-    text_pair_column: Optional[str] = None
-    label_column: str = "label"
-    # Hugging Face's names; null = from the labels (lists: multi-label, fractional numbers or
-    # num_labels 1: regression, else single-label).
-    problem_type: Optional[str] = field(default=None, metadata={"choices": (
-        None, "single_label_classification", "multi_label_classification", "regression")})
-    # null = from the data (string labels: their count; integer labels: the largest + 1).
-    num_labels: Optional[int] = bounded(None, ge=1, **MAX_LABELS)
-    # Multi-label labels written as one string: the separator between label names.
-    label_separator: str = ","
-
-
-class ClassificationTask(ft_data.PackedTask):
-    """Sequence classification / regression fine-tuning (see the module docstring)."""
-
-    name = "classification"
-    config_fields = ClassificationFields
-    always_evaluate = True  # summary.json reports the validation metrics
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.labels: Optional[Labels] = None
-        self.eval_labels = None
-        self._tokenizer = None
-
-    # -- setup ------------------------------------------------------------------------------
-    def setup(self, *, rank: int = 0, world_size: int = 1, show_progress: bool = True) -> None:
-        super().setup(rank=rank, world_size=world_size, show_progress=show_progress)
-        c, f, d = self.config, self.config.finetune, self.config.data
-        if not f.train_file:
-            raise ConfigError("fine-tuning needs finetune.train_file (a CSV, TSV or JSONL file)")
-        if not f.packing:
-            d.max_sequences_per_pack = 1  # one sequence per row: the padded baseline
-        self._tokenizer = self.checked_tokenizer("fine-tuning")
-        columns = [f.text_column] + ([f.text_pair_column] if f.text_pair_column else []) + [f.label_column]
-        train = ft_data.read_table(f.train_file, columns)
-        if f.validation_file:
-            validation = ft_data.read_table(f.validation_file, columns)
-            validation_where = f.validation_file
-        else:
-            train, validation = _split_rows(train, f.validation_fraction, c.train.seed, f.train_file)
-            validation_where = f"{f.train_file} (validation part)"
-        checkpoint_labels = None
-        if self.pretrained is not None and self.pretrained.hf_config.get("id2label"):
-            from bert_packed.hf_io import label_maps
-
-            checkpoint_labels = label_maps(self.pretrained.hf_config)[0]
-        self.labels = Labels.from_training(train[f.label_column], f.problem_type, f.num_labels, f.label_separator,
-                                           checkpoint_labels, f.train_file)
-        self.metric_names = ("loss",) if self.labels.problem_type == "regression" else ("loss", "accuracy")
-        self.best_metric = "eval_" + (f.metric_for_best_model or ft_metrics.DEFAULT_BEST[self.labels.problem_type])
-        self.greater_is_better = self.best_model.greater_is_better = self.best_metric not in ("eval_loss", "eval_mse")
-        self.train_data = self._dataset(train, f.train_file)
-        self.eval_data = self._dataset(validation, validation_where)
-        self.eval_labels = self.eval_data.samples["labels"]
-        self.note(f"fine-tuning {self.labels.problem_type} with {self.labels.num_labels} label(s): "
-                  f"{self.train_data.num_sequences} training and {self.eval_data.num_sequences} validation sequences; "
-                  f"{self.train_data.packing_factor:.2f} sequences per row "
-                  f"({self.train_data.algorithm}, at most {d.max_sequences_per_pack} per row of {d.max_sequence_length})")
-
-    def _dataset(self, table: Dict[str, List[Any]], where: str) -> ft_data.PackedDataset:
-        from functools import partial
-
-        from bert_packed.collate import collate_classification
-
-        c, f, d = self.config, self.config.finetune, self.config.data
-        encoded = ft_data.encode_texts(self._tokenizer, table[f.text_column],
-                                       table[f.text_pair_column] if f.text_pair_column else None,
-                                       max_length=d.max_sequence_length, truncation=f.truncation, where=where)
-        labels = self.labels.encode(table[f.label_column], f.label_separator, where)
-        collate = partial(collate_classification, max_sequence_length=d.max_sequence_length,
-                          max_sequences_per_pack=d.max_sequences_per_pack)
-        return ft_data.PackedDataset(encoded, {"labels": labels}, collate, max_sequence_length=d.max_sequence_length,
-                                     max_sequences_per_pack=d.max_sequences_per_pack,
-                                     algorithm=d.packing_algorithm, seed=c.train.seed)
-
-    # -- model ------------------------------------------------------------------------------
-    def model_class(self):
-        from bert_packed.modeling import BertForSequenceClassification
-
-        return BertForSequenceClassification
-
-    def bert_config_overrides(self) -> Dict[str, Any]:
-        return {"num_labels": self.labels.num_labels, "problem_type": self.labels.problem_type}
-
-    def export_labels(self) -> Optional[Dict[int, str]]:
-        return self.labels.id2label
-
-    # -- evaluation -------------------------------------------------------------------------
-    def predict_logits(self, backend) -> np.ndarray:
-        """Logits [N, C] of every validation sequence (in file order) through ``backend``."""
-        logits = np.zeros((self.eval_data.num_sequences, self.labels.num_labels), dtype=np.float32)
-        for batch, rows in self.evaluation_batches():
-            out = backend.predict_step(batch, names=("logits",))["logits"]
-            present = rows >= 0
-            logits[rows[present]] = out[present]
-        return logits
-
-    def evaluate(self, backend) -> Dict[str, float]:
-        import torch
-
-        from bert_packed.losses import classification_loss_terms
-
-        logits = self.predict_logits(backend)
-        labels = self.eval_labels
-        weights = torch.ones((1, len(logits)))
-        terms = classification_loss_terms(torch.from_numpy(logits)[None], torch.from_numpy(labels)[None], weights,
-                                          self.labels.problem_type)
-        metrics = {"eval_loss": float(terms["loss_sum"].sum() / max(1, len(logits)))}
-        metrics.update({f"eval_{k}": v for k, v in ft_metrics.compute_metrics(logits, labels, self.labels.problem_type).items()})
-        self.last_outputs = logits
-        return metrics
-
-    # -- end of run -------------------------------------------------------------------------
-    def finish(self, backend, model, output_dir: str, summary: Dict[str, Any]) -> None:
-        logits = self.chosen_evaluation(model, output_dir, summary)
-        summary["labels"] = {str(i): name for i, name in self.labels.id2label.items()}
-        summary["problem_type"] = self.labels.problem_type
-        if self.is_main and logits is not None:
-            self._write_predictions(os.path.join(output_dir, PREDICTIONS_NAME), logits)
-            summary["predictions"] = os.path.join(output_dir, PREDICTIONS_NAME)
-        super().finish(backend, model, output_dir, summary)
-
-    def _write_predictions(self, path: str, logits: np.ndarray) -> None:
-        lines = prediction_lines(logits, self.labels.problem_type, self.labels.id2label, self.eval_labels)
-        write_text_atomic(path, "".join(json.dumps(line) + "\n" for line in lines))
-
-    def outputs_state(self, outputs: np.ndarray) -> Any:
-        return outputs.tolist()
-
-    def outputs_from_state(self, state: Any) -> np.ndarray:
-        return np.asarray(state, dtype=np.float32)
-
-    def state_dict(self) -> Dict[str, Any]:
-        labels = {"problem_type": self.labels.problem_type, "num_labels": self.labels.num_labels,
-                  "id2label": {str(i): n for i, n in self.labels.id2label.items()}, "named": self.labels.named}
-        return {**super().state_dict(), "labels": labels}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state.get("labels") and self.labels is None:  # export from a checkpoint, without the data
-            saved = state["labels"]
-            self.labels = Labels(saved["problem_type"], saved["num_labels"],
-                                 {int(i): n for i, n in saved["id2label"].items()}, saved["named"])
-        super().load_state_dict(state)
-
-
-def prediction_lines(logits: np.ndarray, problem_type: str, id2label: Dict[int, str],
-                     labels: Optional[np.ndarray] = None) -> List[Dict[str, Any]]:
-    """One JSON-able dict per sequence: ``row``, ``prediction`` (label name(s) or value(s)),
-    ``logits``, and ``label`` when the true labels are known."""
-    predicted = ft_metrics.predictions(logits, problem_type)
-
-    def named(value):
-        if problem_type == "single_label_classification":
-            return id2label[int(value)]
-        if problem_type == "multi_label_classification":
-            return [id2label[j] for j in np.flatnonzero(value)]
-        return float(value) if np.ndim(value) == 0 else [float(x) for x in value]
-
-    lines = []
-    for i in range(len(logits)):
-        line = {"row": i, "prediction": named(predicted[i]), "logits": [round(float(x), 6) for x in logits[i]]}
-        if labels is not None:
-            line["label"] = named(labels[i] > 0.5) if problem_type == "multi_label_classification" else named(labels[i])
-        lines.append(line)
-    return lines
-
-
-def _split_rows(table: Dict[str, List[Any]], fraction: float, seed: int, where: str) -> Tuple[Dict, Dict]:
+def split_rows(table: Dict[str, List[Any]], fraction: float, seed: int, where: str) -> Tuple[Dict, Dict]:
     """(train, validation): a seeded random ``fraction`` of the rows held out."""
     num_rows = len(next(iter(table.values())))
     parts = ft_data.held_out(num_rows, fraction, seed, what="rows", where=where)
     return tuple({k: v.take(indices) if isinstance(v, ft_data.Column) else [v[i] for i in indices]
                   for k, v in table.items()} for indices in parts)
+
+
+# ----------------------------------------------------------------------------- collation
+
+
+def collate_classification(
+    samples: Mapping[str, np.ndarray],
+    assignment: Any,
+    *,
+    max_sequence_length: int,
+    max_sequences_per_pack: int,
+) -> Dict[str, np.ndarray]:
+    """Packed sequence-classification batch: token fields, ``cls_positions``, ``labels`` and
+    ``label_weights`` ``[B, K]`` (``BertForSequenceClassification``'s inputs).
+
+    ``samples``: ``input_ids``, ``segment_ids``, optional ``input_mask`` (as for ``collate``)
+    and ``labels``: ``[N]`` int class per sequence (-> int64 ``[B, K]``), or floats ``[N]`` /
+    ``[N, C]`` (regression targets, multi-hot labels -> float32 ``[B, K(, C)]``).
+    """
+    S, K = int(max_sequence_length), int(max_sequences_per_pack)
+    batch, layout = pack_tokens(samples, assignment, S, K)
+    labels = np.asarray(samples["labels"])
+    batch["labels"] = per_sequence(layout, labels, K, np.float32 if labels.dtype.kind == "f" else np.int64)
+    batch["label_weights"] = per_sequence(layout, np.ones(len(np.asarray(samples["input_ids"]))), K, np.float32)
+    return batch
