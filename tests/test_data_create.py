@@ -367,7 +367,7 @@ def test_masking_picks_every_candidate_alike_and_shows_80_10_10():
     ids[:, 0], ids[:, 24], ids[:, 49] = CLS, SEP, SEP
     masking = _Masking({"[CLS]": CLS, "[SEP]": SEP, "[MASK]": MASK}, np.arange(5, 300, dtype=np.int32), 0.15, 10,
                        False, frozenset())
-    positions, labels, shown = _mask(ids, np.full(rows, length), masking, [3])
+    positions, labels, shown = _mask(ids, np.full(rows, length), np.full(rows, 23), masking, [3])
     used = positions > 0
     assert np.all(used.sum(axis=1) == 8) and not used[:, 8:].any() and np.all(np.diff(positions[:, :8], axis=1) > 0)
     counts = np.bincount(positions[used], minlength=length)
@@ -379,3 +379,24 @@ def test_masking_picks_every_candidate_alike_and_shows_80_10_10():
     total = used.sum()
     for share, count in ((0.8, (shown[used] == MASK).sum()), (0.1, (shown[used] == labels[used]).sum())):
         assert abs(count / total - share) < 5 * np.sqrt(share * (1 - share) / total)
+
+
+def test_masking_never_picks_a_special_id_inside_the_text():
+    """Text can tokenise to [SEP]'s id: such a position is no candidate (the rows that hold one
+    look their candidates up instead of computing them)."""
+    from bert_packed.data.create import _Masking, _mask
+
+    rows = 4000
+    ids = np.tile(np.arange(100, 150), (rows, 1))
+    ids[:, 0], ids[:, 24], ids[:, 49] = CLS, SEP, SEP
+    ids[::2, 10] = SEP  # inside A in every other row
+    masking = _Masking({"[CLS]": CLS, "[SEP]": SEP, "[MASK]": MASK}, np.arange(5, 300, dtype=np.int32), 0.15, 10,
+                       False, frozenset())
+    positions, labels, _ = _mask(ids, np.full(rows, 50), np.full(rows, 23), masking, [4])
+    used = positions > 0
+    assert np.all(used.sum(axis=1) == 8)
+    assert not np.isin(labels[used], [CLS, SEP]).any()
+    counts = np.bincount(positions[::2][used[::2]], minlength=50)
+    assert counts[10] == 0 and counts[[0, 24, 49]].sum() == 0
+    expected = (rows // 2) * 8 / 46
+    assert np.all(np.abs(counts[[p for p in range(50) if p not in (0, 10, 24, 49)]] - expected) < 5 * np.sqrt(expected))

@@ -165,6 +165,7 @@ class _PairBuilder:
 
     def __init__(self, documents, order, max_num_tokens, short_seq_prob):
         self.ends = documents.sentence_ends.tolist()
+        self.starts = [0] + self.ends[:-1]
         document_ends = documents.document_ends.tolist()
         self.first = [0] + document_ends[:-1]  # first sentence of each document
         self.last = document_ends
@@ -173,49 +174,48 @@ class _PairBuilder:
         self.b_start, self.b_length = array.array("q"), array.array("q")
         self.random_next = array.array("b")
 
-    def _start(self, sentence):
-        return self.ends[sentence - 1] if sentence else 0
-
     def document(self, index, rng):
-        """The pairs of the document at ``index`` of the shuffled order."""
-        ends, randint = self.ends, rng.randint
+        """The pairs of the document at ``index`` of the shuffled order. ``randint(a, b)`` is drawn
+        as ``a + rng._randbelow(b - a + 1)``, what randint itself does (the same draws, checked
+        against randint by a test), without its argument handling (a third of this loop)."""
+        ends, starts, below = self.ends, self.starts, rng._randbelow
         doc = self.order[index]
         first, last = self.first[doc], self.last[doc]
         target = self.max_num_tokens
         if rng.random() < self.short_seq_prob:
-            target = randint(2, self.max_num_tokens)
-        chunk, i = first, first  # the chunk gathered so far: sentences [chunk, i]
-        while i < last:
-            chunk_start_token = self._start(chunk)
-            if i == last - 1 or ends[i] - chunk_start_token >= target:
-                size = i - chunk + 1
-                a_end = chunk + (randint(1, size - 1) if size >= 2 else 1)  # sentences [chunk, a_end)
-                a0, a1 = chunk_start_token, ends[a_end - 1]
-                if size == 1 or rng.random() < 0.5:
-                    b0, b1 = self._random_b(index, target - (a1 - a0), rng)
-                    self.random_next.append(1)
-                    i = a_end - 1  # the gathered sentences not used as A go back to the document
-                else:
-                    b0, b1 = a1, ends[i]
-                    self.random_next.append(0)
-                self.a_start.append(a0)
-                self.a_length.append(a1 - a0)
-                self.b_start.append(b0)
-                self.b_length.append(b1 - b0)
-                chunk = i + 1
-            i += 1
+            target = 2 + below(self.max_num_tokens - 1)
+        chunk = first  # the chunk's first sentence
+        while chunk < last:
+            a0 = starts[chunk]
+            # sentences are gathered until they reach the target, or the document ends: sentence i
+            i = min(bisect.bisect_left(ends, a0 + target, chunk, last), last - 1)
+            size = i - chunk + 1
+            a_end = chunk + (1 + below(size - 1) if size >= 2 else 1)  # A: sentences [chunk, a_end)
+            a1 = ends[a_end - 1]
+            if size == 1 or rng.random() < 0.5:
+                b0, b1 = self._random_b(index, target - (a1 - a0), below)
+                self.random_next.append(1)
+                i = a_end - 1  # the gathered sentences not used as A go back to the document
+            else:
+                b0, b1 = a1, ends[i]
+                self.random_next.append(0)
+            self.a_start.append(a0)
+            self.a_length.append(a1 - a0)
+            self.b_start.append(b0)
+            self.b_length.append(b1 - b0)
+            chunk = i + 1
 
-    def _random_b(self, index, target_b, rng):
+    def _random_b(self, index, target_b, below):
         """Token range of B from another document: from a random sentence on, whole sentences until
         it holds ``target_b`` tokens (at least one sentence; the document's end at most)."""
         for _ in range(10):  # ten tries to find another document (one-document corpora reuse this one)
-            other = rng.randint(0, len(self.order) - 1)
+            other = below(len(self.order))
             if other != index:
                 break
         doc = self.order[other]
         first, last = self.first[doc], self.last[doc]
-        start = first + rng.randint(0, last - first - 1)
-        b0 = self._start(start)
+        start = first + below(last - first)
+        b0 = self.starts[start]
         end = min(bisect.bisect_left(self.ends, b0 + target_b, start, last), last - 1)
         return b0, self.ends[end]
 
@@ -294,25 +294,35 @@ class Instances(collections.abc.Sized):
         return arrays
 
 
+def _ranges(starts, lengths):
+    """The indices of the runs [start, start + length) back to back (int64)."""
+    total = int(lengths.sum())
+    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return shift + np.arange(total, dtype=np.int64)
+
+
 def _lay_out(tokens, pairs, max_seq_length, masking, seed_words):
-    """[CLS] A [SEP] B [SEP] for every pair, padded, then masked (`_mask`): NVIDIA-layout arrays."""
+    """[CLS] A [SEP] B [SEP] for every pair, padded, then masked (`_mask`): NVIDIA-layout arrays.
+    Row-major order over a row's A (or B) columns is the order of its tokens, so boolean masks
+    fill them from the runs' indices."""
     special = masking.special_ids
     arrays = {name: np.zeros(shape, dtype) for name, (shape, dtype)
               in h5io.unpacked_shapes(len(pairs), max_seq_length, masking.max_predictions).items()}
-    a0, la, b0, lb = (pairs[:, i:i + 1] for i in range(4))
+    a0, la, b0, lb = pairs.T
+    length, rows = la + lb + 3, np.arange(len(pairs))
     column = np.arange(max_seq_length)[None, :]
-    in_a = (column >= 1) & (column <= la)
-    in_b = (column >= la + 2) & (column < la + lb + 2)
-    source = np.where(in_a, a0 + column - 1, np.where(in_b, b0 + column - la - 2, 0))
-    ids = np.where(in_a | in_b, tokens[source] if tokens.size else 0, 0)
-    rows, length = np.arange(len(pairs)), (la + lb + 3)[:, 0]
+    ids = np.zeros((len(pairs), max_seq_length), np.int32)
+    ids[(column >= 1) & (column <= la[:, None])] = tokens[_ranges(a0, la)]
+    in_b = (column >= la[:, None] + 2) & (column < length[:, None] - 1)
+    ids[in_b] = tokens[_ranges(b0, lb)]
     ids[:, 0] = special["[CLS]"]
-    ids[rows, la[:, 0] + 1] = special["[SEP]"]
+    ids[rows, la + 1] = special["[SEP]"]
     ids[rows, length - 1] = special["[SEP]"]
     arrays["input_mask"][:] = column < length[:, None]
-    arrays["segment_ids"][:] = (column >= la + 2) & (column < length[:, None])
+    arrays["segment_ids"][:] = in_b
+    arrays["segment_ids"][rows, length - 1] = 1
     positions, labels, shown = (_mask_whole_words if masking.whole_word_mask else _mask)(
-        ids, length, masking, seed_words)
+        ids, length, la, masking, seed_words)
     ids[rows[:, None], positions] = np.where(positions > 0, shown, ids[rows[:, None], positions])
     arrays["input_ids"][:] = ids
     arrays["masked_lm_positions"][:] = positions
@@ -320,13 +330,14 @@ def _lay_out(tokens, pairs, max_seq_length, masking, seed_words):
     return arrays
 
 
-def _mask(ids, length, masking, seed_words):
+def _mask(ids, length, a_length, masking, seed_words):
     """Google's masking for every row at once: num_to_predict = min(max_predictions,
     max(1, round(15 % of the tokens))) positions (never [CLS]/[SEP]) chosen uniformly without
     replacement, as the first draws of a Fisher-Yates shuffle of the candidates (one vectorised
-    step per masked slot, over all rows); each shown as [MASK] 80 %, itself 10 %, a random
-    non-special token 10 %. Returns (positions, labels, shown), [rows, max_predictions],
-    positions ascending, zero-padded."""
+    step per masked slot, over all rows; the shuffle runs on candidate ranks, which are mapped
+    to positions at the end); each shown as [MASK] 80 %, itself 10 %, a random non-special token
+    10 %. Returns (positions, labels, shown), [rows, max_predictions], positions ascending,
+    zero-padded."""
     special, width = masking.special_ids, masking.max_predictions
     num_rows, seq_len = ids.shape
     column = np.arange(seq_len)[None, :]
@@ -335,15 +346,23 @@ def _mask(ids, length, masking, seed_words):
     # round() halves to even, as Python's round in the reference
     wanted = np.minimum(width, np.maximum(1, np.round(length * masking.masked_lm_prob).astype(np.int64)))
     wanted = np.minimum(wanted, num_candidates)
-    order = np.argsort(~candidate, axis=1, kind="stable")  # candidates first, ascending
     steps = int(wanted.max(initial=0))
     draws = _uniform(seed_words, num_rows * steps * 3).reshape(3, num_rows, steps)
+    rank = np.broadcast_to(np.arange(seq_len), (num_rows, seq_len)).copy()
     for step in range(steps):
         live = np.flatnonzero(wanted > step)
         pick = step + (draws[0, live, step] * (num_candidates[live] - step)).astype(np.int64)
-        order[live, step], order[live, pick] = order[live, pick], order[live, step]
+        rank[live, step], rank[live, pick] = rank[live, pick], rank[live, step]
+    rank = rank[:, :steps]
+    # Rank r is position r + 1 in A, r + 2 in B; rows with a special id inside A or B (text that
+    # tokenised to one) look their candidates up.
+    positions = rank + 1 + (rank >= a_length[:, None])
+    odd = np.flatnonzero(num_candidates != length - 3)
+    if odd.size:
+        table = np.argsort(~candidate[odd], axis=1, kind="stable")
+        positions[odd] = np.take_along_axis(table, np.minimum(rank[odd], seq_len - 1), axis=1)
     used = np.arange(steps)[None, :] < wanted[:, None]
-    positions = np.sort(np.where(used, order[:, :steps], seq_len), axis=1)
+    positions = np.sort(np.where(used, positions, seq_len), axis=1)
     positions = np.where(positions == seq_len, 0, positions)
     rows = np.arange(num_rows)[:, None]
     labels = np.where(used, ids[rows, positions], 0)
@@ -358,7 +377,7 @@ def _widen(values, width):
     return out
 
 
-def _mask_whole_words(ids, length, masking, seed_words):
+def _mask_whole_words(ids, length, a_length, masking, seed_words):
     """--whole-word-mask: Google's word-group masking row by row (`_mask_words`: a word's pieces
     are not independent), the chunk's draws from a Python Random seeded from its stream. Same
     return as `_mask`."""

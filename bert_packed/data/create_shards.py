@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -314,12 +315,16 @@ def _tokenise(task, batch_sentences=4096):
     chunks, sentence_lengths, document_sizes = [], [], []
     pending, owners = [], []
 
+    # encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which nothing here reads
+    encode = getattr(tokenizer._tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+
     def flush():
-        for owner, encoding in zip(owners, tokenizer.encode_batch(pending, add_special_tokens=False)):
-            ids = encoding.ids
-            if ids:
-                chunks.append(np.asarray(ids, np.int32))
-                sentence_lengths.append(len(ids))
+        batch = [encoding.ids for encoding in encode(pending, add_special_tokens=False)]
+        lengths = [len(ids) for ids in batch]
+        chunks.append(np.fromiter(itertools.chain.from_iterable(batch), np.int32, sum(lengths)))
+        for owner, length in zip(owners, lengths):
+            if length:
+                sentence_lengths.append(length)
                 document_sizes[owner] += 1
         pending.clear()
         owners.clear()
