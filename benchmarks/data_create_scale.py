@@ -26,7 +26,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_measured(argv, env=None, interval=0.1):
-    """(wall seconds, peak summed RSS bytes, stdout) of a subprocess and its descendants."""
+    """(wall seconds, peak summed RSS bytes, stdout, CPU seconds) of a subprocess and its descendants
+    (CPU: user + system of every waited-for descendant, from getrusage(RUSAGE_CHILDREN))."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     watched = psutil.Process(process.pid)
@@ -45,9 +49,11 @@ def run_measured(argv, env=None, interval=0.1):
         time.sleep(interval)
     out, err = process.communicate()
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if process.returncode:
         raise SystemExit(f"failed ({process.returncode}): {' '.join(argv)}\n{err[-2000:]}")
-    return wall, peak, out
+    return wall, peak, out, cpu
 
 
 def digest(output):
@@ -92,6 +98,7 @@ def main():
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--dupe-factor", type=int, default=5)
     parser.add_argument("--max-seq-length", type=int, default=128)
+    parser.add_argument("--max-predictions", type=int, default=20)
     parser.add_argument("--output-shards", type=int, default=None, help="default: create's (one per ~4 MiB)")
     parser.add_argument("--single-file", action="store_true", help="also time today's one-file create (.h5)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (its path is printed)")
@@ -99,9 +106,9 @@ def main():
     folder = tempfile.mkdtemp(prefix="create-scale-")
     corpus, vocab = prepare(folder, args.corpus, args.vocab_size)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    print(f"| copies | input MB | output | workers | wall s | MB/s | peak RSS MiB (all processes) | sequences | "
-          f"sha256 of the shards |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| copies | input MB | output | workers | wall s | MB/s | CPU s | MB per CPU s | peak RSS MiB (all processes) "
+          f"| sequences | sha256 of the shards |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for copies in args.copies:
         path = concatenated(folder, corpus, copies)
         megabytes = os.path.getsize(path) / 1e6
@@ -109,16 +116,17 @@ def main():
         for mode, workers in runs:
             output = os.path.join(folder, f"out-{copies}-{workers}" + (".h5" if mode == "one .h5" else ""))
             argv = [sys.executable, "-m", "bert_packed.data", "create", "--input", path, "--vocab", vocab,
-                    "--output", output, "--max-seq-length", str(args.max_seq_length), "--max-predictions", "20",
+                    "--output", output, "--max-seq-length", str(args.max_seq_length),
+                    "--max-predictions", str(args.max_predictions),
                     "--dupe-factor", str(args.dupe_factor), "--seed", "12345"]
             if mode == "shards":
                 argv += ["--workers", str(workers), "--no-progress"]
                 if args.output_shards:
                     argv += ["--output-shards", str(args.output_shards)]
-            wall, peak, out = run_measured(argv, env=env)
+            wall, peak, out, cpu = run_measured(argv, env=env)
             sequences = out.split(": ", 1)[1].split(" sequences")[0] if ": " in out else "?"
-            print(f"| {copies} | {megabytes:.1f} | {mode} | {workers} | {wall:.1f} | {megabytes / wall:.2f} | "
-                  f"{peak / 2**20:.0f} | {sequences} | {digest(output)} |", flush=True)
+            print(f"| {copies} | {megabytes:.1f} | {mode} | {workers} | {wall:.1f} | {megabytes / wall:.2f} | {cpu:.1f} | "
+                  f"{megabytes / cpu:.3f} | {peak / 2**20:.0f} | {sequences} | {digest(output)} |", flush=True)
             if mode == "shards":
                 with open(os.path.join(output, "manifest.json")) as handle:
                     assert json.load(handle)["num_sequences"] == int(sequences)

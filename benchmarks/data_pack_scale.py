@@ -1,7 +1,7 @@
 """Benchmark: `pack` of a sharded dataset with 1 and 2 workers: throughput and peak memory.
 
     python benchmarks/data_pack_scale.py [--shards 8] [--sequences-per-shard 250000] \
-        [--workers 1 2] [--algorithm lp] [--workdir DIR] [--keep]
+        [--workers 1 2] [--algorithm lp] [--input DIR] [--workdir DIR] [--keep]
 
 Writes a synthetic unpacked sharded dataset (NVIDIA layout, S=128, lengths from the Wikipedia
 histogram scaled to 128, one manifest.json), then runs `python -m bert_packed.data pack
@@ -41,9 +41,13 @@ def make_dataset(folder, shards, per_shard):
 
 
 def measure(command, interval=0.02):
-    """(seconds, peak summed RSS MiB, peak single-process RSS MiB) of ``command`` and its descendants."""
+    """(seconds, peak summed RSS MiB, peak single-process RSS MiB, stdout, CPU seconds) of ``command``
+    and its descendants (CPU: user + system, from getrusage(RUSAGE_CHILDREN))."""
+    import resource
+
     import psutil
 
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     process = psutil.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak_sum = peak_one = 0
@@ -62,9 +66,12 @@ def measure(command, interval=0.02):
             peak_sum, peak_one = max(peak_sum, sum(sizes)), max(peak_one, max(sizes))
         time.sleep(interval)
     out, err = process.communicate()
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if process.returncode != 0:
         sys.exit(f"pack failed ({process.returncode}): {err.strip()[-2000:]}")
-    return time.perf_counter() - start, peak_sum / 2**20, peak_one / 2**20, out.strip()
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return seconds, peak_sum / 2**20, peak_one / 2**20, out.strip(), cpu
 
 
 def digest(folder):
@@ -83,36 +90,45 @@ def main():
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--algorithm", default="lp")
     parser.add_argument("--max-sequences-per-pack", type=int, default=3)
+    parser.add_argument("--input", default=None, help="pack this unpacked dataset instead of synthetic shards")
     parser.add_argument("--workdir", default=None, help="where the files go (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the files")
     args = parser.parse_args()
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="pack-scale-")
-    source = os.path.join(workdir, "train")
-    start = time.perf_counter()
-    make_dataset(source, args.shards, args.sequences_per_shard)
-    num_sequences = args.shards * args.sequences_per_shard
-    print(f"generated {num_sequences} sequences in {args.shards} shards in {time.perf_counter() - start:.1f} s",
-          file=sys.stderr)
+    if args.input:
+        source = args.input
+        with open(os.path.join(source, "manifest.json"), encoding="utf-8") as handle:
+            given = json.load(handle)
+        num_sequences, args.shards = given["num_sequences"], given["num_shards"]
+    else:
+        source = os.path.join(workdir, "train")
+        start = time.perf_counter()
+        make_dataset(source, args.shards, args.sequences_per_shard)
+        num_sequences = args.shards * args.sequences_per_shard
+        print(f"generated {num_sequences} sequences in {args.shards} shards in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr)
     rows, digests = [], set()
     for workers in args.workers:
         output = os.path.join(workdir, f"packed-w{workers}")
         command = [sys.executable, "-m", "bert_packed.data", "pack", "--input", source, "--output", output,
                    "--algorithm", args.algorithm, "--max-sequences-per-pack", str(args.max_sequences_per_pack),
                    "--workers", str(workers), "--no-progress"]
-        seconds, peak_sum, peak_one, line = measure(command)
+        seconds, peak_sum, peak_one, line, cpu = measure(command)
         print(line, file=sys.stderr)
         with open(os.path.join(output, "manifest.json"), encoding="utf-8") as handle:
             manifest = json.load(handle)
         digests.add(digest(output))
-        rows.append(f"| {workers} | {seconds:.1f} | {num_sequences / seconds:,.0f} | {peak_sum:.0f} | {peak_one:.0f} | "
+        rows.append(f"| {workers} | {seconds:.1f} | {num_sequences / seconds:,.0f} | {cpu:.1f} | {num_sequences / cpu:,.0f} | "
+                    f"{peak_sum:.0f} | {peak_one:.0f} | "
                     f"{manifest['num_packs']} | {100 * manifest['efficiency']:.3f} | {manifest['gap_percent']:.4f} | "
                     f"{manifest['sharding_gap_percent']:.4f} | {manifest['gap_to_shards_bound_percent']:.4f} |")
-    print(f"\n`pack` of {num_sequences:,} sequences in {args.shards} shards (S=128, {args.algorithm}, "
+    print(f"\n`pack` of {num_sequences:,} sequences in {args.shards} shards ({args.algorithm}, "
           f"K={args.max_sequences_per_pack}); outputs byte-identical across worker counts: {len(digests) == 1}\n")
-    print("| workers | seconds | sequences/s | peak RSS, all processes (MiB) | largest process (MiB) | packs | "
-          "efficiency % | gap to LP bound % | sharding gap % | gap to the shards' own bounds % |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| workers | seconds | sequences/s | CPU s | sequences per CPU s | peak RSS, all processes (MiB) | "
+          "largest process (MiB) | packs | efficiency % | gap to LP bound % | sharding gap % | "
+          "gap to the shards' bounds % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if not args.keep and args.workdir is None:
         shutil.rmtree(workdir)

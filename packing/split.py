@@ -15,11 +15,13 @@ global histogram. So:
 3. :func:`complete_shard_plan` packs each leftover with the same algorithm and adds those
    packs to the part: an exact plan for the shard's histogram, which ``packing.assign``
    turns into concrete packs.
-4. :func:`plan_shard` keeps, per shard, the better of that plan and the algorithm's plan of
-   the shard's own histogram: a pack cannot cross shards, so the best plan of each shard is
-   what counts. Measured, the own plans mostly win (the LP plans each shard within a few packs
-   of its bound, or at it once polished); the split wins on some shards (5 of 40 at 50 k
-   sequences, L = 128; 6 of 64 at 254 k, L = 512) and is the fallback of heuristics.
+4. :func:`plan_shard` takes that plan as it is when it is within ``SPLIT_ACCEPT`` (0.05 %, half
+   the 0.1 % target) of the shard's certified bound, which costs nothing to compute: the global
+   LP's certificate duals price any shard (:func:`shard_bound`). Only a shard further off plans
+   its own histogram (polished where still above) and keeps the better plan: a pack cannot cross
+   shards, so the best plan of each shard is what counts. Solving every shard's own LP and MILP
+   was half of `pack`'s time at S=512 (KJV, 4 shards of 40 k sequences: 24.5 s -> 2.5 s of
+   planning, the gap to the global bound 0.007 % -> 0.040 %).
 
 Measured as ``python -m bert_packed.data pack --algorithm lp`` plans (``pack_shards`` with its
 options: no clock-bounded MILP, a node-bounded MILP polish where a plan is over 0.02 % above
@@ -36,6 +38,8 @@ global LP bound, and to the sum of the shards' own bounds (what no packing withi
     128:  8 x 250 k      1,004,692     1,004,953  0.0260 %  1,004,916       0.0037 %
     128: 40 x 50 k       1,004,692     1,005,471  0.0775 %  1,005,348       0.0122 %
 
+(Those rows were measured when every shard also planned its own histogram; with
+``SPLIT_ACCEPT`` the gaps grow towards it: 512, 8 x 2.03 M: 0.0095 %; 64 x 254 k: 0.0247 %.)
 What is left is mostly what sharding itself costs (the shards' own bounds exceed the global
 one: each shard's mismatch with the average histogram), growing as shards get smaller.
 Pure numpy; deterministic (a function of the plan and histograms, and the seed).
@@ -166,21 +170,72 @@ def pack_polished(histogram, algorithm, max_sequences_per_pack, seed=0, polish=N
     return result
 
 
-def plan_shard(part, leftover, counts, algorithm, max_sequences_per_pack, seed=0, polish=None, **options):
-    """The plan a shard is packed by: ``(plan, which, bound)``. ``which`` is "global" for its part of the
-    global plan plus its leftover packed with ``algorithm``, "own" for ``algorithm``'s plan of
-    the shard's histogram ``counts`` alone (:func:`pack_polished`), whichever has fewer packs
-    (ties: "global"; the own plan alone when it meets its bound, so is optimal). A pack cannot
-    cross shards, so the best plan of each shard is what counts; both are exact plans of the
-    shard. ``bound``: the shard's own lower bound on packs (their sum over shards bounds every
-    packing whose packs stay within shards). Deterministic where ``algorithm`` is."""
+SPLIT_ACCEPT = 5e-4  # a shard's part of the global plan is taken unplanned within 0.05 % of its bound
+
+
+def global_duals(result):
+    """``(lengths, duals)`` of an lp result's certificate (``details["lp_item_lengths"]`` and
+    ``["lp_duals"]``: non-negative, non-decreasing in length, no strategy worth more than 1), or
+    None for an algorithm without one. They price any histogram over the same L and depth: see
+    :func:`shard_bound`."""
+    details = getattr(result, "details", None) or {}
+    if details.get("lp_duals") is None or details.get("lp_item_lengths") is None:
+        return None
+    return np.asarray(details["lp_item_lengths"], np.int64), np.asarray(details["lp_duals"], np.float64)
+
+
+def shard_bound(counts, max_sequence_length, max_sequences_per_pack, duals=None):
+    """A certified lower bound on the packs of one shard, without solving anything: the best of
+    the simple bounds (tokens, depth, Martello-Toth L2) and, given the global LP's certificate
+    duals ``(lengths, y)``, ``ceil(counts . y)``. Why the duals bound a shard: ``y`` is dual
+    feasible for the LP over every strategy of L and depth (Farley's scaling), whatever the
+    counts; a shard's lengths are among the global ones (a length missing from ``lengths`` takes
+    the y of the next shorter one, which only lowers the bound: y is non-decreasing and a shorter
+    sequence is never harder to place). Summed over the shards these bounds are at least the
+    global LP bound. O(distinct lengths)."""
+    from .bounds import lower_bounds
+    from .lp import _ceil_bound
+
     counts = as_length_counts(counts)
-    histogram = Histogram.from_length_counts(counts.lengths, counts.counts, part.max_sequence_length, name="shard")
-    own = pack_polished(histogram, algorithm, max_sequences_per_pack, seed, polish, **options)
-    bound = own.lp_bound_packs
-    if own.num_packs <= bound:  # certified optimal for the shard: nothing can beat it
-        return own.plan, "own", bound
+    bound = max(lower_bounds(counts, max_sequence_length, max_sequences_per_pack).values())
+    if duals is not None and counts.counts.size:
+        lengths, values = duals
+        index = np.searchsorted(lengths, counts.lengths, side="right") - 1
+        priced = np.where(index >= 0, values[np.maximum(index, 0)], 0.0)
+        bound = max(bound, _ceil_bound(float(np.dot(counts.counts.astype(np.float64), priced))))
+    return int(bound)
+
+
+def plan_shard(part, leftover, counts, algorithm, max_sequences_per_pack, seed=0, polish=None, duals=None,
+               accept=SPLIT_ACCEPT, **options):
+    """The plan a shard is packed by: ``(plan, which, bound)``. ``bound`` is the shard's certified
+    lower bound (:func:`shard_bound`, raised to its own LP bound where that is solved); their sum
+    over shards bounds every packing whose packs stay within shards.
+
+    1. "global": its part of the global plan plus its leftover packed with ``algorithm``
+       (:func:`complete_shard_plan`; the leftover is small, so this is cheap). Taken as it is when
+       within ``accept`` (a fraction) of ``bound``: solving the shard's own LP (and polishing it
+       with a MILP) cost half of `pack`'s time at S=512 and could gain at most that fraction.
+    2. Otherwise "own": ``algorithm``'s plan of the shard's histogram ``counts`` alone, polished
+       with ``polish`` when the better of the two is still above ``accept``; the plan with fewer
+       packs is kept (ties: "global"). A pack cannot cross shards, so each shard's best plan is
+       what counts; both are exact plans of the shard. Deterministic where ``algorithm`` is."""
+    from .algorithms import pack
+
+    counts = as_length_counts(counts)
+    length = part.max_sequence_length
+    bound = shard_bound(counts, length, max_sequences_per_pack, duals)
     split, _ = complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed, **options)
+    if split.num_packs <= bound * (1.0 + accept):
+        return split, "global", bound
+    histogram = Histogram.from_length_counts(counts.lengths, counts.counts, length, name="shard")
+    own = pack(histogram, algorithm=algorithm, max_sequences_per_pack=max_sequences_per_pack, seed=seed, **options)
+    bound = max(bound, own.lp_bound_packs)
+    if polish and min(own.num_packs, split.num_packs) > bound * (1.0 + accept):
+        polished = pack(histogram, algorithm=algorithm, max_sequences_per_pack=max_sequences_per_pack, seed=seed,
+                        **{**options, **polish})
+        own = polished if polished.num_packs < own.num_packs else own
+        bound = max(bound, polished.lp_bound_packs)
     return (own.plan, "own", bound) if own.num_packs < split.num_packs else (split, "global", bound)
 
 
@@ -191,17 +246,18 @@ def pack_shards(shard_counts, max_sequence_length, algorithm="lp", max_sequences
     Returns ``(global PackingResult, [Plan per shard], summary dict)`` with ``num_packs``
     (sharded total), ``unsharded_packs``, ``sharding_gap`` (fraction), ``lp_bound_packs``,
     ``gap`` (the sharded total against the global bound), ``shards_lp_bound_packs`` (the sum of
-    the shards' own bounds: no packing within shards does better), ``leftover_sequences`` and
+    the shards' certified bounds, :func:`plan_shard`: no packing within shards does better), ``leftover_sequences`` and
     ``shards_on_global_plan``."""
     shard_counts = [as_length_counts(counts) for counts in shard_counts]
     lengths = np.concatenate([c.lengths for c in shard_counts])
     total = np.concatenate([c.counts for c in shard_counts])
     histogram = Histogram.from_length_counts(lengths, total, max_sequence_length, name="shards")
     result = pack_polished(histogram, algorithm, max_sequences_per_pack, seed, polish, **options)
+    duals = global_duals(result)
     plans, leftover, on_global, bounds = [], 0, 0, 0
     for counts, (part, rest) in zip(shard_counts, split_plan(result.plan, shard_counts)):
         plan, which, bound = plan_shard(part, rest, counts, algorithm, max_sequences_per_pack, seed, polish,
-                                        **options)
+                                        duals, **options)
         plans.append(plan)
         leftover += int(rest.counts.sum())
         on_global += which == "global"

@@ -11,6 +11,8 @@ import sys
 import h5py
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bert_packed.data import DataError
 from bert_packed.data.create import create_pretraining_file
@@ -259,3 +261,142 @@ def test_whole_word_masking_masks_whole_words(synthetic, tmp_path):
                 # (the reference skips words that do not fit, so it never does).
                 assert position + 1 in masked
     assert num_pieces > 20  # the synthetic words do split into pieces
+
+
+# -- the vectorised instance builder against Google's list algorithm ----------------------------
+
+def google_pairs(documents, max_num_tokens, short_seq_prob, dupe_factor, rng):
+    """Google's create_instances_from_document on lists, pairing only (before truncation and
+    masking), with its random calls in its order: the reference the offsets must reproduce."""
+    documents = list(documents)
+    rng.shuffle(documents)
+    pairs = []
+    for _ in range(dupe_factor):
+        for index, document in enumerate(documents):
+            target = max_num_tokens
+            if rng.random() < short_seq_prob:
+                target = rng.randint(2, max_num_tokens)
+            chunk, length, i = [], 0, 0
+            while i < len(document):
+                chunk.append(document[i])
+                length += len(document[i])
+                if i == len(document) - 1 or length >= target:
+                    a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+                    tokens_a = [t for sentence in chunk[:a_end] for t in sentence]
+                    if len(chunk) == 1 or rng.random() < 0.5:
+                        for _ in range(10):
+                            other = rng.randint(0, len(documents) - 1)
+                            if other != index:
+                                break
+                        other_document = documents[other]
+                        tokens_b = []
+                        for sentence in other_document[rng.randint(0, len(other_document) - 1):]:
+                            tokens_b.extend(sentence)
+                            if len(tokens_b) >= target - len(tokens_a):
+                                break
+                        i -= len(chunk) - a_end
+                        pairs.append((tokens_a, tokens_b, 1))
+                    else:
+                        pairs.append((tokens_a, [t for sentence in chunk[a_end:] for t in sentence], 0))
+                    chunk, length = [], 0
+                i += 1
+    return pairs
+
+
+@pytest.mark.parametrize("max_num_tokens, short_seq_prob, num_documents", [(61, 0.1, 30), (20, 0.5, 12), (40, 0.0, 1)])
+def test_pair_offsets_are_googles_pairs(max_num_tokens, short_seq_prob, num_documents):
+    import random
+
+    from bert_packed.data.create import Documents, _PairBuilder
+
+    maker = np.random.default_rng(num_documents)
+    documents = [[maker.integers(5, 400, size=maker.integers(1, 25)).tolist() for _ in range(maker.integers(1, 30))]
+                 for _ in range(num_documents)]
+    expected = google_pairs(documents, max_num_tokens, short_seq_prob, 3, random.Random(11))
+    flat = Documents.from_lists(documents)
+    rng = random.Random(11)
+    order = list(range(len(flat)))
+    rng.shuffle(order)
+    builder = _PairBuilder(flat, order, max_num_tokens, short_seq_prob)
+    for _ in range(3):
+        for index in range(len(order)):
+            builder.document(index, rng)
+    tokens = flat.tokens.tolist()
+    found = [(tokens[a:a + la], tokens[b:b + lb], nxt) for a, la, b, lb, nxt
+             in zip(builder.a_start, builder.a_length, builder.b_start, builder.b_length, builder.random_next)]
+    assert len(found) == len(expected) > 10
+    assert found == expected
+
+
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=30), st.integers(3, 250))
+@settings(max_examples=60, deadline=None)
+def test_truncation_cuts_what_googles_loop_cuts(lengths, max_num_tokens):
+    from bert_packed.data.create import truncate_pairs
+
+    pairs = np.array([[1000, a, 5000, b] for a, b in lengths], np.int64)
+    out = truncate_pairs(pairs, max_num_tokens, [1, 2])
+    for (a, b), (a0, la, b0, lb) in zip(lengths, out.tolist()):
+        kept_a, kept_b = a, b
+        while kept_a + kept_b > max_num_tokens:  # the reference: a token off the longer segment (B on ties)
+            if kept_a > kept_b:
+                kept_a -= 1
+            else:
+                kept_b -= 1
+        assert (la, lb) == (kept_a, kept_b)
+        # each kept run lies inside its segment: front cuts plus back cuts are the cuts
+        assert 1000 <= a0 and a0 + la <= 1000 + a and 5000 <= b0 and b0 + lb <= 5000 + b
+    np.testing.assert_array_equal(out, truncate_pairs(pairs, max_num_tokens, [1, 2]))  # a function of its seed
+
+
+def test_truncation_cuts_each_end_half_the_time():
+    from bert_packed.data.create import truncate_pairs
+
+    pairs = np.tile(np.array([[0, 400, 1000, 100]], np.int64), (2000, 1))  # 300 tokens off A each
+    front = truncate_pairs(pairs, 200, [7])[:, 0]
+    assert abs(front.mean() - 150) < 5 * np.sqrt(300 * 0.25 / 2000)
+    assert front.std() > 0.5 * np.sqrt(300 * 0.25)  # drawn per pair, not shared
+
+
+def test_masking_picks_every_candidate_alike_and_shows_80_10_10():
+    """Rows of 50 tokens ([CLS] 23 [SEP] 24 [SEP]): round(7.5) = 8 of the 47 candidates masked per
+    row, each candidate equally likely; none is [CLS]/[SEP]; the shown token 80/10/10."""
+    from bert_packed.data.create import _Masking, _mask
+
+    rows, length = 20000, 50
+    ids = np.tile(np.arange(100, 150), (rows, 1))
+    ids[:, 0], ids[:, 24], ids[:, 49] = CLS, SEP, SEP
+    masking = _Masking({"[CLS]": CLS, "[SEP]": SEP, "[MASK]": MASK}, np.arange(5, 300, dtype=np.int32), 0.15, 10,
+                       False, frozenset())
+    positions, labels, shown = _mask(ids, np.full(rows, length), np.full(rows, 23), masking, [3])
+    used = positions > 0
+    assert np.all(used.sum(axis=1) == 8) and not used[:, 8:].any() and np.all(np.diff(positions[:, :8], axis=1) > 0)
+    counts = np.bincount(positions[used], minlength=length)
+    assert counts[0] == counts[24] == counts[49] == 0
+    expected = rows * 8 / 47
+    assert np.all(np.abs(counts[[p for p in range(length) if p not in (0, 24, 49)]] - expected)
+                  < 5 * np.sqrt(expected))
+    np.testing.assert_array_equal(labels[used], ids[np.nonzero(used)[0], positions[used]])
+    total = used.sum()
+    for share, count in ((0.8, (shown[used] == MASK).sum()), (0.1, (shown[used] == labels[used]).sum())):
+        assert abs(count / total - share) < 5 * np.sqrt(share * (1 - share) / total)
+
+
+def test_masking_never_picks_a_special_id_inside_the_text():
+    """Text can tokenise to [SEP]'s id: such a position is no candidate (the rows that hold one
+    look their candidates up instead of computing them)."""
+    from bert_packed.data.create import _Masking, _mask
+
+    rows = 4000
+    ids = np.tile(np.arange(100, 150), (rows, 1))
+    ids[:, 0], ids[:, 24], ids[:, 49] = CLS, SEP, SEP
+    ids[::2, 10] = SEP  # inside A in every other row
+    masking = _Masking({"[CLS]": CLS, "[SEP]": SEP, "[MASK]": MASK}, np.arange(5, 300, dtype=np.int32), 0.15, 10,
+                       False, frozenset())
+    positions, labels, _ = _mask(ids, np.full(rows, 50), np.full(rows, 23), masking, [4])
+    used = positions > 0
+    assert np.all(used.sum(axis=1) == 8)
+    assert not np.isin(labels[used], [CLS, SEP]).any()
+    counts = np.bincount(positions[::2][used[::2]], minlength=50)
+    assert counts[10] == 0 and counts[[0, 24, 49]].sum() == 0
+    expected = (rows // 2) * 8 / 46
+    assert np.all(np.abs(counts[[p for p in range(50) if p not in (0, 10, 24, 49)]] - expected) < 5 * np.sqrt(expected))

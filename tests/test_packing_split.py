@@ -89,3 +89,41 @@ def test_lp_milp_node_limit_is_deterministic_and_validated():
     for bad in (0, 2.5, "10"):
         with pytest.raises(packing.PackingError, match="milp_node_limit must be a positive integer"):
             packing.pack(histogram, algorithm="lp", max_sequences_per_pack=3, milp_node_limit=bad)
+
+
+def test_the_global_lp_duals_bound_every_shard_without_a_solve():
+    """shard_bound: the global LP's certificate duals price each shard; never above the shard's
+    own LP bound, and the shards' bounds add up to at least the global one."""
+    from packing.split import global_duals, shard_bound
+
+    shards = wikipedia_shards(4, 0.005, seed=9)
+    result = packing.pack(packing.Histogram(shards.sum(axis=0)), algorithm="lp", max_sequences_per_pack=3,
+                          max_milp_sequences=0)
+    duals = global_duals(result)
+    assert duals is not None and global_duals(packing.pack(packing.Histogram(shards[0]), algorithm="lpfhp")) is None
+    bounds = [shard_bound(counts, 512, 3, duals) for counts in shards]
+    for counts, bound in zip(shards, bounds):
+        own = packing.pack(packing.Histogram(counts), algorithm="lp", max_sequences_per_pack=3, max_milp_sequences=0)
+        assert shard_bound(counts, 512, 3) <= bound <= own.lp_bound_packs <= own.num_packs
+    assert sum(bounds) >= result.lp_bound_packs
+
+
+def test_a_shard_takes_its_split_unplanned_only_within_the_tolerance():
+    shards = wikipedia_shards(3, 0.002, seed=4)
+    result = packing.pack(packing.Histogram(shards.sum(axis=0)), algorithm="lp", max_sequences_per_pack=3,
+                          max_milp_sequences=0)
+    from packing.split import global_duals, shard_bound
+
+    duals = global_duals(result)
+    for counts, (part, leftover) in zip(shards, split_plan(result.plan, list(shards))):
+        split, _ = complete_shard_plan(part, leftover, "lp", 3, max_milp_sequences=0)
+        bound = shard_bound(counts, 512, 3, duals)
+        loose = plan_shard(part, leftover, counts, "lp", 3, duals=duals, accept=1.0, max_milp_sequences=0)
+        assert loose[1] == "global" and loose[2] == bound and loose[0].num_packs == split.num_packs
+        strict = plan_shard(part, leftover, counts, "lp", 3, duals=duals, accept=0.0, max_milp_sequences=0)
+        strict[0].validate(counts, 3)
+        assert strict[0].num_packs <= split.num_packs and bound <= strict[2] <= strict[0].num_packs
+        if split.num_packs <= bound:  # optimal already: nothing is planned again
+            assert strict[1] == "global"
+        else:  # planned again: the own plan is kept only when it has fewer packs
+            assert strict[1] == "global" or strict[0].num_packs < split.num_packs

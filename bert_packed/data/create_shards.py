@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -40,7 +41,7 @@ import tempfile
 import numpy as np
 
 from . import corpus, engine, h5io, shards
-from .create import check_options, create_instances, instances_to_arrays
+from .create import Documents, check_options, create_instances
 from .errors import DataError, refuse_output_over_input
 from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
 from ..io import TEMP_PREFIX, DirectoryLock, OutputInUseError, write_text_atomic
@@ -50,7 +51,6 @@ DEFAULT_SHARD_BYTES = 4 << 20
 MAX_SHARDS = 100_000  # shard names have five digits (shards.shard_name)
 MAX_BLOCK_BYTES = 1 << 30  # a block is decoded whole in one task's memory
 WORK = ".work"
-ROW_CHUNK = 4096  # instances laid out as padded arrays at a time
 
 
 def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_predictions=20, dupe_factor=10,
@@ -315,12 +315,16 @@ def _tokenise(task, batch_sentences=4096):
     chunks, sentence_lengths, document_sizes = [], [], []
     pending, owners = [], []
 
+    # encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which nothing here reads
+    encode = getattr(tokenizer._tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+
     def flush():
-        for owner, encoding in zip(owners, tokenizer.encode_batch(pending, add_special_tokens=False)):
-            ids = encoding.ids
-            if ids:
-                chunks.append(np.asarray(ids, np.int32))
-                sentence_lengths.append(len(ids))
+        batch = [encoding.ids for encoding in encode(pending, add_special_tokens=False)]
+        lengths = [len(ids) for ids in batch]
+        chunks.append(np.fromiter(itertools.chain.from_iterable(batch), np.int32, sum(lengths)))
+        for owner, length in zip(owners, lengths):
+            if length:
+                sentence_lengths.append(length)
                 document_sizes[owner] += 1
         pending.clear()
         owners.clear()
@@ -438,8 +442,8 @@ def write_shard(task):
 
 
 def _shard_documents(task):
-    """The shard's documents from every block, in block order: lists of sentences of token ids."""
-    documents = []
+    """The shard's documents from every block, in block order, as flat arrays (`create.Documents`)."""
+    tokens, sentence_lengths, document_sizes = [], [], []
     shard = task["assigned"]
     for index in range(task["num_blocks"]):
         folder = _block_dir(task["work"], index)
@@ -455,24 +459,23 @@ def _shard_documents(task):
         last_sentence = first_sentence + int(doc_ends[-1])
         first_token = int(sentence_ends[first_sentence - 1]) if first_sentence else 0
         sent_ends = np.asarray(sentence_ends[first_sentence:last_sentence]) - first_token
-        tokens = np.asarray(arrays["tokens"][first_token:first_token + int(sent_ends[-1])]).tolist()
-        sent_starts = np.concatenate([[0], sent_ends[:-1]])
-        sentences = [tokens[a:b] for a, b in zip(sent_starts.tolist(), sent_ends.tolist())]
-        doc_starts = np.concatenate([[0], doc_ends[:-1]])
-        documents.extend(sentences[a:b] for a, b in zip(doc_starts.tolist(), doc_ends.tolist()))
+        tokens.append(np.array(arrays["tokens"][first_token:first_token + int(sent_ends[-1])], np.int32))
+        sentence_lengths.append(np.diff(sent_ends, prepend=0))
+        document_sizes.append(np.diff(doc_ends, prepend=0))
         del arrays
-    return documents
+    join = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
+    return Documents(join(tokens, np.int32), np.cumsum(join(sentence_lengths, np.int64)),
+                     np.cumsum(join(document_sizes, np.int64)))
 
 
 def _write_instances(path, instances, max_seq_length, max_predictions, attrs):
-    """The shard in the NVIDIA/MLPerf layout, laid out ROW_CHUNK instances at a time (the padded
-    arrays of a whole shard are never held; the compressed file is, see h5io.atomic_h5_image)."""
+    """The shard in the NVIDIA/MLPerf layout, laid out a chunk of rows at a time (`Instances.chunks`:
+    the padded arrays of a whole shard are never held; the compressed file is, see h5io.atomic_h5_image)."""
     shapes = h5io.unpacked_shapes(len(instances), max_seq_length, max_predictions)
     with h5io.atomic_h5_image(path) as handle:
         datasets = {name: h5io.create_dataset(handle, name, shape=shape, dtype=dtype)
                     for name, (shape, dtype) in shapes.items()}
-        for start in range(0, len(instances), ROW_CHUNK):
-            arrays = instances_to_arrays(instances[start:start + ROW_CHUNK], max_seq_length, max_predictions)
+        for start, arrays in instances.chunks():
             for name, dataset in datasets.items():
                 dataset[start:start + len(arrays[name])] = arrays[name]
         handle.attrs.update(attrs)

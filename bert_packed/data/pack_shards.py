@@ -15,10 +15,12 @@ process. So:
 3. **Pack each shard** (in parallel on ``engine.run_tasks``, one task per shard): a pack's
    sequences come from one shard, so output shard i is made from input shard i alone, in
    memory (a shard fits in memory by design): no scratch file. The shard's plan is its
-   part of the global plan plus the leftover packed with the same algorithm, or the
-   algorithm's plan of the shard's own histogram when that has fewer packs (a pack cannot
-   cross shards, so the best plan of each shard is the real target; both are exact plans of
-   the shard, the file records which one it used as ``shard_plan``).
+   part of the global plan plus the leftover packed with the same algorithm, taken as it is
+   when within 0.05 % of the shard's certified bound (the global LP's duals price any shard
+   for free); otherwise the algorithm also plans the shard's own histogram and the better plan
+   is kept (``packing.split.plan_shard``; a pack cannot cross shards, so the best plan of each
+   shard is the real target; both are exact plans of the shard, the file records which one it
+   used as ``shard_plan`` and its bound as ``shard_lp_bound_packs``).
 4. **Manifest** (kind ``packed``, written last): global efficiency, packing factor, packs,
    the LP bound of the global histogram and the gap to it, the unsharded plan's packs and the
    sharding gap, the options and the input dataset's options.
@@ -26,11 +28,11 @@ process. So:
 Deterministic: every shard's output is a function of its task (the seed of shard i is
 derived from ``--seed`` and i), so any ``--workers`` writes the same bytes. ``lp``'s MILP
 polish is bounded by branch-and-bound nodes here, not by its usual 2 s clock (a clock would
-make the plan depend on the machine's load), and runs only where a plan is more than 0.02 %
-above its bound (``packing.split.pack_polished``): the LP's rounding alone costs about 12
-packs a shard, 0.1 % of a 12 k-pack shard, and the MILP closes it (measured: each shard of
-20 k-200 k Wikipedia sequences planned at its own LP bound, 3-12 s each); on big shards the
-rounding is under 0.02 % and the MILP's seconds are not worth it.
+make the plan depend on the machine's load), and runs only where it can matter: on the global
+plan when it is more than 0.02 % above its bound (``packing.split.pack_polished``), on a shard's
+own plan when the better of its two plans is still more than 0.05 % above the shard's bound.
+The LP's rounding alone costs about 12 packs a plan, 0.1 % of a 12 k-pack shard, and the MILP
+closes it (3-12 s a shard of 20 k-200 k Wikipedia sequences); on big shards it is not worth it.
 
 Resumable: output shards are written atomically, so a rerun with the same options skips the
 shards that exist; ``.pack-state.json`` (removed at the end) records the options and the input
@@ -67,7 +69,7 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
                  compression="gzip", workers=1, scheduler=None, show_progress=True):
     """The whole sharded `pack` (module doc). Returns the output manifest (a dict)."""
     import packing
-    from packing.split import pack_polished, split_plan
+    from packing.split import global_duals, pack_polished, split_plan
 
     _check_options(algorithm, max_sequences_per_pack, chunk_packs, workers, scheduler, seed)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
@@ -86,6 +88,7 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
         histogram = packing.Histogram(total, seq_len, name=os.path.basename(os.path.abspath(input_dir)))
         result = pack_polished(histogram, algorithm, max_sequences_per_pack, seed, **_algorithm_options(algorithm))
         parts = split_plan(result.plan, list(counts))
+        duals = global_duals(result)
     except packing.PackingError as exc:
         raise DataError(str(exc)) from None
     if not resuming:  # only now: a refused input or plan leaves no directory behind
@@ -93,8 +96,9 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
         write_text_atomic(os.path.join(output_dir, STATE), json.dumps(state, indent=1, sort_keys=True) + "\n")
     inputs = shard_paths(input_dir, manifest)
     tasks = [{"index": i, "input": path, "output": os.path.join(output_dir, shard_name(i)),
-              "counts": counts[i], "part": part, "leftover": leftover, "options": options,
-              "seed": _shard_seed(seed, i)} for i, (path, (part, leftover)) in enumerate(zip(inputs, parts))]
+              "counts": counts[i], "part": part, "leftover": leftover, "duals": duals,
+              "options": options, "seed": _shard_seed(seed, i)}
+             for i, (path, (part, leftover)) in enumerate(zip(inputs, parts))]
     from .engine import run_tasks
     entries = run_tasks(pack_shard, tasks, workers=workers, scheduler=scheduler, desc="pack: shards",
                         unit=" shards", show_progress=show_progress)
@@ -276,7 +280,7 @@ def _shard_plan(task):
     options = task["options"]
     try:
         return plan_shard(task["part"], task["leftover"], task["counts"], options["algorithm"],
-                          options["max_sequences_per_pack"], options["seed"],
+                          options["max_sequences_per_pack"], options["seed"], duals=task.get("duals"),
                           **_algorithm_options(options["algorithm"]))
     except packing.PackingError as exc:
         raise DataError(f"{task['input']}: {exc}") from None
