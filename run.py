@@ -33,8 +33,10 @@ def _signal_while_loading(signum, frame):
 if __name__ == "__main__" and threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, _signal_while_loading)  # as Ctrl-C, until run_cli takes over
 try:  # torch loads for seconds: Ctrl-C or SIGTERM meanwhile get the same line as later, not a traceback
+    import backends
     from backends import get_backend, get_backend_class, offline_compilers
     from packing.entry import ArgumentParser, run_cli
+    from bert_packed import task as tasks
     from bert_packed.config import ConfigError, dump, input_paths, load_config, validate
     from bert_packed.io import check_output_dir
 except KeyboardInterrupt:
@@ -110,7 +112,14 @@ def _done(status: int) -> int:
     return status
 
 
+def register_config_sections() -> None:
+    """What a config holds beyond its core sections: each backend's section, each task's keys."""
+    backends.register_config_sections()
+    tasks.register_config_sections()
+
+
 def _main(args) -> int:
+    register_config_sections()
     overrides = args.overrides + ([f"train.steps={args.steps}"] if args.steps is not None else [])
     # A path, never YAML: quoted, so "null", "123" or "true" stay the folder names they are.
     overrides += [f"model.init_checkpoint={json.dumps(args.init_checkpoint)}"] if args.init_checkpoint else []
