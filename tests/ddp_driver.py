@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+import backends  # noqa: E402
 import backends.cuda as cuda_backend  # noqa: E402
 from run import register_config_sections  # noqa: E402
 from bert_packed.config import load_config  # noqa: E402

@@ -67,11 +67,15 @@ def num_replicas(config, backend, world_size: int = 1) -> int:
 
 def gradient_accumulation(config, backend, world_size: int = 1) -> int:
     """Micro-batches per replica per step before any packing adjustment."""
-    t = config.train
-    if t.global_batch_size is None:
-        return t.gradient_accumulation
-    per_pass = t.micro_batch_size * num_replicas(config, backend, world_size)
-    return t.global_batch_size // per_pass
+    return accumulation_for(config.train, num_replicas(config, backend, world_size))
+
+
+def accumulation_for(train, replicas: int) -> int:
+    """``gradient_accumulation`` for the ``train`` section and ``replicas`` in all (for a
+    backend's own checks, which know their replicas but not the backend object)."""
+    if train.global_batch_size is None:
+        return train.gradient_accumulation
+    return train.global_batch_size // (train.micro_batch_size * replicas)
 
 
 def check_global_batch(config, backend, world_size: int = 1) -> None:
