@@ -14,6 +14,7 @@ import importlib
 
 from backends.cpu_config import CPUConfig
 from backends.cuda_config import CUDAConfig
+from bert_packed.backend import OfflineCompile
 from bert_packed.config import ConfigError, register_section
 from ipu.config import IPUConfig
 
@@ -59,5 +60,6 @@ def get_backend(name: str, *, config=None, check_available: bool = True):
 
 
 def offline_compilers():
-    """Names of the backends that compile ahead of time (``run.py --compile-only``)."""
-    return [name for name in available_backends() if get_backend_class(name).offline_compile]
+    """Names of the backends that compile ahead of time (``run.py --compile-only``: the
+    ``OfflineCompile`` capability)."""
+    return [name for name in available_backends() if issubclass(get_backend_class(name), OfflineCompile)]
