@@ -378,3 +378,33 @@ def test_a_backend_without_a_capability_is_refused_in_one_line(mode, fragment, m
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_validates_once_and_resolves_the_checkpoint_shape_once(monkeypatch, tmp_path, capsys, one_thread):
+    """run.py validates before it builds the backend, the loop when it starts: the checks run once.
+    The init checkpoint's shape is resolved as the config loads, and the task does not resolve it
+    again when it reads the weights."""
+    import run
+    from bert_packed import config as config_module
+    from bert_packed import hf_io
+    from bert_packed.build import build_model
+    from bert_packed.config import load_config
+
+    checkpoint = str(tmp_path / "init")
+    hf_io.save_pretrained(build_model(load_config("tiny", ["model.num_hidden_layers=1"])), checkpoint)
+    calls = {"validate": 0, "resolve": 0}
+
+    def counted(name, real):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(config_module, "_check", counted("validate", config_module._check))
+    monkeypatch.setattr(hf_io, "resolve_model_config", counted("resolve", hf_io.resolve_model_config))
+    argv = ["--config", "tiny", "--steps", "1", "--init-checkpoint", checkpoint, "--no-progress",
+            "--set", "train.hf_export=false", "--set", "train.tensorboard=false", "--output-dir", str(tmp_path / "run")]
+    assert run.main(argv) == 0
+    assert calls == {"validate": 1, "resolve": 1}
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    assert '"num_hidden_layers": 1' in summary  # the checkpoint's shape, not tiny.yaml's 2
