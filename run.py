@@ -33,8 +33,11 @@ def _signal_while_loading(signum, frame):
 if __name__ == "__main__" and threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, _signal_while_loading)  # as Ctrl-C, until run_cli takes over
 try:  # torch loads for seconds: Ctrl-C or SIGTERM meanwhile get the same line as later, not a traceback
-    from backends import get_backend, get_backend_class, offline_compilers
+    import backends
+    from backends import available_backends, get_backend, get_backend_class, offline_compilers
     from packing.entry import ArgumentParser, run_cli
+    from bert_packed import task as tasks
+    from bert_packed.backend import OfflineCompile, Profiling, require
     from bert_packed.config import ConfigError, dump, input_paths, load_config, validate
     from bert_packed.io import check_output_dir
 except KeyboardInterrupt:
@@ -42,9 +45,13 @@ except KeyboardInterrupt:
     sys.exit(128 + _SIGNALLED[0] if _SIGNALLED else 130)
 
 
-def parse_args(argv=None):
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(description="Packed BERT pre-training (see README).")
-    p.add_argument("--backend", default="cpu", help="cpu | cuda | ipu | mock (default: cpu)")
+    # The choices are the backend registry's (backends.BACKENDS). argparse does not enforce them:
+    # an unknown name gets the registry's own one-line error (exit 2), the same as any config mistake.
+    names = available_backends()
+    p.add_argument("--backend", default="cpu", metavar="{" + ",".join(names) + "}",
+                   help=f"{' | '.join(names)} (default: cpu)")
     p.add_argument("--config", help="configs/NAME[.yaml] or a YAML path (default: demo)")
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     p.add_argument("--init-checkpoint", metavar="DIR", help="start from a Hugging Face BERT directory or a checkpoint "
@@ -66,6 +73,11 @@ def parse_args(argv=None):
     p.add_argument("--world-size", type=int,
                    help="data-parallel processes to validate for (default: $WORLD_SIZE or 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     _check_args(p, args)
     return args
@@ -110,7 +122,14 @@ def _done(status: int) -> int:
     return status
 
 
+def register_config_sections() -> None:
+    """What a config holds beyond its core sections: each backend's section, each task's keys."""
+    backends.register_config_sections()
+    tasks.register_config_sections()
+
+
 def _main(args) -> int:
+    register_config_sections()
     overrides = args.overrides + ([f"train.steps={args.steps}"] if args.steps is not None else [])
     # A path, never YAML: quoted, so "null", "123" or "true" stay the folder names they are.
     overrides += [f"model.init_checkpoint={json.dumps(args.init_checkpoint)}"] if args.init_checkpoint else []
@@ -123,30 +142,42 @@ def _main(args) -> int:
         print(f"# resolved config {config.name!r} for backend {args.backend!r}")
         print(dump(config), end="")
         return 0
-    if args.compile_only:  # compiles offline: it needs the compiler (the Poplar SDK), not free devices
-        if not get_backend_class(args.backend).offline_compile:  # before building it (cuda would pick a GPU)
-            raise ConfigError(f"--compile-only compiles ahead of time: use --backend "
-                              f"{' or '.join(offline_compilers())}, not {args.backend!r}")
-        backend = get_backend(args.backend, config=config, check_available=False)
-        output_dir = args.output_dir or os.path.join("runs", config.name, "compile")
-        check_output_dir(output_dir, input_paths(config))
-        backend.compile_only(config, output_dir, mode=args.compile_only)
-        return 0
-    backend = get_backend(args.backend, config=config)
+    if args.compile_only:
+        return _compile_only(args, config)
     if args.profile:
-        from bert_packed.profiling import run_profile
-
-        for warning in warnings:
-            print(f"warning: {warning}", file=sys.stderr)
-        output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
-        check_output_dir(output_dir, input_paths(config))
-        run_profile(config, backend, output_dir)
-        backend.memory_report(config, output_dir)
-        return 0
+        return _profile(args, config, warnings)
+    backend = get_backend(args.backend, config=config)
     from bert_packed.train import train
 
     train(config, backend, output_dir=args.output_dir, resume=args.resume or args.resume_force,
           resume_force=args.resume_force, show_progress=not args.no_progress)
+    return 0
+
+
+def _compile_only(args, config) -> int:
+    """--compile-only: compiles offline, so it needs the compiler (the Poplar SDK), not free devices."""
+    if not issubclass(get_backend_class(args.backend), OfflineCompile):  # before building it (cuda would pick a GPU)
+        raise ConfigError(f"--compile-only compiles ahead of time: use --backend "
+                          f"{' or '.join(offline_compilers())}, not {args.backend!r}")
+    backend = get_backend(args.backend, config=config, check_available=False)
+    output_dir = args.output_dir or os.path.join("runs", config.name, "compile")
+    check_output_dir(output_dir, input_paths(config))
+    backend.compile_only(config, output_dir, mode=args.compile_only)
+    return 0
+
+
+def _profile(args, config, warnings) -> int:
+    """--profile: the packing-overhead report (and the backend's memory estimate) instead of training."""
+    from bert_packed.profiling import run_profile
+
+    require(get_backend_class(args.backend), Profiling, "--profile")
+    backend = get_backend(args.backend, config=config)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
+    check_output_dir(output_dir, input_paths(config))
+    run_profile(config, backend, output_dir)
+    backend.memory_report(config, output_dir)
     return 0
 
 

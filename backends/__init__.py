@@ -4,8 +4,9 @@ that e.g. ``cpu`` never imports poptorch or CUDA-only code.
     backend = get_backend("cpu")                  # an instance, ready for prepare(...)
     backend = get_backend("cuda", config=config)  # built for the config (e.g. cuda.device)
 
-Importing this package registers the backends' config sections (``ipu``, ``cuda``, ``cpu``) with
-``bert_packed.config``, which names no backend itself.
+``register_config_sections()`` registers the backends' config sections (``ipu``, ``cuda``,
+``cpu``) with ``bert_packed.config``, which names no backend itself; ``run.py`` calls it before
+loading a config.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import importlib
 
 from backends.cpu_config import CPUConfig
 from backends.cuda_config import CUDAConfig
+from bert_packed.backend import OfflineCompile
 from bert_packed.config import ConfigError, register_section
 from ipu.config import IPUConfig
 
@@ -24,8 +26,13 @@ BACKENDS = {
     "mock": ("backends.mock", "MockBackend", "ipu"),
 }
 SECTIONS = {"ipu": IPUConfig, "cuda": CUDAConfig, "cpu": CPUConfig}
-for _section, _cls in SECTIONS.items():
-    register_section(_section, _cls, readers=tuple(n for n, entry in BACKENDS.items() if entry[2] == _section))
+
+
+def register_config_sections() -> None:
+    """Register each backend's config section with ``bert_packed.config`` (its readers: the
+    backends that read it). Again is a no-op."""
+    for section, cls in SECTIONS.items():
+        register_section(section, cls, readers=tuple(n for n, entry in BACKENDS.items() if entry[2] == section))
 
 
 def available_backends():
@@ -53,5 +60,6 @@ def get_backend(name: str, *, config=None, check_available: bool = True):
 
 
 def offline_compilers():
-    """Names of the backends that compile ahead of time (``run.py --compile-only``)."""
-    return [name for name in available_backends() if get_backend_class(name).offline_compile]
+    """Names of the backends that compile ahead of time (``run.py --compile-only``: the
+    ``OfflineCompile`` capability)."""
+    return [name for name in available_backends() if issubclass(get_backend_class(name), OfflineCompile)]

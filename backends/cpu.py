@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from bert_packed.attention import AttentionError, get_attention, no_profiler_scopes
 from bert_packed.config import ConfigError
-from bert_packed.backend import Backend, StepMetrics
+from bert_packed.backend import Backend, Profiling, StepMetrics
 from bert_packed.loop.estimate import host_flops_per_second
 from bert_packed.losses import metric_keys, step_normalizers
 from bert_packed.optim import grad_norm_, step_unless_non_finite
@@ -85,7 +85,7 @@ def check_compiled_attention(config, section: str) -> None:
                           f"attention 'dense' or 'sdpa'")
 
 
-class CPUBackend(Backend):
+class CPUBackend(Backend, Profiling):
     name = "cpu"
     config_section = "cpu"
     device = torch.device("cpu")

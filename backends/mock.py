@@ -1,6 +1,7 @@
-"""The ``mock`` backend: the IPU code path (ipu/backend.py) on the IPU-free poptorch stand-in.
+"""The ``mock`` backend: the IPU code path (``backends/ipu.py``'s ``PopTorchBackend``) on the
+IPU-free poptorch stand-in (``ipu/mock_poptorch``).
 
-Identical to ``backends/ipu.py`` except for the module it passes in. It proves that the
+Identical to the ``ipu`` backend except for the module it passes in. It proves that the
 options, pipeline annotations, batching, accumulation/replication and optimizer wiring are
 consistent and give the same training step as the cpu backend; it says nothing about IPU
 speed, memory or compilation (its cycle counts and memory figures are model estimates). See
@@ -11,8 +12,9 @@ from __future__ import annotations
 import ipu.mock_popart as mock_popart
 import ipu.mock_poptorch as mock_poptorch
 from bert_packed.loop.estimate import host_flops_per_second
-from ipu.backend import PopTorchBackend, install_mock_estimators
+from backends.ipu import PopTorchBackend
 from ipu import options as ipu_options
+from ipu.estimates import install_mock_estimators
 
 
 class MockBackend(PopTorchBackend):

@@ -98,8 +98,10 @@ def check_same_initial_weights(sets):
     """Both configs build bit-identical models under the training loop's seeding."""
     import torch
 
-    import backends  # noqa: F401  (registers the backends' config sections)
     from bert_packed.config import load_config
+    from run import register_config_sections
+
+    register_config_sections()
     from bert_packed.build import build_model
 
     states = []

@@ -79,10 +79,12 @@ if ROOT not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import backends  # noqa: E402,F401  (registers the backends' config sections before any config loads)
 from bert_packed.config import ConfigError, load_config  # noqa: E402
 from bert_packed.io import write_text_atomic  # noqa: E402
 from bert_packed.loop.plan import make_plan  # noqa: E402
+from run import register_config_sections  # noqa: E402
+
+register_config_sections()  # the backends' sections before any config loads
 
 RESULT_PREFIX = "CUDA_THROUGHPUT_RESULT "
 LAYOUTS = (("padded", 1), ("packed", 3))  # --tiles-only

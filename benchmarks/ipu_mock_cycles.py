@@ -19,6 +19,9 @@ from backends.mock import MockBackend  # noqa: E402
 from bert_packed.config import ConfigError, load_config  # noqa: E402
 from bert_packed.data import empty_batch  # noqa: E402
 from bert_packed.build import build_model  # noqa: E402
+from run import register_config_sections  # noqa: E402
+
+register_config_sections()  # the ipu section before any config loads
 
 
 def main(argv=None):

@@ -23,7 +23,10 @@ from backends import get_backend  # noqa: E402
 from bert_packed.config import load_config  # noqa: E402
 from bert_packed.data import build_data_source  # noqa: E402
 from bert_packed.build import build_model, build_optimizer  # noqa: E402
-from bert_packed.loop.plan import make_plan
+from bert_packed.loop.plan import make_plan  # noqa: E402
+from run import register_config_sections  # noqa: E402
+
+register_config_sections()  # the backends' sections before any config loads
 
 
 def _variant(config_name, depth, overrides, backend_name):

@@ -1,9 +1,13 @@
-"""The backend contract: every member the training loop, the tasks, the profiler and run.py use.
+"""The backend contract: every member the training loop, the tasks and run.py use (:class:`Backend`),
+and two optional capabilities the loop never needs: :class:`Profiling` (``run.py --profile``,
+``bert_packed.profiling``) and :class:`OfflineCompile` (``run.py --compile-only``). A backend
+has a capability by subclassing it; whoever needs one checks ``isinstance`` and refuses a
+backend without it in one line (exit 2).
 
 A backend owns the whole optimizer step (forward, backward, gradient reduction, update),
 because on the IPU PopTorch compiles all of it into one call; so the abstraction is
-``train_step``, not ``backward()``. Implementations live above this package (``backends/``,
-``ipu/``) and subclass :class:`Backend`; nothing here names one. Members with a default
+``train_step``, not ``backward()``. Implementations live above this package, in ``backends/``
+(``ipu/`` holds the IPU knowledge they use), and subclass :class:`Backend`; nothing here names one. Members with a default
 below have that default because it is right for a backend that does not say otherwise
 (one replica per process, weights on the host, nothing to compile ahead of time); the rest
 must be implemented. Nothing is probed with ``getattr``: a member a backend lacks is a
@@ -31,8 +35,8 @@ M = max masked tokens per pack; batch fields as in docs/internals.md.
   ``StepAbandoned``, which the backend lets through without applying any update).
 - ``eval_step(batch)``: the same metrics for one micro-batch, no update.
 - ``predict_step(batch, names)``: the model's ``names`` outputs as float32 numpy arrays.
-- ``profile(model, batch, num_repeats=)`` -> ``{"cost": float, "unit": str, "breakdown":
-  dict or None}``.
+- ``Profiling.profile(model, batch, num_repeats=)`` -> ``{"cost": float, "unit": str,
+  "breakdown": dict or None}``.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+
+from bert_packed.errors import ConfigError
 
 Batch = Dict[str, np.ndarray]
 Metrics = Dict[str, float]
@@ -112,18 +118,6 @@ class Backend:
     #: torch.distributed backend for the process group under torchrun; None: the backend has its
     #: own launcher and reports its shard through ``process_shard``.
     dist_backend: ClassVar[Optional[str]] = "gloo"
-    #: What ``profile`` measures, and how to read it (the profiling report's caption).
-    cost_unit: ClassVar[str] = "ms"
-    cost_note: ClassVar[str] = ""
-    #: ``profile`` is exact for a fixed program (hardware cycle counters, cost models): one
-    #: measurement per shape is enough.
-    deterministic_cost: ClassVar[bool] = False
-    #: ``profile`` prices a model on the meta device from its shapes, without running it.
-    prices_from_shapes: ClassVar[bool] = False
-    #: The profiler's training throughput is derived from ``profile`` costs, not measured.
-    throughput_is_estimated: ClassVar[bool] = False
-    #: ``compile_only`` builds the executable ahead of time (``run.py --compile-only``).
-    offline_compile: ClassVar[bool] = False
 
     #: Set by the training loop: called as ``micro_batch_hook(i, n)`` after micro-batch i (0-based)
     #: of the n of a ``train_step`` call was issued (``micro_batch_done``); None outside a run.
@@ -242,7 +236,23 @@ class Backend:
         for a fraction of a second; asked only for a large step."""
         return None
 
-    # -- profiling and tools ------------------------------------------------------------------
+
+class Profiling:
+    """Optional capability: what ``run.py --profile`` (``bert_packed.profiling``) asks of a
+    backend besides the contract: the cost of one forward+backward, how to read it, and the
+    backend's own extras for the report. Mix it into a :class:`Backend` subclass."""
+
+    #: What ``profile`` measures, and how to read it (the profiling report's caption).
+    cost_unit: ClassVar[str] = "ms"
+    cost_note: ClassVar[str] = ""
+    #: ``profile`` is exact for a fixed program (hardware cycle counters, cost models): one
+    #: measurement per shape is enough.
+    deterministic_cost: ClassVar[bool] = False
+    #: ``profile`` prices a model on the meta device from its shapes, without running it.
+    prices_from_shapes: ClassVar[bool] = False
+    #: The profiler's training throughput is derived from ``profile`` costs, not measured.
+    throughput_is_estimated: ClassVar[bool] = False
+
     def profile(self, model, batch: Batch, *, num_repeats: int = 5, **options) -> Dict[str, Any]:
         """Cost of one forward+backward of ``model`` on ``batch``: ``{"cost", "unit", "breakdown"}``."""
         raise NotImplementedError
@@ -263,8 +273,21 @@ class Backend:
         """Write and return a memory estimate of ``config``'s layout, where the backend has one."""
         return None
 
+
+class OfflineCompile:
+    """Optional capability: compiling the training executable ahead of time, without the
+    devices (``run.py --compile-only``). Mix it into a :class:`Backend` subclass."""
+
     def compile_only(self, config, output_dir: str, *, mode: str = "cache") -> Dict[str, Any]:
-        """Compile the training executable ahead of time (only where ``offline_compile``):
-        ``mode`` "cache" fills the executable cache the real run loads, "report" writes the
-        compiler's memory report instead."""
-        raise NotImplementedError(f"backend {self.name!r} has no ahead-of-time compile")
+        """Compile the training executable ahead of time: ``mode`` "cache" fills the executable
+        cache the real run loads, "report" writes the compiler's memory report instead."""
+        raise NotImplementedError
+
+
+def require(backend, capability: type, what: str) -> None:
+    """A one-line ``ConfigError`` unless ``backend`` (object or class) has ``capability``
+    (:class:`Profiling`, :class:`OfflineCompile`); ``what`` names the option that needs it."""
+    cls = backend if isinstance(backend, type) else type(backend)
+    if not issubclass(cls, capability):
+        raise ConfigError(f"{what}: backend {cls.name!r} has no {capability.__name__} capability "
+                          f"(bert_packed.backend.{capability.__name__}); use another --backend")

@@ -4,7 +4,7 @@ model, the optimizer and learning-rate schedule. (Tasks build their own models w
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 from bert_packed.errors import ConfigError
 
@@ -44,12 +44,3 @@ def build_optimizer(config, model, betas: Optional[Sequence[float]] = None, *, s
                                      warmup_from_zero=o.warmup_from_zero,
                                      total_steps=config.train.steps if steps is None else steps)
     return optimizer, scheduler
-
-
-def adjust_for_packing(config, packing_factor: float, base_accumulation: int) -> Tuple[int, Tuple[float, float]]:
-    """(gradient_accumulation, (beta1, beta2)) after train.packing_adjustment with p."""
-    from bert_packed import optim
-
-    o = config.optimizer
-    return optim.adjust_for_packing(config.train.packing_adjustment, packing_factor=packing_factor,
-                                    gradient_accumulation=base_accumulation, betas=(o.beta1, o.beta2))

@@ -10,10 +10,17 @@ Sections and who owns them:
 
 - ``model``, ``data``, ``optimizer``, ``train``: the model and the loop (this module);
 - ``finetune``: the keys every fine-tuning task shares (this module) plus each task's own
-  keys, declared by the task class (``Task.config_fields``, see ``bert_packed.task``);
-- one section per backend that has settings (``ipu``, ``cuda``): declared by the backend
-  package, which registers it with :func:`register_section` when imported (``import
-  backends``; ``run.py`` does). This module names no backend.
+  keys, declared by the task class (``Task.config_fields``) and registered with
+  :func:`register_task_fields` by the task registry (``bert_packed.task.register_config_sections``);
+- one section per backend that has settings (``ipu``, ``cuda``, ``cpu``): declared by the
+  backend package and registered with :func:`register_section` by the backend registry
+  (``backends.register_config_sections``).
+
+This module is a leaf: it names no task and no backend and imports neither, nor torch, nor
+any reader of checkpoints or data; ``run.py`` (and the tests' conftest) call both registries'
+``register_config_sections`` before loading a config. A step every loaded config goes through
+after its overrides (the init checkpoint's model shape) is registered the same way
+(:func:`register_resolver`).
 
 Bounds are declared on the fields (``bounded(default, ge=1)``) and checked by
 :func:`validate` for every section alike; so are the keys a resumed run may change
@@ -42,21 +49,23 @@ import re
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import yaml
 
 from bert_packed.errors import ConfigError, excerpt
 from bert_packed import limits
 from bert_packed.limits import BOUND_KEYS, at_most, bound_message, bounded
+from bert_packed.loop.plan import check_global_batch
 from bert_packed.yaml_io import YamlError, YamlSyntaxError, load_yaml, loads_yaml
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 
 __all__ = ["ConfigError", "Config", "ModelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "FinetuneConfig",
-           "register_section", "section_names", "bounded", "load_config", "config_from_dict", "resolve_config_path",
-           "validate", "num_replicas", "gradient_accumulation", "resume_harmless_keys", "input_paths", "dump",
+           "register_section", "register_task_fields", "register_resolver", "section_names", "bounded", "load_config",
+           "config_from_dict", "resolve_config_path",
+           "validate", "resume_harmless_keys", "input_paths", "dump",
            "CONFIG_DIR"]
 
 
@@ -326,19 +335,36 @@ for _name, _cls in (("model", ModelConfig), ("data", DataConfig), ("optimizer", 
     register_section(_name, _cls)
 
 
-def _finetune_section() -> Section:
-    """``finetune``: the shared keys plus every registered task's ``config_fields`` (built once;
-    the tasks are imported here, so they must not import this module)."""
-    section = _SECTIONS.get("finetune")
-    if section is not None:
-        return section
-    from bert_packed.task import task_config_fields
+_TASK_FIELDS: Dict[str, type] = {}  # task name -> its own finetune.* keys (a dataclass), in registration order
 
+
+def register_task_fields(task: str, cls: type) -> None:
+    """Add task ``task``'s own ``finetune.*`` keys (dataclass ``cls``, the task's ``config_fields``)
+    to the ``finetune`` section. Registering the same class again is a no-op; a key that
+    redeclares a shared one, or one another task declares differently, is a programming error
+    (TypeError, raised here). Configs built before keep the keys they had."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"task {task!r}: its config fields {cls!r} are not a dataclass")
+    existing = _TASK_FIELDS.get(task)
+    if existing is cls:
+        return
+    if existing is not None:
+        raise TypeError(f"task {task!r} already registered its config fields ({existing.__name__})")
+    _TASK_FIELDS[task] = cls
+    try:
+        _SECTIONS["finetune"] = _build_finetune_section()
+    except TypeError:
+        del _TASK_FIELDS[task]
+        raise
+
+
+def _build_finetune_section() -> Section:
+    """``finetune``: the shared keys plus every registered task's own keys."""
     hints = typing.get_type_hints(FinetuneConfig)
     fields = [(f.name, hints[f.name], _copy_field(f)) for f in dataclasses.fields(FinetuneConfig)]
     owners: Dict[str, List[str]] = {}
     declared: Dict[str, Any] = {}
-    for task_name, fields_cls in task_config_fields().items():
+    for task_name, fields_cls in _TASK_FIELDS.items():
         task_hints = typing.get_type_hints(fields_cls)
         for f in dataclasses.fields(fields_cls):
             signature = (task_hints[f.name], f.default, f.metadata.get("choices"))
@@ -353,8 +379,13 @@ def _finetune_section() -> Section:
             owners.setdefault(f.name, []).append(task_name)
     cls = dataclasses.make_dataclass("FinetuneConfig", fields, bases=(FinetuneConfig,))
     cls.__doc__ = FinetuneConfig.__doc__
-    section = Section("finetune", cls, None, tuple((k, tuple(v)) for k, v in owners.items()))
-    _SECTIONS["finetune"] = section
+    return Section("finetune", cls, None, tuple((k, tuple(v)) for k, v in owners.items()))
+
+
+def _finetune_section() -> Section:
+    section = _SECTIONS.get("finetune")
+    if section is None:
+        section = _SECTIONS["finetune"] = _build_finetune_section()
     return section
 
 
@@ -376,7 +407,8 @@ def _section(name: str, source: str) -> Section:
         return _finetune_section()
     if name not in _SECTIONS:
         raise ConfigError(f"{source}: unknown section {name!r}; sections are: {', '.join(section_names())} (a "
-                          f"backend's section is known once its package is imported: import backends)")
+                          f"backend's section is known once the backend registry registers it: "
+                          f"backends.register_config_sections(), as run.py does)")
     return _SECTIONS[name]
 
 
@@ -390,6 +422,10 @@ class Config:
         self.sections: Dict[str, Any] = {n: _section(n, "config").cls() for n in section_names()}
         self.cli_keys: Dict[str, set] = {n: set() for n in self.sections}
         self.unregistered: Dict[str, Dict[str, Any]] = {}
+        # The init checkpoint whose model shape the model section holds (set by the one function
+        # that resolves it, bert_packed.task.resolve_checkpoint_shape), so it is resolved once.
+        self.shape_from: Optional[str] = None
+        self.validated: Optional[tuple] = None  # what validate() was asked and found, so a run validates once
 
     def __getattr__(self, name: str) -> Any:
         sections = self.__dict__.get("sections")
@@ -397,7 +433,7 @@ class Config:
             return sections[name]
         if sections is not None and not name.startswith("_"):
             raise AttributeError(f"the config has no section {name!r} (sections: {', '.join(sections)}); a backend's "
-                                 f"section exists once its package is imported (import backends)")
+                                 f"section exists once it is registered (backends.register_config_sections())")
         raise AttributeError(name)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -561,39 +597,25 @@ def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = Non
         section, key, value = _parse_override(text)
         _set_value(config, section, key, value, "--set")
         config.cli_keys[section].add(key)
-    if config.model.init_checkpoint:
-        # The model's shape comes from the checkpoint, so validation and the printed config see it.
-        from bert_packed import hf_io
-
-        # A config file's shape (e.g. finetune_squad's BERT-Base) is what to build without a
-        # checkpoint; with one, the checkpoint's wins. Only a --set shape can contradict it.
-        for key in hf_io.SHAPE_FIELDS:
-            if key not in config.cli_keys["model"]:
-                setattr(config.model, key, getattr(ModelConfig(), key))
-        try:
-            hf_io.resolve_model_config(config.model, hf_io.read_pretrained(config.model.init_checkpoint, weights=False))
-        except hf_io.CheckpointError as exc:  # a config problem to every caller of load_config
-            raise ConfigError(str(exc)) from None
+    for resolve in _RESOLVERS:  # e.g. the model's shape from model.init_checkpoint (bert_packed.task)
+        resolve(config)
     return config
+
+
+_RESOLVERS: List[Callable[[Config], None]] = []
+
+
+def register_resolver(resolve: Callable[[Config], None]) -> None:
+    """Make ``load_config`` call ``resolve(config)`` on every config it loads, after the YAML file
+    and the overrides, so validation and the printed config see what it resolves (the task
+    registry registers the init checkpoint's model shape; this module reads no checkpoint).
+    ``resolve`` raises ConfigError for a user mistake. Registering it again is a no-op."""
+    if resolve not in _RESOLVERS:
+        _RESOLVERS.append(resolve)
 
 
 # ---------------------------------------------------------------------------------------
 # Validation and derived values
-
-
-def num_replicas(config: Config, backend, world_size: int = 1) -> int:
-    """Data-parallel model copies taking part in one optimizer step (``backend``: a backend
-    object or class; it says how many replicas one process feeds)."""
-    return world_size * backend.replicas_per_process(config)
-
-
-def gradient_accumulation(config: Config, backend, world_size: int = 1) -> int:
-    """Micro-batches per replica per step before any packing adjustment."""
-    t = config.train
-    if t.global_batch_size is None:
-        return t.gradient_accumulation
-    per_pass = t.micro_batch_size * num_replicas(config, backend, world_size)
-    return t.global_batch_size // per_pass
 
 
 def check_section(name: str, obj: Any) -> None:
@@ -621,9 +643,22 @@ def validate(config: Config, backend, world_size: int = 1) -> List[str]:
     """Raise ConfigError on an inconsistent config; return warnings (one line each).
 
     ``backend`` is a backend object or class (``backends.get_backend_class(name)``): it
-    validates its own section (``validate_config``) and says how many replicas a process feeds."""
+    validates its own section (``validate_config``) and says how many replicas a process feeds.
+    A run validates once: asked again about the same config, unchanged, for the same backend and
+    world size (``run.py`` validates before it builds the backend, the loop when it starts), it
+    returns the warnings it found the first time."""
+    key = (backend.name, world_size, config.to_dict(), {k: sorted(v) for k, v in config.cli_keys.items()})
+    if config.validated is not None and config.validated[0] == key:
+        return list(config.validated[1])
+    warns = _check(config, backend, world_size)
+    config.validated = (key, tuple(warns))
+    return warns
+
+
+def _check(config: Config, backend, world_size: int) -> List[str]:
+    """``validate``'s checks."""
     check_bounds(config)
-    m, d, t = config.model, config.data, config.train
+    m, d = config.model, config.data
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"
@@ -637,14 +672,7 @@ def validate(config: Config, backend, world_size: int = 1) -> List[str]:
             f"data.max_sequence_length={d.max_sequence_length} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}; raise the latter or shorten the sequences"
         )
-    if t.global_batch_size is not None:
-        per_pass = t.micro_batch_size * num_replicas(config, backend, world_size)
-        if t.global_batch_size % per_pass:
-            raise ConfigError(
-                f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x replicas "
-                f"= {t.micro_batch_size} x {num_replicas(config, backend, world_size)} = {per_pass}; "
-                f"pick a multiple of {per_pass}"
-            )
+    check_global_batch(config, backend, world_size)
     warns = list(backend.validate_config(config, world_size))
     for name, section in _SECTIONS.items():
         changed = sorted(config.cli_keys.get(name, ()))

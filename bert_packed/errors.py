@@ -1,7 +1,7 @@
 """The error a user's configuration mistake raises, at the bottom of the import graph.
 
-Every module may raise it without importing the config loader (``bert_packed.config``
-imports the task modules to learn their config keys, so they must not import it back).
+Every module may raise it without importing the config loader (``bert_packed.config``), e.g.
+the data readers and tools that have no config.
 User mistakes are ``ValueError`` subclasses with a one-line message naming the fix; the
 command lines (``bert_packed.cli.run_cli``) print it as ``error: ...`` and exit 2.
 """
@@ -9,6 +9,11 @@ command lines (``bert_packed.cli.run_cli``) print it as ``error: ...`` and exit 
 
 class ConfigError(ValueError):
     """A user mistake in the configuration; the message is one line naming the fix."""
+
+
+class OptimConfigError(ValueError):
+    """An optimiser / schedule / packing-adjustment setting is invalid (one-line message;
+    ``bert_packed.optim`` and ``bert_packed.loop.plan`` raise it)."""
 
 
 EXCERPT_LIMIT = 60  # characters of a value a message quotes

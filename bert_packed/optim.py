@@ -1,4 +1,4 @@
-"""Optimisation for packed BERT: LAMB in plain torch, the LR schedule, packing adjustments.
+"""Optimisation for packed BERT: LAMB in plain torch and the LR schedule.
 
 LAMB (You et al., "Large Batch Optimization for Deep Learning", Algorithm 2), per tensor w
 with gradient g at step t:
@@ -14,11 +14,8 @@ the same way; ``max_weight_norm=None`` leaves ``||w||`` unclamped, and a group w
 ``max_weight_norm=0`` gets trust ratio 1 (plain Adam-style update, as Graphcore's BERT does
 for biases).
 
-Packing changes how many sequences one optimizer step sees (about p times more, p = the
-packing factor). The seeds offer two adjustments, both here (``adjust_for_packing``):
-divide gradient accumulation by p (same sequences per update, same hyperparameters), or
-keep the batch and raise LAMB's betas to the power p (the momentum after one packed
-update then matches p unpacked updates with nearly equal gradients; paper Appendix D).
+The packing adjustments of the hyperparameters (gradient accumulation / p, or LAMB's betas
+** p) are step arithmetic: ``bert_packed.loop.plan``.
 """
 from __future__ import annotations
 
@@ -27,6 +24,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from bert_packed.errors import OptimConfigError
 
 __all__ = [
     "OptimConfigError",
@@ -38,19 +37,10 @@ __all__ = [
     "step_unless_non_finite",
     "linear_schedule",
     "build_schedule",
-    "PACKING_ADJUSTMENTS",
-    "adjust_gradient_accumulation",
-    "adjust_lamb_betas",
-    "adjust_for_packing",
 ]
 
 OPTIMIZERS = ("lamb", "adamw")
 SCHEDULES = ("linear", "constant")
-PACKING_ADJUSTMENTS = ("none", "gradient_accumulation", "betas")
-
-
-class OptimConfigError(ValueError):
-    """An optimiser / schedule setting is invalid (one-line message)."""
 
 
 class Lamb(torch.optim.Optimizer):
@@ -444,51 +434,3 @@ def build_schedule(
         optimizer, lambda step: linear_schedule(step, warmup_steps=warmup_steps, total_steps=total_steps, decay=decay,
                                                 warmup_from_zero=warmup_from_zero)
     )
-
-
-# ----------------------------------------------------------------------------- packing adjustments
-
-
-def _check_packing_factor(packing_factor: float) -> float:
-    packing_factor = float(packing_factor)
-    if not packing_factor >= 1.0:
-        raise OptimConfigError(f"packing_factor (sequences per pack) must be >= 1, got {packing_factor}")
-    return packing_factor
-
-
-def adjust_gradient_accumulation(gradient_accumulation: int, packing_factor: float) -> int:
-    """Micro-batches per step so a packed step sees about as many sequences as an unpacked one.
-
-    ``round(gradient_accumulation / p)``, at least 1 (e.g. 2048 at p = 1.17 -> 1750, the
-    value of Graphcore's packed phase-1 config; 2048 at p = 2.0 -> 1024).
-    """
-    packing_factor = _check_packing_factor(packing_factor)
-    if gradient_accumulation < 1:
-        raise OptimConfigError(f"gradient_accumulation must be >= 1, got {gradient_accumulation}")
-    return max(1, int(round(gradient_accumulation / packing_factor)))
-
-
-def adjust_lamb_betas(betas: Sequence[float], packing_factor: float) -> Tuple[float, float]:
-    """``(beta1 ** p, beta2 ** p)``: the paper's heuristic for keeping the batch of packs."""
-    packing_factor = _check_packing_factor(packing_factor)
-    return (float(betas[0]) ** packing_factor, float(betas[1]) ** packing_factor)
-
-
-def adjust_for_packing(
-    method: str,
-    *,
-    gradient_accumulation: int,
-    betas: Sequence[float],
-    packing_factor: float,
-) -> Tuple[int, Tuple[float, float]]:
-    """Apply one of ``PACKING_ADJUSTMENTS``; returns ``(gradient_accumulation, betas)``.
-
-    ``"none"``: unchanged; ``"gradient_accumulation"``: divide it by p; ``"betas"``: betas ** p.
-    """
-    if method == "none":
-        return int(gradient_accumulation), (float(betas[0]), float(betas[1]))
-    if method == "gradient_accumulation":
-        return adjust_gradient_accumulation(gradient_accumulation, packing_factor), (float(betas[0]), float(betas[1]))
-    if method == "betas":
-        return int(gradient_accumulation), adjust_lamb_betas(betas, packing_factor)
-    raise OptimConfigError(f"unknown packing adjustment {method!r}; choose one of: {', '.join(PACKING_ADJUSTMENTS)}")

@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from bert_packed.backend import Profiling, require
 from bert_packed.io import atomic_path, write_text_atomic
 
 DEPTHS = (1, 2, 3, 4, 8, 16)
@@ -458,8 +459,8 @@ def run_profile(config, backend, output_dir: str, *, depths: Sequence[int] = DEP
                 num_repeats: int = 3, throughput: bool = True, throughput_steps: int = 8,
                 report_reader: Optional[Callable[[str], Any]] = None, show_progress: bool = True,
                 execute: Optional[bool] = None, make_backend: Optional[Callable[[], Any]] = None) -> Dict:
-    """Profile every depth on ``backend`` (a backend object; ``run.py`` resolves names) and write
-    overhead.json/.md/.png to ``output_dir``.
+    """Profile every depth on ``backend`` (a backend object with the ``Profiling`` capability;
+    ``run.py`` resolves names) and write overhead.json/.md/.png to ``output_dir``.
 
     ``report_reader(profile_dir) -> pva report or None`` reads PopVision reports (default:
     ``pva.openReport`` on the newest ``*.pop``; tests inject a fake). ``execute``: run the model
@@ -470,6 +471,7 @@ def run_profile(config, backend, output_dir: str, *, depths: Sequence[int] = DEP
     if isinstance(backend, str):
         raise TypeError(f"run_profile() takes a backend object, not the name {backend!r}: "
                         f"resolve it with backends.get_backend({backend!r})")
+    require(backend, Profiling, "profiling")
     backend_name = backend.name
     depths = sorted({int(d) for d in depths} | {1})
     if any(d < 1 for d in depths):

@@ -7,8 +7,8 @@ best-model choice and its outputs. Pre-training is one task; fine-tuning tasks
 (``bert_packed.finetune``) plug in the same way, chosen by ``finetune.task`` (null =
 pre-training). A task provides:
 
-- ``config_fields``: a dataclass of its own ``finetune.*`` keys (merged into the section by
-  ``bert_packed.config``; a key set for another task gets a warning);
+- ``config_fields``: a dataclass of its own ``finetune.*`` keys (registered with the config by
+  :func:`register_config_sections`; a key set for another task gets a warning);
 - ``setup(...)``: read its data, resolve the config (checkpoint shape, labels);
 - ``num_steps(packs_per_step)``: optimizer steps (e.g. from epochs);
 - ``model_class()`` / ``build_model()``: the model (``model.init_checkpoint`` loaded, see
@@ -28,9 +28,9 @@ pre-training). A task provides:
 - ``export(model, directory)``: the Hugging Face export (class = the model's
   ``hf_architecture``, labels, tokenizer).
 
-Register a task with one line in ``TASKS`` (``name: "module:Class"``, imported on use). Task
-modules must not import ``bert_packed.config`` (it imports them to learn their keys): raise
-``bert_packed.errors.ConfigError``.
+Register a task with one line in ``TASKS`` (``name: "module:Class"``, imported on use);
+:func:`register_config_sections` (``run.py`` calls it) registers every task's keys with
+``bert_packed.config``, which imports no task.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import os
 import sys
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
+from bert_packed.config import register_resolver, register_task_fields
 from bert_packed.errors import ConfigError
 
 TASKS = {
@@ -65,6 +66,47 @@ def task_config_fields() -> Dict[str, type]:
         if cls.config_fields is not None:
             fields[name] = cls.config_fields
     return fields
+
+
+def register_config_sections() -> None:
+    """Tell ``bert_packed.config`` what the tasks add to it: each task's own ``finetune.*`` keys,
+    and the init checkpoint's model shape, resolved on every loaded config. Call it before loading
+    a config that may use them (``run.py`` does; again is a no-op)."""
+    for name, fields_cls in task_config_fields().items():
+        register_task_fields(name, fields_cls)
+    register_resolver(resolve_init_checkpoint)
+
+
+def resolve_init_checkpoint(config) -> None:
+    """The model's shape from ``model.init_checkpoint`` as a config is loaded (``load_config``),
+    so validation and the printed config see it. A config file's shape (e.g. finetune_squad's
+    BERT-Base) is what to build without a checkpoint; with one, the checkpoint's wins: only a
+    ``--set`` shape can contradict it. ConfigError (one line) for an unreadable checkpoint."""
+    path = config.model.init_checkpoint
+    if not path or config.shape_from == path:
+        return
+    from bert_packed import hf_io
+
+    defaults = type(config.model)()
+    for key in hf_io.SHAPE_FIELDS:
+        if key not in config.cli_keys["model"]:
+            setattr(config.model, key, getattr(defaults, key))
+    try:
+        resolve_checkpoint_shape(config, hf_io.read_pretrained(path, weights=False))
+    except hf_io.CheckpointError as exc:  # a config problem to every caller of load_config
+        raise ConfigError(str(exc)) from None
+
+
+def resolve_checkpoint_shape(config, pretrained) -> None:
+    """Take the model section's shape (and unset architecture fields) from ``pretrained`` (an
+    ``hf_io.Pretrained``), once per config: a config already resolved from that checkpoint (as
+    it was loaded) is left as it is."""
+    if config.shape_from == pretrained.path:
+        return
+    from bert_packed import hf_io
+
+    hf_io.resolve_model_config(config.model, pretrained)
+    config.shape_from = pretrained.path
 
 
 def get_task(config) -> "Task":
@@ -127,7 +169,7 @@ class Task:
             from bert_packed import hf_io
 
             self.pretrained = hf_io.read_pretrained(path)
-            hf_io.resolve_model_config(self.config.model, self.pretrained)
+            resolve_checkpoint_shape(self.config, self.pretrained)
             d, m = self.config.data, self.config.model
             if d.max_sequence_length > m.max_position_embeddings:
                 raise ConfigError(f"data.max_sequence_length={d.max_sequence_length} exceeds the checkpoint's "

@@ -38,7 +38,7 @@ from bert_packed.checkpoint import set_rng_state
 from bert_packed.config import Config, ConfigError, input_paths, validate
 from bert_packed.io import DirectoryLock, check_output_dir, remove_orphans, write_text_atomic
 from bert_packed.loop.checkpointer import Checkpointer
-from bert_packed.loop.distributed import all_reduce_sum, setup_distributed
+from bert_packed.loop.distributed import all_reduce_sum, planned_world_size, setup_distributed
 from bert_packed.loop.estimate import slow_step_warning
 from bert_packed.loop.guard import DivergenceGuard
 from bert_packed.loop.logger import MetricsLogger, Throughput, real_counts, to_host
@@ -165,12 +165,12 @@ class _Run:
         self.resume_force = resume_force  # also lets a data source continue on changed data
         t = config.train
         self.given = config.to_dict()  # before any task shapes it: what a resume compares
-        # Validate before touching the process group, so config mistakes are reported once,
-        # the same way in every process.
-        validate(config, backend, int(os.environ.get("WORLD_SIZE", "1")))
+        # Validate (once: run.py's validation counts) before touching the process group, so config
+        # mistakes are reported the same way in every process.
+        warnings = validate(config, backend, planned_world_size(backend))
         self.rank, self.world_size = setup_distributed(backend, t.collective_timeout_minutes)
         self.is_main = self.rank == 0
-        for line in validate(config, backend, self.world_size) if self.is_main else ():
+        for line in warnings if self.is_main else ():
             print(f"warning: {line}", file=sys.stderr)
         self.output_dir = output_dir or t.output_dir or os.path.join("runs", config.name)
         check_output_dir(self.output_dir, input_paths(config))  # not a file, not where an input is

@@ -12,6 +12,7 @@ from typing import List, Optional
 from bert_packed.config import HARMLESS, bounded
 from bert_packed.errors import ConfigError
 from bert_packed.limits import LAYERS, VOCABULARY, at_most
+from bert_packed.loop.plan import accumulation_for
 
 # The largest IPU systems (Bow Pod1024) have 1024 IPUs: replicas x IPUs per replica must fit.
 MAX_IPUS = 1024
@@ -119,8 +120,7 @@ def _check_call_size(config, world_size: int) -> None:
     """The packs of one host call (built on the host before it) within MAX_TOKENS_PER_CALL."""
     ipu, t = config.ipu, config.train
     per_pass = t.micro_batch_size * ipu.replication_factor
-    accumulation = t.gradient_accumulation if t.global_batch_size is None else max(
-        1, t.global_batch_size // (per_pass * world_size))
+    accumulation = max(1, accumulation_for(t, ipu.replication_factor * world_size))
     tokens = ipu.device_iterations * accumulation * per_pass * config.data.max_sequence_length
     if tokens > MAX_TOKENS_PER_CALL:
         raise ConfigError(

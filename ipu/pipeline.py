@@ -121,7 +121,7 @@ class TrainingWrapper(nn.Module):
     """What PopTorch compiles: the model plus the one marked loss, returning scalars only.
 
     ``loss_multiplier`` scales the loss PopTorch differentiates (not the reported metrics): see
-    ``ipu.backend`` for why (global-count normalisation under PopTorch's Mean reduction).
+    ``backends.ipu`` for why (global-count normalisation under PopTorch's Mean reduction).
     """
 
     def __init__(self, model, poptorch, loss_multiplier: float = 1.0):

@@ -8,7 +8,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import backends  # noqa: E402,F401  (registers the backends' config sections, ipu and cuda, as run.py does)
+from run import register_config_sections  # noqa: E402
+
+register_config_sections()  # the backends' sections (ipu, cuda, cpu) and the tasks' keys, as run.py does
 
 
 def _cuda_available():

@@ -31,13 +31,15 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import backends  # noqa: E402,F401  (registers the cuda section)
+import backends  # noqa: E402
 import backends.cuda as cuda_backend  # noqa: E402
+from run import register_config_sections  # noqa: E402
 from bert_packed.config import load_config  # noqa: E402
 from bert_packed.train import Interrupted, train  # noqa: E402
 
 
 def main() -> int:
+    register_config_sections()
     output_dir, record_path, mode, stop_at, overrides = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
                                                          sys.argv[5:])
     rank = int(os.environ.get("RANK", "0"))

@@ -712,7 +712,8 @@ TWO_GPU_OVERRIDES = ["train.global_batch_size=16", "cuda.precision=fp32", "cuda.
 def test_two_gpu_test_config_is_valid_for_one_and_two_processes():
     """The 2-GPU test's config passes validation for 2 processes (it did not: global batch 8
     for 2 ranks x micro-batch 8) and for the 1-process reference, with the same global batch."""
-    from bert_packed.config import gradient_accumulation, validate
+    from bert_packed.config import validate
+    from bert_packed.loop.plan import gradient_accumulation
 
     config = load_config("tiny", TWO_GPU_OVERRIDES)
     validate(config, get_backend_class("cuda"), world_size=2)

@@ -28,7 +28,7 @@ from bert_packed.build import build_model, build_optimizer
 from bert_packed.loop.plan import make_plan
 from ipu import options as ipu_options
 from ipu import pipeline
-from ipu.backend import stack_host_batch
+from ipu.host_batch import stack_host_batch
 from ipu.pipeline import TrainingWrapper
 from ipu_helpers import TINY_MODEL, random_micro_batches
 

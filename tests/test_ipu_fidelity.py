@@ -30,7 +30,7 @@ from bert_packed.loop.plan import make_plan
 from bert_packed.optim import build_optimizer as build_host_optimizer
 from bert_packed.task import get_task
 from ipu import memory, offline
-from ipu.backend import stack_host_batch
+from ipu.host_batch import stack_host_batch
 from ipu import options as ipu_options
 from ipu.mock_popart import extract_session_options as extract
 from ipu.mock_popart import session_options

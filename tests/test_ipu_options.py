@@ -1,7 +1,7 @@
 """The config's ipu section reaches PopTorch: options, pipeline, precision and optimizer.
 
 Built through the same code as ``--backend ipu`` (ipu/options.py, ipu/pipeline.py,
-ipu/backend.py), with the mock standing in for poptorch.
+backends/ipu.py), with the mock standing in for poptorch.
 """
 import dataclasses
 
@@ -19,7 +19,8 @@ from bert_packed.optim import build_optimizer
 from bert_packed.build import build_model
 from bert_packed.loop.plan import make_plan
 from ipu import options as ipu_options
-from ipu.backend import no_profiler_scopes, stack_host_batch
+from bert_packed.attention import no_profiler_scopes
+from ipu.host_batch import stack_host_batch
 from ipu_helpers import TINY_MODEL, random_micro_batches
 
 # Only sizes shrink; every ipu value stays phase2's (24 layers keep layers_per_ipu [3, 7, 7, 7]).

@@ -10,13 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from bert_packed.loop.plan import adjust_for_packing, adjust_gradient_accumulation, adjust_lamb_betas
 from bert_packed.optim import (
     Lamb,
     OptimConfigError,
     adamw,
-    adjust_for_packing,
-    adjust_gradient_accumulation,
-    adjust_lamb_betas,
     build_optimizer,
     build_schedule,
     grad_norm_,

@@ -6,13 +6,21 @@
 - no function over 100 lines in ``bert_packed/``, ``backends/``, ``packing/``, ``ipu/`` or ``run.py``;
 - ``bert_packed`` names no backend (no "ipu"/"mock" string, no "cpu"/"cuda" string that is not a
   torch device) and probes no backend with ``getattr``/``hasattr``;
-- every backend implements the contract it declares (``bert_packed.backend.Backend``);
+- every backend implements the contract it declares (``bert_packed.backend.Backend``) and the
+  optional capabilities it claims (``Profiling``, ``OfflineCompile``), which the loop never uses;
+- (issue 36) the configuration is a leaf: ``bert_packed.config`` imports no task, backend, torch or
+  reader of checkpoints/data, and building a ``Config`` loads none of them; every backend class is
+  defined in ``backends/``; run.py's ``--backend`` lists the backend registry.
 - every fine-tuning task is a package of the same files (issue 36), each registered task in it.
 """
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
+
+from backends import BACKENDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("packing", "bert_packed", "backends", "ipu")
@@ -116,10 +124,12 @@ def test_no_import_circle_anywhere():
 
 
 def test_the_circles_of_issue_22_would_be_found():
-    # The check above is not vacuous: a lazy import inside a function is an arrow.
-    assert "bert_packed.task" in GRAPH["bert_packed.config"]  # the loader reads the tasks' keys
-    assert "bert_packed.config" not in GRAPH["bert_packed.task"]
-    assert "bert_packed.hf_io" in GRAPH["bert_packed.config"] and "bert_packed.config" not in GRAPH["bert_packed.hf_io"]
+    # The check above is not vacuous: a lazy import inside a function is an arrow (the task
+    # reads checkpoints only when it has one; the model is built only when asked for).
+    assert "bert_packed.hf_io" in GRAPH["bert_packed.task"] and "bert_packed.task" not in GRAPH["bert_packed.hf_io"]
+    assert "bert_packed.modeling" in GRAPH["bert_packed.build"]
+    # Issue 36: the task registry registers the tasks' keys with the config, never the reverse.
+    assert "bert_packed.config" in GRAPH["bert_packed.task"] and "bert_packed.task" not in GRAPH["bert_packed.config"]
 
 
 @pytest.mark.parametrize("prefix", ["bert_packed", "backends", "packing", "ipu", "run"])
@@ -198,19 +208,21 @@ def test_bert_packed_probes_no_backend():
 
 
 # ids without the bare names: conftest skips tests whose keywords include "cuda" or "ipu" (hardware).
-@pytest.mark.parametrize("name", ["cpu", "cuda", "ipu", "mock"], ids=lambda name: f"backend_{name}")
+@pytest.mark.parametrize("name", sorted(BACKENDS), ids=lambda name: f"backend_{name}")
 def test_every_backend_implements_its_contract(name):
     from backends import BACKENDS, get_backend_class
-    from bert_packed.backend import Backend
+    from bert_packed.backend import Backend, OfflineCompile, Profiling
 
     cls = get_backend_class(name)
     assert issubclass(cls, Backend) and cls.name == name
     assert cls.config_section == BACKENDS[name][2]
-    required = ("is_available", "prepare", "train_step", "eval_step", "predict_step", "state_dict", "profile")
+    required = ("is_available", "prepare", "train_step", "eval_step", "predict_step", "state_dict")
     missing = [member for member in required if getattr(cls, member) is getattr(Backend, member)]
     assert not missing, missing
-    if cls.offline_compile:
-        assert cls.compile_only is not Backend.compile_only
+    if issubclass(cls, Profiling):
+        assert cls.profile is not Profiling.profile
+    if issubclass(cls, OfflineCompile):
+        assert cls.compile_only is not OfflineCompile.compile_only
 
 
 # What every fine-tuning task package holds (bert_packed/finetune/base.py says what goes where).
@@ -259,3 +271,189 @@ def test_user_text_is_decoded_in_one_place():
                     and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "utf-8"):
                 found.append(f"{name}:{node.lineno}")
     assert not found, found
+
+
+# -- issue 36: configuration as a leaf, one home for backends ------------------------------------
+
+# What the config must not pull in: tasks, backends and their IPU knowledge, the model, and the
+# readers of checkpoints and data (it reads its own YAML through bert_packed.yaml_io).
+NOT_FOR_CONFIG = ("bert_packed.task", "bert_packed.finetune", "backends", "ipu", "bert_packed.hf_io",
+                  "bert_packed.checkpoint", "bert_packed.data", "bert_packed.modeling", "bert_packed.train")
+
+
+def _reachable(name):
+    """Project modules ``name`` imports, directly or through others (lazy imports included)."""
+    seen, todo = set(), [name]
+    while todo:
+        for target in GRAPH[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def _imports_torch(path):
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+def test_config_imports_no_task_backend_torch_or_reader():
+    reached = _reachable("bert_packed.config") | {"bert_packed.config"}
+    wrong = sorted(m for m in reached if m.startswith(NOT_FOR_CONFIG))
+    assert not wrong, wrong
+    with_torch = sorted(m for m in reached if _imports_torch(MODULES[m]))
+    assert not with_torch, with_torch
+
+
+def test_the_config_check_would_see_an_import_of_a_task():
+    # Not vacuous: the task registry imports the config, the tasks and (lazily) hf_io and torch users.
+    reached = _reachable("bert_packed.task")
+    assert "bert_packed.config" in reached and "bert_packed.hf_io" in reached
+    assert any(m.startswith(NOT_FOR_CONFIG) for m in reached - {"bert_packed.task"})
+    assert any(_imports_torch(MODULES[m]) for m in reached)
+
+
+def test_building_a_config_loads_no_torch_task_or_backend():
+    code = ("import sys\n"
+            "import bert_packed.config as c\n"
+            "config = c.Config()\n"
+            "assert config.train.steps > 0 and config.finetune.task is None\n"
+            f"bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith({NOT_FOR_CONFIG!r}))\n"
+            "print(','.join(bad))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", result.stdout
+
+
+def test_registering_brings_the_sections_and_keys_a_run_uses():
+    # What the config holds only once the registries have registered it (run.py does, as conftest).
+    code = ("import sys\n"
+            "import bert_packed.config as c\n"
+            "before = set(c.Config().sections), set(vars(c.Config().finetune))\n"
+            "from run import register_config_sections\n"
+            "register_config_sections()\n"
+            "after = set(c.Config().sections), set(vars(c.Config().finetune))\n"
+            "print(sorted(after[0] - before[0]), 'text_column' in after[1] - before[1], "
+            "'doc_stride' in after[1] - before[1])\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["['cpu',", "'cuda',", "'ipu']", "True", "True"]
+
+
+def _class_bases(node):
+    return [ast.unparse(base).rpartition(".")[2] for base in node.bases]
+
+
+def _backend_classes():
+    """(module, class) of every class in the project that subclasses the backend contract or one
+    of its capabilities, directly or through another project class."""
+    roots = {"Backend", "Profiling", "OfflineCompile"}
+    classes = [(name, node) for name, path in MODULES.items() for node in ast.walk(_tree(path))
+               if isinstance(node, ast.ClassDef)]
+    found, grew = set(), True
+    while grew:
+        grew = False
+        for name, node in classes:
+            if (name, node.name) not in found and any(b in roots for b in _class_bases(node)):
+                found.add((name, node.name))
+                roots.add(node.name)
+                grew = True
+    return found
+
+
+def test_no_backend_class_outside_backends():
+    found = _backend_classes()
+    assert {("backends.cpu", "CPUBackend"), ("backends.ipu", "PopTorchBackend"),
+            ("backends.mock", "MockBackend")} <= found  # the search finds them
+    outside = sorted(f"{module}.{cls}" for module, cls in found if module.split(".")[0] != "backends")
+    assert not outside, outside
+
+
+def test_registered_backends_are_defined_in_backends():
+    from backends import BACKENDS, get_backend_class
+    from bert_packed.backend import Backend
+
+    for name in BACKENDS:
+        for cls in get_backend_class(name).__mro__:
+            if issubclass(cls, Backend) and cls is not Backend:
+                assert cls.__module__.split(".")[0] == "backends", (name, cls)
+
+
+def test_the_loop_uses_no_optional_capability():
+    from bert_packed.backend import OfflineCompile, Profiling
+
+    members = {m for cap in (Profiling, OfflineCompile) for m in vars(cap) if not m.startswith("_")}
+    assert {"profile", "cost_unit", "compile_only", "memory_report"} <= members
+    used = []
+    for name, path in MODULES.items():
+        if name == "bert_packed.train" or name.startswith("bert_packed.loop"):
+            used += [f"{name}:{n.lineno} .{n.attr}" for n in ast.walk(_tree(path))
+                     if isinstance(n, ast.Attribute) and n.attr in members]
+    assert not used, used
+
+
+def test_backend_choices_are_the_registry():
+    import run
+    from backends import BACKENDS, available_backends
+
+    action = next(a for a in run.build_parser()._actions if "--backend" in a.option_strings)
+    listed = action.metavar.strip("{}").split(",")
+    assert listed == available_backends() and set(listed) == set(BACKENDS)
+    assert action.help.startswith(" | ".join(available_backends()))
+
+
+class BareBackend:
+    """A backend with the core contract only (no Profiling, no OfflineCompile); made a subclass of
+    ``Backend`` when the test registers it (this module defines no backend class at import)."""
+
+
+@pytest.mark.parametrize("mode, fragment", [
+    ("--profile", "--profile: backend 'bare' has no Profiling capability"),
+    ("--compile-only", "--compile-only compiles ahead of time: use --backend ipu or mock, not 'bare'"),
+])
+def test_a_backend_without_a_capability_is_refused_in_one_line(mode, fragment, monkeypatch, capsys, tmp_path):
+    import backends
+    import run
+    from bert_packed.backend import Backend
+
+    bare = type("Bare", (Backend,), {"name": "bare", "is_available": staticmethod(lambda config=None: True)})
+    monkeypatch.setattr(sys.modules[__name__], "BareBackend", bare)
+    monkeypatch.setitem(backends.BACKENDS, "bare", (__name__, "BareBackend", None))
+    assert run.main(["--config", "tiny", "--backend", "bare", mode, "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_validates_once_and_resolves_the_checkpoint_shape_once(monkeypatch, tmp_path, capsys, one_thread):
+    """run.py validates before it builds the backend, the loop when it starts: the checks run once.
+    The init checkpoint's shape is resolved as the config loads, and the task does not resolve it
+    again when it reads the weights."""
+    import run
+    from bert_packed import config as config_module
+    from bert_packed import hf_io
+    from bert_packed.build import build_model
+    from bert_packed.config import load_config
+
+    checkpoint = str(tmp_path / "init")
+    hf_io.save_pretrained(build_model(load_config("tiny", ["model.num_hidden_layers=1"])), checkpoint)
+    calls = {"validate": 0, "resolve": 0}
+
+    def counted(name, real):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(config_module, "_check", counted("validate", config_module._check))
+    monkeypatch.setattr(hf_io, "resolve_model_config", counted("resolve", hf_io.resolve_model_config))
+    argv = ["--config", "tiny", "--steps", "1", "--init-checkpoint", checkpoint, "--no-progress",
+            "--set", "train.hf_export=false", "--set", "train.tensorboard=false", "--output-dir", str(tmp_path / "run")]
+    assert run.main(argv) == 0
+    assert calls == {"validate": 1, "resolve": 1}
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    assert '"num_hidden_layers": 1' in summary  # the checkpoint's shape, not tiny.yaml's 2

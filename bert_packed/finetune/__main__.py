@@ -86,8 +86,9 @@ def export(checkpoint: str, output: str, tokenizer: Optional[str] = None) -> str
     from bert_packed import hf_io
     from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
     from bert_packed.config import config_from_dict
-    from bert_packed.task import get_task
+    from bert_packed.task import get_task, register_config_sections
 
+    register_config_sections()  # the checkpoint's config holds its task's own finetune.* keys
     path = os.path.join(checkpoint, CHECKPOINT_NAME) if os.path.isdir(checkpoint) else checkpoint
     if not os.path.isfile(path):
         raise hf_io.CheckpointError(f"{checkpoint}: no {CHECKPOINT_NAME} (train with train.checkpoint_every > 0)")

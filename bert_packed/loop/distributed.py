@@ -29,6 +29,18 @@ def setup_distributed(backend, timeout_minutes: float = 10.0) -> Tuple[int, int]
     return 0, 1
 
 
+def planned_world_size(backend) -> int:
+    """The processes of the run ``setup_distributed`` is about to join (the backend's launcher's
+    count, the process group's, else ``WORLD_SIZE``): known before joining, so the config is
+    validated once, the same way in every process, before any collective."""
+    shard = backend.process_shard()
+    if shard is not None:
+        return int(shard[1])
+    if is_distributed():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 LAUNCHER_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets besides WORLD_SIZE
 
 

@@ -68,7 +68,7 @@ NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 # for more IPUs fails at compile time as it would on the real system.
 DEFAULT_NUM_AVAILABLE_IPUS = 16
 
-_cycle_estimator = None  # fn(info dict) -> int; set by set_cycle_estimator (see ipu/backend.py)
+_cycle_estimator = None  # fn(info dict) -> int; set by set_cycle_estimator (see ipu/estimates.py)
 _memory_estimator = None  # fn(info dict) -> {"per_ipu_bytes": [...], "limit_bytes": int, "table": str} or None
 # The mock's executable cache: (absolute cachePath, key digest) -> the key. PopART writes
 # <cachePath>/<hash>.popef (popx/executablex.cpp); the mock only remembers, in this process.
