@@ -10,7 +10,7 @@ outputs); this module wires the loop's parts (``bert_packed.loop``) around them:
   hyperparameter adjustment (divide gradient accumulation by p, or LAMB betas ** p), the task
   the number of steps; computed once, never written back into the config;
 - the metrics logger (``loop.logger``): one JSON line per logged step in ``metrics.jsonl``
-  (DESIGN §5 fields), TensorBoard, the progress bar; ``summary.json`` at the end;
+  (the fields of docs/design.md, "Output files"), TensorBoard, the progress bar; ``summary.json`` at the end;
 - the divergence guard (``loop.guard``) and the stop signals (``loop.stops``);
 - the checkpointer (``loop.checkpointer``): atomic checkpoints every ``checkpoint_every``
   steps; ``resume=True`` continues from the last one exactly (weights, optimizer moments,

@@ -145,7 +145,7 @@ def build_options(poptorch, ipu, *, seed: int, gradient_accumulation: int = 1, t
         opts.Training.gradientAccumulation(int(gradient_accumulation))
         # Mean over accumulation and replicas (PopTorch's default, made explicit): the backend
         # scales each micro-batch's loss by the number of micro-batches so that the mean of the
-        # gradients is the global-count-normalised gradient (see ipu/backend.py).
+        # gradients is the global-count-normalised gradient (see backends/ipu.py).
         opts.Training.accumulationAndReplicationReductionType(poptorch.ReductionType.Mean)
         # The strategy PopTorch picks itself from the optimizer's accum_type, stated: a running
         # mean for fp16 accumulators (bounded by the largest micro-batch gradient), the sum
