@@ -82,8 +82,8 @@ stage bench_phase2 60 200 "$out/log.txt" "$PY" benchmarks/cuda_throughput.py "${
 
 # 3. The cuda-marked tests (GPU kernels against references, compile without recompiles, fp16 200 steps,
 #    GPU resume bit-exact, GPU step against the CPU reference). -v: each result is in the log as it ends.
-stage tests 60 170 "$out/tests.log" "$PY" -m pytest -m cuda -v -rs -p no:cacheprovider tests/test_cuda_backend.py \
-  tests/test_flex_attention.py tests/test_varlen_attention.py tests/test_attention.py
+stage tests 60 170 "$out/tests.log" "$PY" -m pytest -m cuda -v -rs -p no:cacheprovider tests/backends/test_cuda_backend.py \
+  tests/model/test_flex_attention.py tests/model/test_varlen_attention.py tests/model/test_attention.py
 log "tests: $(tail -1 "$out/tests.log")"
 
 # 4. Compiled BERT-Large (inductor): MFU, and compiled against compiled.

@@ -5,7 +5,7 @@
 phase2 shrunk (tests/ipu_helpers.py FP16_CURVE): replication 2 x accumulation 8, a 4-stage pipeline, fp16
 weights/activations/accumulators with loss scaling, 50 LAMB steps over four cycled global batches.
 Prints the largest absolute and relative per-step loss difference, and the same for an fp32 mock
-run (``--set ipu.half_precision=false``) as the floor. tests/test_ipu_readiness.py asserts 0.5 %.
+run (``--set ipu.half_precision=false``) as the floor. tests/ipu/test_ipu_readiness.py asserts 0.5 %.
 """
 import argparse
 import os

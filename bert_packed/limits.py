@@ -2,7 +2,7 @@
 
 Every int and float field of every config section declares a maximum (``le``/``lt``; above 1,
 with ``why``: the reason, shown in the error) or says why it has none (``unbounded``); a test
-(tests/test_config.py) checks all registered sections, so a new field cannot forget one. The
+(tests/loop/test_config.py) checks all registered sections, so a new field cannot forget one. The
 maximums stop absurd values (10^30 steps, a micro-batch no memory holds, a seed numpy refuses)
 with one line before anything is built; each sits well above any real run. A maximum that
 several fields share is defined here, with its reason; one of a single field sits on it.

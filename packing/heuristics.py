@@ -7,7 +7,7 @@ repeats)`` that cover the histogram (every length has at least as many slots as 
 :func:`packing.plan.exact_plan` makes them exact. They visit the lengths that occur, never
 every length up to L.
 
-Invariants of every packer (property-tested in tests/test_packing_properties.py):
+Invariants of every packer (property-tested in tests/packing/test_packing_properties.py):
 each strategy sums to at most L, has at most ``depth`` entries, and the repeats are
 positive integers; with exact_plan the slots equal the histogram.
 """

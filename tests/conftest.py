@@ -7,6 +7,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+# Test modules live in folders that mirror the packages (tests/packing, tests/data, ...); the shared
+# helpers sit in tests/ itself, and a few test modules share fixtures with a neighbouring folder
+# (test_model_fixtures, test_packing_split, test_ipu_torch20): every folder is importable by name.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+for _folder in sorted(os.listdir(TESTS)):
+    _path = os.path.join(TESTS, _folder)
+    if os.path.isdir(_path) and not _folder.startswith((".", "_")) and _path not in sys.path:
+        sys.path.append(_path)
 
 from run import register_config_sections  # noqa: E402
 

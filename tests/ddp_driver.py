@@ -1,4 +1,4 @@
-"""Started by tests/test_cuda_backend.py under torchrun (not a test module): trains the tiny config
+"""Started by tests/backends/test_cuda_backend.py under torchrun (not a test module): trains the tiny config
 on the cuda backend with ``cuda.device=cpu`` (gloo, DistributedDataParallel) through the training
 loop and writes, per rank, what the test checks that metrics.jsonl cannot show.
 

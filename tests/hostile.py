@@ -1,4 +1,4 @@
-"""Helpers of the hostile-input suite (tests/test_hostile_*.py).
+"""Helpers of the hostile-input suite (tests/*/test_hostile_*.py).
 
 Every case asserts three things: the exact one-line message, the exit code, and that the
 inputs and the previous outputs are byte-identical afterwards (``snapshot`` before,

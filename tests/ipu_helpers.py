@@ -70,7 +70,7 @@ def random_micro_batches(seed: int, num: int, config) -> List[Dict[str, np.ndarr
                                 vocab_size=config.model.vocab_size) for _ in range(num)]
 
 
-# The fp16 mock-vs-cpu comparison (tests/test_ipu_readiness.py, benchmarks/ipu_fp16_mock_curve.py):
+# The fp16 mock-vs-cpu comparison (tests/ipu/test_ipu_readiness.py, benchmarks/ipu_fp16_mock_curve.py):
 # phase2 shrunk, replication 2 x accumulation 8 on a 4-stage pipeline (embeddings on IPU 0, one
 # layer on each of IPU 1 and 2, the heads back on IPU 0), fp16 with loss scaling, constant LR.
 FP16_CURVE = TINY_MODEL + [

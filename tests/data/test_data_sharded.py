@@ -361,7 +361,7 @@ def test_torchrun_two_processes_on_shards_equal_one(data, tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
     args = ["--no-progress", "--backend", "cpu", "--config", "tiny", "--steps", "6",
             "--set", f"data.path={data['dir']}", "--set", "data.max_sequence_length=128",

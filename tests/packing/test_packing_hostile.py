@@ -15,7 +15,7 @@ import pytest
 from packing import Histogram, PackingError, pack
 from packing.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_cli(*args, cwd=ROOT):

@@ -23,7 +23,7 @@ from bert_packed.build import build_model, build_optimizer
 from bert_packed.loop.plan import make_plan
 from ipu_helpers import TINY_MODEL, random_micro_batches
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # name -> keyword arguments verified in torch 2.0 (positional use is always fine).
 TORCH_2_0 = {

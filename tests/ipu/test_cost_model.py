@@ -101,7 +101,7 @@ def test_hardware_is_overridable():
 
 def test_the_cost_model_imports_no_torch():
     # Loaded as a file, so the check covers this module and not the package around it.
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ipu", "cost_model.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ipu", "cost_model.py")
     code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('cm', %r); "
             "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
             "assert 'torch' not in sys.modules and 'poptorch' not in sys.modules" % path)

@@ -29,7 +29,7 @@ from bert_packed.data import build_data_source
 from bert_packed.build import build_model, build_optimizer
 from bert_packed.loop.plan import make_plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 _BATCHES = {}

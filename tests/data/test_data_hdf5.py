@@ -148,7 +148,7 @@ def test_run_py_resume_on_hdf5_repeats_the_uninterrupted_run(files, tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     common = ["run.py", "--config", "tiny", "--no-progress", "--set", f"data.path={files[1]}",
               "--set", "data.max_sequence_length=128", "--set", "model.max_position_embeddings=128",
               "--set", "model.vocab_size=1000", "--set", "data.max_masked_tokens=20",

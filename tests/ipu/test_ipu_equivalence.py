@@ -32,7 +32,7 @@ from ipu.host_batch import stack_host_batch
 from ipu.pipeline import TrainingWrapper
 from ipu_helpers import TINY_MODEL, random_micro_batches
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 METRICS = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "num_sequences", "num_mlm_tokens")
 
 

@@ -9,7 +9,7 @@ from backends import get_backend_class
 from bert_packed.config import CONFIG_DIR, Config, ConfigError, dump, load_config, resolve_config_path, validate
 from bert_packed.loop.plan import gradient_accumulation
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHIPPED = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
 
 

@@ -15,7 +15,7 @@ from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from bert_packed.config import load_config
 from bert_packed.train import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # One thread per process: the machine running tests is shared, and spinning OpenMP
 # threads make step times erratic; results do not depend on it.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}

@@ -21,7 +21,7 @@ from bert_packed.data.shards import load_manifest, shard_paths
 from bert_packed.data.vocab import train_vocab
 from test_data_create import check_layout_and_masking, synthetic_corpus
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINNED = [492, 103, 897, 533, 318, 131, 968, 275]  # document_shards(12345, 7, 8, 1000) on the day it was written
 OPTIONS = dict(max_seq_length=64, max_predictions=10, dupe_factor=2, seed=5, output_shards=3, block_bytes=3000)
 

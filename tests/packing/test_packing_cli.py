@@ -10,7 +10,7 @@ import pytest
 from packing import Histogram, PackingError, pack
 from packing.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIELDS = ["algorithm", "max_sequence_length", "max_sequences_per_pack", "num_sequences", "num_packs", "num_tokens",
           "num_padding_tokens", "efficiency", "packing_factor", "theoretical_speedup", "max_depth_used",
           "num_strategies_used", "seconds", "lp_bound_packs", "gap"]

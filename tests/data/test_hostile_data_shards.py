@@ -15,7 +15,7 @@ from bert_packed.data.vocab import train_vocab
 from hostile import assert_unchanged, main_error, snapshot
 from test_data_create import synthetic_corpus
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALGORITHM = ["--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--seed", "1",
              "--workers", "1", "--no-progress"]
 UTF8_HINT = ("corpora must be UTF-8: convert with iconv -f <encoding> -t utf-8, or drop bad bytes with iconv -c -f "

@@ -16,7 +16,7 @@ from bert_packed.data.stats import dataset_stats
 from bert_packed.data.synthetic import write_synthetic_unpacked
 from helpers import assert_one_line_error
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_cli(*args, env=None):

@@ -174,7 +174,7 @@ def test_config_mistakes_exit_2_with_one_line(tmp_path, capsys, overrides, backe
 
 
 # Absurd counts and sizes (issue 27): every number of every section has a maximum with its
-# reason (tests/test_config.py checks the declarations); these go through run.main.
+# reason (tests/loop/test_config.py checks the declarations); these go through run.main.
 ABSURD = [
     (["--steps", "1000000000000000000000000000000"], "cpu",
      "train.steps must be <= 1000000000 (more optimizer steps than any run takes; BERT-Large pre-training takes "
@@ -383,7 +383,7 @@ def test_a_config_that_is_a_directory_or_a_missing_path_is_named_plainly(tmp_pat
 # ----------------------------------------------------------------------------- Ctrl-C (issue 27)
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run_py_as_main(code_before, argv, tmp_path):

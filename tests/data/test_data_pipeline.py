@@ -12,7 +12,7 @@ import pytest
 
 from bert_packed.data.kjv import kjv_available
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not kjv_available(),
                                  reason="needs the `bible` program (Debian package bible-kjv)")]

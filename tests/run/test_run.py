@@ -9,7 +9,7 @@ import torch
 
 import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_no_arguments_means_the_demo_on_cpu():

@@ -20,7 +20,7 @@ from bert_packed.data.kjv import kjv_available, kjv_documents, write_kjv_corpus
 from bert_packed.data.vocab import SPECIAL_TOKENS, load_vocab, train_vocab
 from helpers import assert_one_line_error
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_bible = pytest.mark.skipif(not kjv_available(),
                                  reason="needs the `bible` program (Debian package bible-kjv)")
 CLS, SEP, MASK = 2, 3, 4

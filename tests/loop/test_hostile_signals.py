@@ -10,7 +10,7 @@ import time
 from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from hostile import TINY, run_ok
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 

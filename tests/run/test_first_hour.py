@@ -19,7 +19,7 @@ from bert_packed.loop.stops import Interrupted
 from bert_packed.loop.within_step import StepWatch, duration_text
 from bert_packed.train import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 # A tiny model with 4 micro-batches per step, checkpoints every 2 steps.
 ACCUMULATING = ["train.steps=6", "train.gradient_accumulation=4", "train.packing_adjustment=none",

@@ -323,7 +323,7 @@ def test_dense_model_never_imports_flex():
         "print(sorted(m for m in ('bert_packed.flex_attention', 'torch.nn.attention.flex_attention')"
         " if m in sys.modules))\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", proc.stdout

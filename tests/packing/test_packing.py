@@ -12,7 +12,7 @@ import pytest
 
 from packing import Histogram, PackingError, assign, pack
 
-SHIPPED_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+SHIPPED_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                             "packing", "data", "wikipedia_512.json")
 L = 512
 TOLERANCE = 0.001  # 0.1 %

@@ -96,7 +96,7 @@ def _page_faults_per_allocation(mode):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], cwd=root, capture_output=True, text=True,
                             timeout=120, env=dict(os.environ, PYTHONPATH=root))
     assert result.returncode == 0, result.stderr

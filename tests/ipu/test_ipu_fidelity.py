@@ -38,7 +38,7 @@ from ipu.pipeline import check_pipeline_depth, forward_stage_ipus, heads_ipu
 from ipu_helpers import TINY_MODEL, Toy, random_micro_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 
@@ -579,7 +579,7 @@ def test_poptorchs_random_seed_still_seeds_the_host_but_build_options_does_not()
 
 
 # -- issue item 1: PopTorch's optimizer state, before and after the compile ------------------------
-# (the whole resume, stopped by SIGTERM: tests/test_ipu_resume.py)
+# (the whole resume, stopped by SIGTERM: tests/ipu/test_ipu_resume.py)
 
 def test_a_poptorch_optimizers_state_lives_in_ipu_state():
     """python/optim.py ``Optimizer``: ``state_dict()`` is torch's plus ``ipu_state``/``ipu_param``;
