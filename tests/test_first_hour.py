@@ -287,3 +287,106 @@ def test_on_a_terminal_a_long_step_redraws_the_bar_status_instead_of_lines():
         watch(index, 100)
     assert len(lines) == 1 and lines[0].startswith("step 1: micro-batch 1 of 100 took 20 s: ~33 min per step")
     assert shown == ["step 1: micro-batch 3/100, ~12 min left", "step 1: micro-batch 4/100, ~9 min left"]
+
+
+# -- Item 4: the IPU layout from the checkpoint's depth; refusals with a working --set line ------
+
+
+@pytest.fixture(scope="module")
+def six_layer_job(tmp_path_factory):
+    """A 6-layer checkpoint (transformers' save_pretrained) and small classification files."""
+    transformers = pytest.importorskip("transformers")
+    from finetune_fixtures import classification_rows, save_hf_checkpoint, write_rows, write_vocab
+
+    directory = tmp_path_factory.mktemp("six")
+    vocab = write_vocab(str(directory / "vocab"))
+    save_hf_checkpoint(transformers, str(directory / "bert"), vocab, num_hidden_layers=6)
+    columns = ["text", "pair", "label"]
+    return {"checkpoint": str(directory / "bert"),
+            "train": write_rows(str(directory / "train.csv"), classification_rows(60, 0), columns),
+            "dev": write_rows(str(directory / "dev.csv"), classification_rows(20, 1), columns)}
+
+
+def _mock_finetune(job, output, *extra):
+    """run.main of a one-step mock fine-tuning run with no ipu overrides (unless ``extra``)."""
+    import run
+
+    return run.main(["--backend", "mock", "--config", "finetune_classification", "--init-checkpoint",
+                     job["checkpoint"], "--set", f"finetune.train_file={job['train']}", "--set",
+                     f"finetune.validation_file={job['dev']}", "--output-dir", str(output), "--no-progress",
+                     "--steps", "1", "--set", "data.max_sequence_length=64", "--set", "train.eval_every=0",
+                     "--set", "train.checkpoint_every=0", "--set", "train.hf_export=false",
+                     "--set", "train.num_threads=1", *extra])
+
+
+def test_spread_layers_follows_the_configured_layout():
+    from ipu.config import spread_layers
+
+    assert spread_layers(6, [3, 7, 7, 7]) == [0, 2, 2, 2]
+    assert spread_layers(24, [3, 7, 7, 7]) == [3, 7, 7, 7]
+    assert spread_layers(4, [3, 7, 7, 7]) == [1, 1, 1, 1]
+    assert spread_layers(6, [0, 4, 4, 4]) == [0, 2, 2, 2]
+    assert spread_layers(5, [0, 0]) == [2, 3]  # no weights: even, the extra layer on the later IPU
+    for layers in range(1, 40):
+        assert sum(spread_layers(layers, [2, 5, 5, 5, 5])) == layers
+
+
+def test_mock_finetuning_from_a_six_layer_checkpoint_starts_without_ipu_overrides(six_layer_job, tmp_path, capsys):
+    """The config's layout is BERT-Large's [3,7,7,7]; the checkpoint's 6 layers get one that fits
+    (one IPU: the accumulation after packing is too small for a 4-stage pipeline), and say so."""
+    assert _mock_finetune(six_layer_job, tmp_path / "out") == 0
+    err = capsys.readouterr().err
+    assert "warning: ipu.layers_per_ipu=[6] for the checkpoint's 6 encoder layers" in err, err
+    assert "warning: ipu.available_memory_proportion=[0.1], one per IPU of ipu.layers_per_ipu=[6]" in err, err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["status"], summary["backend"], summary["last_step"]) == ("completed", "mock", 1)
+
+
+def _suggested_sets(message):
+    """The ``--set X`` pairs of a refusal's 'e.g.' part, split as a shell would."""
+    import shlex
+
+    words = shlex.split(message.split("e.g. ", 1)[1])
+    assert words[0::2] == ["--set"] * (len(words) // 2) and len(words) % 2 == 0, words
+    return words
+
+
+def test_a_refused_layout_names_a_set_line_that_runs(six_layer_job, tmp_path, capsys):
+    status = _mock_finetune(six_layer_job, tmp_path / "bad", "--set", "ipu.layers_per_ipu=[3,7,7,7]")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith("error: ipu.layers_per_ipu=[3, 7, 7, 7] sums to 24 but model.num_hidden_layers=6"), err
+    words = _suggested_sets(err[0])
+    assert words == ["--set", "ipu.layers_per_ipu=[6]", "--set", "ipu.available_memory_proportion=[0.1]"]
+    assert _mock_finetune(six_layer_job, tmp_path / "good", "--set", "ipu.layers_per_ipu=[3,7,7,7]", *words) == 0
+
+
+def test_a_refused_pretraining_layout_names_a_set_line_the_config_accepts(capsys):
+    """No checkpoint: a --set depth keeps the config's layout, refused with one that validates
+    (phase2's accumulation of 1024 holds a 4-IPU pipeline, so the IPU count stays)."""
+    import run
+
+    base = ["--config", "phase2", "--backend", "mock", "--set", "model.num_hidden_layers=4", "--print-config"]
+    assert run.main(base) == 2
+    err = capsys.readouterr().err.strip()
+    words = _suggested_sets(err)
+    assert words == ["--set", "ipu.layers_per_ipu=[1,1,1,1]"], err
+    assert run.main(base + words) == 0
+    assert "layers_per_ipu: [1, 1, 1, 1]" in capsys.readouterr().out
+
+
+def test_a_one_ipu_layout_without_proportions_gets_one_proportion(capsys):
+    """The config comment's recipe (--set ipu.layers_per_ipu=[2]) no longer fails on the four
+    memory proportions of the default layout; a --set list of the wrong length names a fitting one."""
+    import run
+
+    base = ["--config", "phase2", "--backend", "mock", "--set", "model.num_hidden_layers=2", "--set",
+            "ipu.layers_per_ipu=[2]", "--print-config"]
+    assert run.main(base) == 0
+    captured = capsys.readouterr()
+    assert "available_memory_proportion: [0.1]" in captured.out
+    assert "warning: ipu.available_memory_proportion=[0.1], one per IPU of ipu.layers_per_ipu=[2]" in captured.err
+    assert run.main(base[:-1] + ["--set", "ipu.available_memory_proportion=[0.2,0.3]", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ('error: ipu.available_memory_proportion has 2 entries; give 1 or one per IPU (1), e.g. '
+                   '--set "ipu.available_memory_proportion=[0.2]"'), err
