@@ -1,6 +1,7 @@
 """A new user's first hour (issue 38): progress and a duration estimate inside a long step, a
 stop signal honoured mid-step (the partial step dropped, the resume exact), the logged learning
 rate is the one the step used."""
+import io
 import json
 import os
 import signal
@@ -390,3 +391,54 @@ def test_a_one_ipu_layout_without_proportions_gets_one_proportion(capsys):
     err = capsys.readouterr().err.strip()
     assert err == ('error: ipu.available_memory_proportion has 2 entries; give 1 or one per IPU (1), e.g. '
                    '--set "ipu.available_memory_proportion=[0.2]"'), err
+
+
+# -- Item 7: small things -------------------------------------------------------------------------
+
+
+def test_the_cuda_backend_on_a_cpu_says_it_trains_on_the_cpu(tmp_path, capsys):
+    import run
+
+    assert run.main(["--backend", "cuda", "--config", "tiny", "--set", "cuda.device=cpu", "--set", "cuda.precision=fp32",
+                     "--steps", "1", "--set", "train.eval_every=0", "--output-dir", str(tmp_path / "out")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("training tiny on cpu (backend cuda) x1: 1 steps of "), first
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["backend"] == "cuda"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.fixture()
+def small_histogram(tmp_path):
+    path = tmp_path / "hist.json"
+    counts = [0] * 64
+    for length, count in ((3, 40), (10, 25), (30, 30), (33, 20), (60, 12), (64, 5)):
+        counts[length - 1] = count
+    path.write_text(json.dumps({"max_sequence_length": 64, "counts": counts}))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["bench", "plot"])
+def test_packing_bench_and_plot_show_their_stages_on_a_terminal_only(command, small_histogram, tmp_path, monkeypatch,
+                                                                     capsys):
+    """`python -m packing bench|plot` take half a minute at full size: a bar of their stages on a
+    terminal's stderr, nothing on a pipe (the output itself is unchanged)."""
+    from packing.cli import main
+
+    argv = [command, "--histogram", small_histogram] + (
+        ["--quick", "--repeats", "1", "--num-sequences", "200"] if command == "bench" else
+        ["--output", str(tmp_path / "png")])
+    assert main(argv) in (0, None)
+    piped = capsys.readouterr()
+    assert piped.err == "" and piped.out
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(argv) in (0, None)
+    shown = terminal.getvalue()
+    assert f"packing {command}" in shown and "stage" in shown, shown
+    expected = "timing lp (depth max)" if command == "bench" else "lp plan at depth 3"
+    assert expected in shown, shown
+    assert capsys.readouterr().out.splitlines()[:1] == piped.out.splitlines()[:1]
