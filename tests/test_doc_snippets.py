@@ -25,7 +25,7 @@ DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.pat
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 PROGRAMS = ("python", "torchrun", "poprun", "pip", "nice", "apt-get", "git", "mkdir", "mv", "~/")
 # A word that stands for something the reader fills in (a synopsis line, not a command).
-PLACEHOLDER = re.compile(r"^(\.\.\.|[A-Z]+(\|[A-Z]+)*|<.*>|\[.*|.*\]|.*=[A-Z]+)$|[A-Z]+/|\|")
+PLACEHOLDER = re.compile(r"^section\.key|^(\.\.\.|[A-Z]+(\|[A-Z]+)*|<.*>|\[.*|.*\]|.*=[A-Z]+)$|[A-Z]+/|\|")
 
 
 @dataclass
@@ -126,8 +126,9 @@ def _stop_after_parsing(parser_only: bool = False):
 
 
 def parse_entry(argv: List[str], parser_only: bool = False) -> _Parsed:
-    """Run ``python ARGV`` up to its argument parsing (a script path or ``-m module``)."""
-    saved = sys.argv[:]
+    """Run ``python ARGV`` up to its argument parsing (a script path or ``-m module``); the
+    script's changes to ``sys.argv`` and ``sys.path`` are undone."""
+    saved, saved_path = sys.argv[:], sys.path[:]
     err = io.StringIO()
     try:
         with _stop_after_parsing(parser_only), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -142,7 +143,7 @@ def parse_entry(argv: List[str], parser_only: bool = False) -> _Parsed:
     except SystemExit as exc:
         pytest.fail(f"python {' '.join(argv)}: exit {exc.code}: {err.getvalue().strip()}")
     finally:
-        sys.argv = saved
+        sys.argv, sys.path[:] = saved, saved_path
     pytest.fail(f"python {' '.join(argv)} did not parse a command line with argparse")
 
 
@@ -169,15 +170,13 @@ def check_run_py(argv: List[str], synopsis: bool) -> None:
         known = _run_py_options()
         unknown = [w for w in _flags(argv) if w not in known]
         assert not unknown, f"run.py has no option(s) {unknown}"
-        keys = [argv[i + 1].split("=")[0] for i, w in enumerate(argv[:-1]) if w == "--set"]
+        keys = [argv[i + 1].strip("[]").split("=")[0] for i, w in enumerate(argv[:-1]) if w.strip("[]") == "--set"]
         _check_keys([k for k in keys if not PLACEHOLDER.search(k)])
         return
     argv = [w for i, w in enumerate(argv) if w != "--init-checkpoint" and (i == 0 or argv[i - 1] != "--init-checkpoint")]
     args = run.parse_args(argv)
     overrides = args.overrides + ([f"train.steps={args.steps}"] if args.steps is not None else [])
-    config = load_config(args.config, overrides)
-    if not config.finetune.task or config.model.init_checkpoint:
-        validate(config, get_backend_class(args.backend), args.world_size)
+    validate(load_config(args.config, overrides), get_backend_class(args.backend), args.world_size)
 
 
 def _flags(words: List[str]) -> List[str]:
@@ -198,17 +197,15 @@ def _run_py_options() -> set:
 
 
 def _check_keys(keys: List[str]) -> None:
-    """Each ``section.key`` is a key of the config (with a value each key accepts: its default)."""
-    from bert_packed.config import Config, section_names
-
+    """Each ``section.key`` is a key ``--set`` accepts (the table ``load_config`` checks against)."""
     import backends  # noqa: F401  (registers the backends' sections)
+    from bert_packed.config import Config, _section_types
 
-    config = Config()
+    sections = Config().sections
     for key in keys:
         section, _, name = key.partition(".")
-        assert section in section_names(), f"--set {key}: no section {section!r}"
-        fields = config.to_dict()[section]
-        assert name in fields or section == "finetune", f"--set {key}: no key {name!r} in section {section}"
+        assert section in sections, f"--set {key}: no section {section!r}"
+        assert name in _section_types(type(sections[section])), f"--set {key}: no key {name!r} in section {section}"
 
 
 # -- What each command is and whether it runs here ---------------------------------------------
@@ -472,26 +469,20 @@ def test_each_generated_block_is_its_record():
 
 
 def test_each_record_shows_the_commands_the_script_runs():
+    """A record's ``$`` commands are the script's, in order (a command edited in the doc but not
+    in the script, or the other way round, fails here or in the block check above)."""
     examples = _examples()
     for example in examples.EXAMPLES:
         with open(examples.record_path(example.name)) as f:
             record = f.read()
-        shown = [line for line in record.split("\n$ ")]
-        assert record.startswith("$ "), example.name
-        assert [c.shown for c in example.commands] == [s.split("\n")[0] if "\\" not in s.split("\n")[0] else
-                                                      "\n".join(_continued(s)) for s in
-                                                      [record[2:].split("\n$ ")[0]] + shown[1:]], example.name
-
-
-def _continued(text: str) -> List[str]:
-    """The first line of ``text`` and the lines its ``\\`` continues into."""
-    lines = text.split("\n")
-    out = [lines[0]]
-    for line in lines[1:]:
-        if not out[-1].endswith("\\"):
-            break
-        out.append(line)
-    return out
+        shown = ["$ " + command.shown for command in example.commands]
+        at = 0
+        for text in shown:
+            found = record.find(text + "\n", at)
+            assert found == at or found > at and record[found - 1] == "\n", f"{example.name}: {text!r} not in order"
+            at = found + len(text)
+        assert record.startswith(shown[0] + "\n"), example.name
+        assert record.count("\n$ ") == len(shown) - 1, example.name
 
 
 @pytest.mark.parametrize("text", [
@@ -505,6 +496,7 @@ def _continued(text: str) -> List[str]:
     "python benchmarks/model_speed.py --no-such 7",              # a benchmark's parser
     "python benchmarks/nosuch.py",                               # a script that does not exist
     "python run.py --backend B --config NAME [--stpes N]",       # a synopsis' option
+    "python run.py --config NAME [--set finetune.txt_column=X]",  # a synopsis' --set key
 ])
 def test_a_wrong_command_in_the_docs_fails_the_check(text):
     """The check can fail: each of these is refused (a test failure, not a skip)."""
@@ -512,3 +504,78 @@ def test_a_wrong_command_in_the_docs_fails_the_check(text):
 
     with pytest.raises((AssertionError, ConfigError, SystemExit, pytest.fail.Exception)):
         check_parses(DocCommand("test", 1, text))
+
+
+# -- Commands named in the prose (`python ...` in backticks) ---------------------------------------
+
+
+def inline_commands() -> List[DocCommand]:
+    """`python ...` spans outside the fenced blocks (often a name with a flag or two)."""
+    out = []
+    for doc in DOCS:
+        text = open(os.path.join(ROOT, doc)).read()
+        prose = BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+        for m in re.finditer(r"`((?:nice -n \d+ )?(?:python|torchrun) [^`]+)`", prose):
+            out.append(DocCommand(doc, prose[:m.start()].count("\n") + 1, " ".join(m.group(1).split())))
+    return out
+
+
+def _entry_source(argv: List[str]) -> str:
+    """The source text of the entry point ``python ARGV`` names (all of a package's files)."""
+    if argv[0] == "-m":
+        path = os.path.join(ROOT, *argv[1].split("."))
+        if os.path.isdir(path):
+            assert os.path.isfile(os.path.join(path, "__main__.py")), f"{argv[1]} has no __main__.py"
+            return "".join(open(p).read() for p in glob.glob(os.path.join(path, "**", "*.py"), recursive=True))
+        assert os.path.isfile(path + ".py"), f"no module {argv[1]}"
+        source = open(path + ".py").read()
+    else:
+        assert os.path.isfile(os.path.join(ROOT, argv[0])), f"no script {argv[0]}"
+        source = open(os.path.join(ROOT, argv[0])).read()
+    assert re.search(r"""__name__ == ["']__main__["']""", source), f"{' '.join(argv[:2])} runs nothing"
+    return source
+
+
+def check_inline(command: DocCommand) -> None:
+    """Static: the entry point exists and runs something, and each ``--flag`` is one it declares
+    (run.py: its parser, ``--set`` keys: the config's)."""
+    words = _strip_launchers(shlex.split(command.text))
+    argv = words[1:]
+    if argv[:2] == ["-m", "pytest"]:
+        for path in argv[2:]:
+            assert not path.startswith("tests/") or glob.glob(os.path.join(ROOT, path)), f"no test file {path}"
+        return
+    if argv[0] == "run.py":
+        check_run_py(argv[1:], synopsis=True)
+        return
+    source = _entry_source(argv)
+    unknown = [flag for flag in _flags(argv) if f'"{flag}"' not in source and f"'{flag}'" not in source]
+    assert not unknown, f"{' '.join(argv[:2])} declares no {unknown}"
+
+
+def test_commands_named_in_the_prose_exist():
+    """Every `python ...` in the prose names an entry point that exists and runs something, with
+    flags it declares; ``python -c`` snippets are left out (they import poptorch)."""
+    commands = [c for c in inline_commands() if not c.text.startswith("python -c")]
+    assert len(commands) >= 40, len(commands)
+    failures = []
+    for command in commands:
+        try:
+            check_inline(command)
+        except (AssertionError, ValueError) as exc:
+            failures.append(f"{command.doc}:{command.line}: `{command.text}`: {str(exc).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("text", [
+    "python -m packing.nosuch",                       # no module
+    "python -m packing.lp --time-limit 3",            # a module that runs nothing
+    "python -m packing report --no-such-flag",        # a flag it does not declare
+    "python run.py --stpes 3",                        # run.py's parser
+    "python run.py --set train.stpes=3",              # a --set key
+    "python -m pytest -q tests/test_nosuch.py",       # a test file
+    "python benchmarks/nosuch.py --steps 3",          # a script
+])
+def test_a_wrong_command_in_the_prose_fails_the_check(text):
+    with pytest.raises(AssertionError):
+        check_inline(DocCommand("test", 1, text))
