@@ -1,7 +1,7 @@
 """Regenerate the printed examples of README.md and docs/*.md (issue 38): run each documented
 command as written, record its output in docs/examples/NAME.txt and put that text into the
-fenced block after the marker ``<!-- example: NAME -->`` of the doc, so figures are re-run,
-never edited by hand.
+fenced block (or, for a table an output file holds, the Markdown table) after the marker
+``<!-- example: NAME -->`` of the doc, so figures are re-run, never edited by hand.
 
     python docs/examples.py                 # every example (minutes: the demo trains 200 steps)
     python docs/examples.py demo errors     # some of them
@@ -31,7 +31,8 @@ from typing import Callable, List, Optional, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = os.path.join(ROOT, "docs", "examples")
 MARKER = "<!-- example: {} -->"
-MARKER_RE = re.compile(r"^<!-- example: ([\w-]+) -->\n```\w*\n(.*?)^```\n", re.S | re.M)
+# A marker, then the block it owns: a fenced block (its inside) or a Markdown table (its lines).
+MARKER_RE = re.compile(r"^<!-- example: ([\w-]+) -->\n(?:```\w*\n(.*?)^```\n|((?:\|[^\n]*\n)+))", re.S | re.M)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Example:
     commands: List[Command]
     needs: Optional[Callable[[], Optional[str]]] = None  # a reason it cannot run here, or None
     setup: List[Command] = field(default_factory=list)  # run first in the same directory, not shown
+    table_from: Optional[str] = None  # the block is the first Markdown table of this output file
 
 
 def _lines_matching(*patterns: str) -> Callable[[str], bool]:
@@ -113,6 +115,9 @@ EXAMPLES = [
     ], needs=_needs_bible, setup=[Command("python -m bert_packed.data kjv --output kjv.txt"),
                                   Command("python -m bert_packed.data vocab --input kjv.txt --size 4096 --output vocab.txt")]),
     # Step lines only: under load a slow step also prints progress lines inside it.
+    Example("profile-table", "README.md", [Command("python run.py --backend mock --config phase2 --profile "
+                                                   "--output-dir runs/profile")],
+            table_from="runs/profile/overhead.md"),
     Example("mock-smoke", "README.md", [Command(MOCK_SMOKE, keep=_lines_matching(r"training ", r"step +\d+/",
                                                                                  r"done: "))]),
 ]
@@ -165,6 +170,9 @@ def generate(example: Example) -> str:
             output, seconds = run_command(command, scratch, _environment())
             print(f"  {seconds:6.1f} s  {command.shown.splitlines()[0][:100]}", file=sys.stderr)
             lines += ["$ " + command.shown] + output
+        if example.table_from:
+            with open(os.path.join(scratch, example.table_from)) as f:
+                return re.search(r"^(?:\|[^\n]*\n)+", f.read(), re.M).group(0)
         return "\n".join(lines) + "\n"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -174,13 +182,21 @@ def record_path(name: str) -> str:
     return os.path.join(RECORDS, name + ".txt")
 
 
+def blocks(doc_text: str):
+    """(name, start, end) of each marked block of a doc: the span its content occupies."""
+    for m in MARKER_RE.finditer(doc_text):
+        group = 2 if m.group(2) is not None else 3
+        yield m.group(1), m.start(group), m.end(group)
+
+
 def splice(doc_text: str, name: str, block: str) -> str:
-    """``doc_text`` with the fenced block after ``name``'s marker replaced by ``block``."""
-    found = [m for m in MARKER_RE.finditer(doc_text) if m.group(1) == name]
+    """``doc_text`` with the block after ``name``'s marker replaced by ``block``."""
+    found = [(start, end) for n, start, end in blocks(doc_text) if n == name]
     if len(found) != 1:
-        raise SystemExit(f"{len(found)} markers {MARKER.format(name)!r} followed by a fenced block; need one")
-    m = found[0]
-    return doc_text[:m.start(2)] + block + doc_text[m.end(2):]
+        raise SystemExit(f"{len(found)} markers {MARKER.format(name)!r} followed by a fenced block or a table; "
+                         f"need one")
+    start, end = found[0]
+    return doc_text[:start] + block + doc_text[end:]
 
 
 def write(example: Example, block: str) -> None:
