@@ -118,6 +118,10 @@ EXAMPLES = [
     Example("profile-table", "README.md", [Command("python run.py --backend mock --config phase2 --profile "
                                                    "--output-dir runs/profile")],
             table_from="runs/profile/overhead.md"),
+    Example("ipu-memory-phase1", "docs/ipu.md", [Command("python run.py --backend mock --config phase1 --compile-only")],
+            table_from="runs/phase1/compile/memory_estimate.md"),
+    Example("ipu-memory-phase2", "docs/ipu.md", [Command("python run.py --backend mock --config phase2 --compile-only")],
+            table_from="runs/phase2/compile/memory_estimate.md"),
     Example("mock-smoke", "README.md", [Command(MOCK_SMOKE, keep=_lines_matching(r"training ", r"step +\d+/",
                                                                                  r"done: "))]),
 ]

@@ -471,11 +471,11 @@ def test_each_record_shows_the_commands_the_script_runs():
     """A record's ``$`` commands are the script's, in order (a command edited in the doc but not
     in the script, or the other way round, fails here or in the block check above)."""
     examples = _examples()
-    documented = {c.key for c in COMMANDS}
+    documented = {c.key for c in COMMANDS + inline_commands()}
     for example in examples.EXAMPLES:
         with open(examples.record_path(example.name)) as f:
             record = f.read()
-        if example.table_from:  # a table from an output file: its command is shown in a block of the doc
+        if example.table_from:  # a table from an output file: its command is shown in the docs
             for command in example.commands:
                 assert " ".join(command.argv()) in documented, command.shown
             continue
