@@ -58,6 +58,7 @@ class Example:
     needs: Optional[Callable[[], Optional[str]]] = None  # a reason it cannot run here, or None
     setup: List[Command] = field(default_factory=list)  # run first in the same directory, not shown
     table_from: Optional[str] = None  # the block is the first Markdown table of this output file
+    show_commands: bool = True  # False: the block holds the output alone (the prose names the command)
 
 
 def _lines_matching(*patterns: str) -> Callable[[str], bool]:
@@ -118,6 +119,8 @@ EXAMPLES = [
     Example("profile-table", "README.md", [Command("python run.py --backend mock --config phase2 --profile "
                                                    "--output-dir runs/profile")],
             table_from="runs/profile/overhead.md"),
+    Example("cuda-unavailable", "docs/cuda.md", [Command("python run.py --backend cuda", exit_code=2)],
+            show_commands=False),
     Example("ipu-memory-phase1", "docs/ipu.md", [Command("python run.py --backend mock --config phase1 --compile-only")],
             table_from="runs/phase1/compile/memory_estimate.md"),
     Example("ipu-memory-phase2", "docs/ipu.md", [Command("python run.py --backend mock --config phase2 --compile-only")],
@@ -173,7 +176,7 @@ def generate(example: Example) -> str:
         for command in example.commands:
             output, seconds = run_command(command, scratch, _environment())
             print(f"  {seconds:6.1f} s  {command.shown.splitlines()[0][:100]}", file=sys.stderr)
-            lines += ["$ " + command.shown] + output
+            lines += ["$ " + command.shown] * example.show_commands + output
         if example.table_from:
             with open(os.path.join(scratch, example.table_from)) as f:
                 return re.search(r"^(?:\|[^\n]*\n)+", f.read(), re.M).group(0)
