@@ -7,6 +7,7 @@ docs/ipu.md. Pipeline: one stage per IPU of a replica.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import List, Optional
 
 from bert_packed.config import HARMLESS, bounded
@@ -122,8 +123,8 @@ def spread_layers(num_layers: int, weights: List[int]) -> List[int]:
     layout for another depth), largest remainders first, ties to later IPUs (IPU 0 also holds
     the embeddings): ``spread_layers(6, [3, 7, 7, 7]) == [0, 2, 2, 2]``."""
     total = sum(weights)
-    shares = [num_layers * (w / total if total else 1 / len(weights)) for w in weights]
-    counts = [int(share) for share in shares]
+    shares = [Fraction(num_layers * w, total) if total else Fraction(num_layers, len(weights)) for w in weights]
+    counts = [int(share) for share in shares]  # exact fractions: equal remainders tie exactly
     by_remainder = sorted(range(len(weights)), key=lambda i: (shares[i] - counts[i], i), reverse=True)
     for i in by_remainder[:num_layers - sum(counts)]:
         counts[i] += 1
@@ -173,8 +174,7 @@ def fitting_set_line(config, world_size: int = 1) -> str:
     memory proportions too when their count changes."""
     layout, proportions = fitted_layout(config, world_size)
     line = f"--set \"ipu.layers_per_ipu={_flow(layout)}\""
-    if len(proportions) != len(config.ipu.available_memory_proportion) or proportions != list(
-            config.ipu.available_memory_proportion):
+    if proportions != list(config.ipu.available_memory_proportion):
         line += f" --set \"ipu.available_memory_proportion={_flow(proportions)}\""
     return line
 
