@@ -75,7 +75,8 @@ PHASE2_CPU = ("python run.py --backend cpu --config phase2 --steps 3 --set model
               "--set model.hidden_size=128 \\\n    --set model.num_attention_heads=2 --set model.intermediate_size=512 "
               "--set train.gradient_accumulation=2 --set data.num_sequences=2000")
 MOCK_SMOKE = ("python run.py --backend mock --config phase2.yaml --steps 3 --set model.num_hidden_layers=4 \\\n"
-              "    --set \"ipu.layers_per_ipu=[1,1,1,1]\" --set train.gradient_accumulation=9 --set model.hidden_size=64 \\\n"
+              "    --set \"ipu.layers_per_ipu=[1,1,1,1]\" --set train.gradient_accumulation=9 "
+              "--set model.hidden_size=64 \\\n"
               "    --set model.num_attention_heads=4 --set model.intermediate_size=256 --set model.vocab_size=1024 \\\n"
               "    --set data.max_sequence_length=128 --set data.num_sequences=2000")
 KJV_CREATE = ("python -m bert_packed.data create --input kjv.txt --vocab vocab.txt --output {out} \\\n"
@@ -113,17 +114,20 @@ EXAMPLES = [
                 "--max-sequences-per-pack 3"),
         Command("python run.py --config demo --steps 10 --set data.path=packed --set data.eval_path=packed "
                 "--set model.vocab_size=4096", keep=_lines_matching(r"done: ")),
-    ], needs=_needs_bible, setup=[Command("python -m bert_packed.data kjv --output kjv.txt"),
-                                  Command("python -m bert_packed.data vocab --input kjv.txt --size 4096 --output vocab.txt")]),
+    ], needs=_needs_bible, setup=[
+        Command("python -m bert_packed.data kjv --output kjv.txt"),
+        Command("python -m bert_packed.data vocab --input kjv.txt --size 4096 --output vocab.txt")]),
     # Step lines only: under load a slow step also prints progress lines inside it.
     Example("profile-table", "README.md", [Command("python run.py --backend mock --config phase2 --profile "
                                                    "--output-dir runs/profile")],
             table_from="runs/profile/overhead.md"),
     Example("cuda-unavailable", "docs/cuda.md", [Command("python run.py --backend cuda", exit_code=2)],
             show_commands=False),
-    Example("ipu-memory-phase1", "docs/ipu.md", [Command("python run.py --backend mock --config phase1 --compile-only")],
+    Example("ipu-memory-phase1", "docs/ipu.md",
+            [Command("python run.py --backend mock --config phase1 --compile-only")],
             table_from="runs/phase1/compile/memory_estimate.md"),
-    Example("ipu-memory-phase2", "docs/ipu.md", [Command("python run.py --backend mock --config phase2 --compile-only")],
+    Example("ipu-memory-phase2", "docs/ipu.md",
+            [Command("python run.py --backend mock --config phase2 --compile-only")],
             table_from="runs/phase2/compile/memory_estimate.md"),
     Example("mock-smoke", "README.md", [Command(MOCK_SMOKE, keep=_lines_matching(r"training ", r"step +\d+/",
                                                                                  r"done: "))]),

@@ -90,7 +90,8 @@ def validate(config, world_size: int = 1) -> List[str]:
     if sum(ipu.layers_per_ipu) != m.num_hidden_layers:
         raise ConfigError(
             f"ipu.layers_per_ipu={ipu.layers_per_ipu} sums to {sum(ipu.layers_per_ipu)} but "
-            f"model.num_hidden_layers={m.num_hidden_layers}; make them agree, e.g. {fitting_set_line(config, world_size)}"
+            f"model.num_hidden_layers={m.num_hidden_layers}; make them agree, e.g. "
+            f"{fitting_set_line(config, world_size)}"
         )
     if len(ipu.available_memory_proportion) not in (1, len(ipu.layers_per_ipu)):
         proportions = _proportions(ipu.available_memory_proportion, len(ipu.layers_per_ipu))

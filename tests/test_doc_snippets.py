@@ -131,7 +131,8 @@ def parse_entry(argv: List[str], parser_only: bool = False) -> _Parsed:
     saved, saved_path = sys.argv[:], sys.path[:]
     err = io.StringIO()
     try:
-        with _stop_after_parsing(parser_only), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with _stop_after_parsing(parser_only), contextlib.redirect_stderr(err), \
+                contextlib.redirect_stdout(io.StringIO()):
             if argv[0] == "-m":
                 sys.argv = [argv[1]] + argv[2:]
                 runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -173,7 +174,8 @@ def check_run_py(argv: List[str], synopsis: bool) -> None:
         keys = [argv[i + 1].strip("[]").split("=")[0] for i, w in enumerate(argv[:-1]) if w.strip("[]") == "--set"]
         _check_keys([k for k in keys if not PLACEHOLDER.search(k)])
         return
-    argv = [w for i, w in enumerate(argv) if w != "--init-checkpoint" and (i == 0 or argv[i - 1] != "--init-checkpoint")]
+    argv = [w for i, w in enumerate(argv)
+            if w != "--init-checkpoint" and (i == 0 or argv[i - 1] != "--init-checkpoint")]
     args = run.parse_args(argv)
     overrides = args.overrides + ([f"train.steps={args.steps}"] if args.steps is not None else [])
     validate(load_config(args.config, overrides), get_backend_class(args.backend), args.world_size)

@@ -399,7 +399,8 @@ def test_a_one_ipu_layout_without_proportions_gets_one_proportion(capsys):
 def test_the_cuda_backend_on_a_cpu_says_it_trains_on_the_cpu(tmp_path, capsys):
     import run
 
-    assert run.main(["--backend", "cuda", "--config", "tiny", "--set", "cuda.device=cpu", "--set", "cuda.precision=fp32",
+    assert run.main(["--backend", "cuda", "--config", "tiny", "--set", "cuda.device=cpu",
+                     "--set", "cuda.precision=fp32",
                      "--steps", "1", "--set", "train.eval_every=0", "--output-dir", str(tmp_path / "out")]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("training tiny on cpu (backend cuda) x1: 1 steps of "), first
