@@ -70,6 +70,14 @@ def _needs_bible():
     return None if shutil.which("bible") else "needs Debian's bible-kjv (`apt-get install bible-kjv`)"
 
 
+# A tiny transformers checkpoint in DIR (the tests' fixture), its config.json edited by EDIT.
+TINY_CHECKPOINT = (
+    "python -c 'import json, os, sys, transformers, bert_packed; "
+    "sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(bert_packed.__file__)), \"tests\")); "
+    "from finetune_fixtures import save_hf_checkpoint, write_vocab; "
+    "save_hf_checkpoint(transformers, \"DIR\", write_vocab(\"vocab\"), max_position_embeddings=128); "
+    "path = os.path.join(\"DIR\", \"config.json\"); config = json.load(open(path)); config.update({EDIT}); "
+    "json.dump(config, open(path, \"w\"))'")
 HEADER_AND_DONE = _lines_matching(r"training ", r"done: ")
 PHASE2_CPU = ("python run.py --backend cpu --config phase2 --steps 3 --set model.num_hidden_layers=2 "
               "--set model.hidden_size=128 \\\n    --set model.num_attention_heads=2 --set model.intermediate_size=512 "
@@ -123,6 +131,12 @@ EXAMPLES = [
             table_from="runs/profile/overhead.md"),
     Example("cuda-unavailable", "docs/cuda.md", [Command("python run.py --backend cuda", exit_code=2)],
             show_commands=False),
+    Example("finetune-shape-error", "docs/finetuning.md", [Command(
+        "python run.py --config finetune_classification --init-checkpoint DIR --set model.hidden_size=64",
+        exit_code=2)], setup=[Command(TINY_CHECKPOINT.replace("{EDIT}", ""))], show_commands=False),
+    Example("finetune-depth-error", "docs/finetuning.md", [Command(
+        "python run.py --config finetune_classification --init-checkpoint DIR", exit_code=2)],
+        setup=[Command(TINY_CHECKPOINT.replace("{EDIT}", "num_hidden_layers=3"))], show_commands=False),
     Example("ipu-memory-phase1", "docs/ipu.md",
             [Command("python run.py --backend mock --config phase1 --compile-only")],
             table_from="runs/phase1/compile/memory_estimate.md"),
