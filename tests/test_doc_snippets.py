@@ -1,4 +1,5 @@
-"""The docs run (issue 38): every command in a fenced block of README.md and docs/*.md parses
+"""The docs run (issue 38): every command in a fenced block of README.md, packing/README.md and
+docs/*.md parses
 with its entry point's real argument parser (run.py's ``--set`` keys against the config
 sections, ``python -m ...`` modules and ``benchmarks/`` scripts exist and accept the flags),
 the ones a CPU runs in seconds run, and the printed examples are the ones docs/examples.py
@@ -21,7 +22,7 @@ from typing import List, Optional
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+DOCS = ["README.md", "packing/README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 PROGRAMS = ("python", "torchrun", "poprun", "pip", "nice", "apt-get", "git", "mkdir", "mv", "~/")
 # A word that stands for something the reader fills in (a synopsis line, not a command).
