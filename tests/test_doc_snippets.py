@@ -1,9 +1,8 @@
-"""The docs run (issue 38): every command in a fenced block of README.md, packing/README.md and
-docs/*.md parses
-with its entry point's real argument parser (run.py's ``--set`` keys against the config
-sections, ``python -m ...`` modules and ``benchmarks/`` scripts exist and accept the flags),
-the ones a CPU runs in seconds run, and the printed examples are the ones docs/examples.py
-last generated. A command that is not run is a skipped test whose reason says why (an IPU, a
+"""The docs run (issue 38): every command in a fenced block of README.md, packing/README.md
+and docs/*.md parses with its entry point's real argument parser (run.py's ``--set`` keys
+against the config sections, ``python -m ...`` modules and ``benchmarks/`` scripts exist and
+accept the flags), the ones a CPU runs in seconds run, the commands named in the prose exist,
+and the printed examples are the ones docs/examples.py last generated. A command that is not run is a skipped test whose reason says why (an IPU, a
 GPU, the network, large data, or minutes of CPU time), so nothing is dropped silently."""
 from __future__ import annotations
 
