@@ -4,6 +4,7 @@ rate is the one the step used."""
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -458,3 +459,16 @@ def test_a_layout_with_room_for_its_pipeline_keeps_its_ipus(six_layer_job):
     assert notes == ["ipu.layers_per_ipu=[0,2,2,2] for the checkpoint's 6 encoder layers (the config's [0,4,4,4] "
                      "has 12); --set ipu.layers_per_ipu to choose another"]
     assert validate(config, get_backend_class("mock")) == notes  # a second validation repeats the note
+
+
+def test_a_pipeline_too_deep_for_the_accumulation_names_a_one_ipu_line_that_runs(six_layer_job, tmp_path, capsys):
+    """A given 4-IPU layout with the ~1 micro-batch per step packing leaves: PopTorch's rule refuses
+    it before anything compiles, naming a one-IPU --set line; that line (memory proportions fitted
+    to it) runs."""
+    given = ["--set", "ipu.layers_per_ipu=[0,2,2,2]"]
+    assert _mock_finetune(six_layer_job, tmp_path / "deep", *given) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "forward pipeline stages" in errors[0], errors
+    words = shlex.split(errors[0].split("or use one IPU per replica: ", 1)[1])
+    assert words == ["--set", "ipu.layers_per_ipu=[6]"], errors
+    assert _mock_finetune(six_layer_job, tmp_path / "one", *given, *words) == 0
