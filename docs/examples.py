@@ -148,10 +148,17 @@ EXAMPLES = [
 ]
 
 
+# Lines that appear only when the machine is slow: progress inside a long step and its estimate.
+LOAD_DEPENDENT = re.compile(r"step \d+: micro-batch |warning: .* per step, ~")
+
+
 def _shorten(lines: List[str], command: Command) -> List[str]:
-    """The lines the block keeps: ``keep``'s, ``...`` for each dropped run; long ones cut."""
+    """The lines the block keeps: ``keep``'s, ``...`` for each dropped run; long ones cut; the
+    lines a slow machine adds (``LOAD_DEPENDENT``) left out without a trace."""
     out: List[str] = []
     for line in lines:
+        if LOAD_DEPENDENT.match(line):
+            continue
         if command.keep is None or command.keep(line):
             if command.cut and len(line) > command.cut and ", " in line[:command.cut]:
                 line = line[:line.rindex(", ", 0, command.cut)] + ", ..."
