@@ -92,6 +92,10 @@ class CUDABackend(CPUBackend):
                 f"{_GPU_ONLY_TRAINING[attention]} on a CPU; use attention 'sdpa' or 'dense' there, or a GPU")
         return []
 
+    @property
+    def label(self) -> str:
+        return self.name if self.device.type == "cuda" else f"{self.device.type} (backend cuda)"
+
     def __init__(self, device: Optional[Any] = None) -> None:
         """``device``: "cuda" (default; ``LOCAL_RANK``'s GPU under torchrun), "cpu", or a
         torch.device. Given here it wins over ``cuda.device`` (``for_config`` passes that)."""

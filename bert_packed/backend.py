@@ -169,6 +169,12 @@ class Backend:
 
     # -- the run ----------------------------------------------------------------------------
     @property
+    def label(self) -> str:
+        """Where the run's first line says it trains: the backend's name, or the device used
+        when that is not what the name says (``--backend cuda --set cuda.device=cpu``)."""
+        return self.name
+
+    @property
     def micro_batches_per_step(self) -> int:
         """Micro-batches this process contributes to one optimizer step."""
         return self._planned().micro_batches_per_step

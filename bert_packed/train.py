@@ -280,7 +280,7 @@ class _Run:
             return
         packs = plan.micro_batches_per_step * plan.micro_batch_size  # this process's share of a step
         line = slow_step_warning(self.config, packs_per_step=packs, steps=steps, rate=self.backend.compute_rate,
-                                 backend_name=self.backend.name)
+                                 backend_name=self.backend.label)
         if line:
             print(f"warning: {line}", file=sys.stderr, flush=True)
 
@@ -309,7 +309,7 @@ class _Run:
                               f"({self.checkpointer.path})")
             return
         self.logger.write(
-            f"training {c.name} on {self.backend.name} x{self.world_size}: {plan.steps} steps of "
+            f"training {c.name} on {self.backend.label} x{self.world_size}: {plan.steps} steps of "
             f"{plan.micro_batches_per_step * self.world_size} x {plan.micro_batch_size} packs "
             f"(S={c.data.max_sequence_length}, K={c.data.max_sequences_per_pack}, "
             f"{plan.packing_factor:.2f} sequences/pack), output {self.output_dir}")

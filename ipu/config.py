@@ -7,6 +7,7 @@ docs/ipu.md. Pipeline: one stage per IPU of a replica.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import List, Optional
 
 from bert_packed.config import HARMLESS, bounded
@@ -74,11 +75,15 @@ class IPUConfig:
 
 
 def validate(config, world_size: int = 1) -> List[str]:
-    """The ``ipu`` section against the model (bounds are checked by ``bert_packed.config``)."""
+    """The ``ipu`` section against the model (bounds are checked by ``bert_packed.config``).
+
+    A layout the user did not give is fitted to the model (``fit_to_model``, noted in the
+    returned lines); one given that does not fit is refused with a ``--set`` line that does."""
     ipu, m = config.ipu, config.model
     if not ipu.layers_per_ipu:
         raise ConfigError(f"ipu.layers_per_ipu={ipu.layers_per_ipu}: give one count >= 0 per IPU "
                           f"(encoder layers on that IPU)")
+    notes = fit_to_model(config, world_size)
     if ipu.replication_factor * ipu.ipus_per_replica > MAX_IPUS:
         raise ConfigError(f"ipu.replication_factor={ipu.replication_factor} replicas of {ipu.ipus_per_replica} IPUs "
                           f"(ipu.layers_per_ipu) need {ipu.replication_factor * ipu.ipus_per_replica} IPUs; the "
@@ -86,12 +91,15 @@ def validate(config, world_size: int = 1) -> List[str]:
     if sum(ipu.layers_per_ipu) != m.num_hidden_layers:
         raise ConfigError(
             f"ipu.layers_per_ipu={ipu.layers_per_ipu} sums to {sum(ipu.layers_per_ipu)} but "
-            f"model.num_hidden_layers={m.num_hidden_layers}; make them agree"
+            f"model.num_hidden_layers={m.num_hidden_layers}; make them agree, e.g. "
+            f"{fitting_set_line(config, world_size)}"
         )
     if len(ipu.available_memory_proportion) not in (1, len(ipu.layers_per_ipu)):
+        proportions = _proportions(ipu.available_memory_proportion, len(ipu.layers_per_ipu))
         raise ConfigError(
             f"ipu.available_memory_proportion has {len(ipu.available_memory_proportion)} entries; "
-            f"give 1 or one per IPU ({len(ipu.layers_per_ipu)})"
+            f"give 1 or one per IPU ({len(ipu.layers_per_ipu)}), e.g. "
+            f"--set \"ipu.available_memory_proportion={_flow(proportions)}\""
         )
     if m.vocab_size % ipu.embedding_serialization_factor:
         raise ConfigError(
@@ -100,7 +108,102 @@ def validate(config, world_size: int = 1) -> List[str]:
         )
     _check_attention(m.attention_implementation)
     _check_call_size(config, world_size)
-    return []
+    return notes
+
+
+# ---------------------------------------------------------------------------------------
+# A layout for the model: from the checkpoint's depth, or suggested in a refusal
+
+
+def _flow(values) -> str:
+    """``[0,2,2,2]``: the form a ``--set`` value takes (no blanks, so one shell word)."""
+    return "[" + ",".join(str(v) for v in values) + "]"
+
+
+def spread_layers(num_layers: int, weights: List[int]) -> List[int]:
+    """``num_layers`` encoder layers over ``len(weights)`` IPUs in proportion to ``weights`` (a
+    layout for another depth), largest remainders first, ties to later IPUs (IPU 0 also holds
+    the embeddings): ``spread_layers(6, [3, 7, 7, 7]) == [0, 2, 2, 2]``."""
+    total = sum(weights)
+    shares = [Fraction(num_layers * w, total) if total else Fraction(num_layers, len(weights)) for w in weights]
+    counts = [int(share) for share in shares]  # exact fractions: equal remainders tie exactly
+    by_remainder = sorted(range(len(weights)), key=lambda i: (shares[i] - counts[i], i), reverse=True)
+    for i in by_remainder[:num_layers - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def _proportions(proportions: List[float], num_ipus: int) -> List[float]:
+    """One memory proportion per IPU of a layout of ``num_ipus`` IPUs from a list for another
+    count: the list's first ``num_ipus`` (IPU 0's first), its last repeated beyond its end."""
+    return [proportions[min(i, len(proportions) - 1)] for i in range(num_ipus)]
+
+
+def _accumulation_floor(config, world_size: int) -> int:
+    """The fewest micro-batches per replica a step can get (after ``train.packing_adjustment``
+    divides them by a packing factor of at most ``data.max_sequences_per_pack``)."""
+    t = config.train
+    per_pass = t.micro_batch_size * config.ipu.replication_factor * world_size
+    accumulation = t.gradient_accumulation if t.global_batch_size is None else max(1, t.global_batch_size // per_pass)
+    if t.packing_adjustment == "gradient_accumulation":
+        accumulation = max(1, int(round(accumulation / config.data.max_sequences_per_pack)))
+    return accumulation
+
+
+def fitted_layout(config, world_size: int = 1):
+    """(layers_per_ipu, available_memory_proportion) for ``model.num_hidden_layers``: the
+    configured layout spread over its IPUs, or over fewer when PopTorch's pipeline rule (a
+    training pipeline of F forward stages needs 2 F - 1 micro-batches per step) would refuse
+    the step's accumulation; the proportions of those IPUs."""
+    from ipu.pipeline import forward_stage_ipus
+
+    ipu, layers = config.ipu, config.model.num_hidden_layers
+    accumulation = _accumulation_floor(config, world_size)
+    for count in range(len(ipu.layers_per_ipu), 0, -1):
+        layout = spread_layers(layers, ipu.layers_per_ipu[:count])
+        heads = 0 if not config.finetune.task else count - 1  # pre-training's MLM decoder sits with the embeddings
+        stages = len(forward_stage_ipus(layout, heads))
+        if stages == 1 or 2 * stages - 1 <= accumulation:
+            break
+    proportions = ipu.available_memory_proportion
+    if len(proportions) not in (1, len(layout)):
+        proportions = _proportions(proportions, len(layout))
+    return layout, list(proportions)
+
+
+def fitting_set_line(config, world_size: int = 1) -> str:
+    """The ``--set`` options of a layout that fits the model (``fitted_layout``), complete: the
+    memory proportions too when their count changes."""
+    layout, proportions = fitted_layout(config, world_size)
+    line = f"--set \"ipu.layers_per_ipu={_flow(layout)}\""
+    if proportions != list(config.ipu.available_memory_proportion):
+        line += f" --set \"ipu.available_memory_proportion={_flow(proportions)}\""
+    return line
+
+
+def fit_to_model(config, world_size: int = 1) -> List[str]:
+    """Fit what the user did not give (``--set``) to the model, in place; returns one line per
+    change (again on later calls, which find nothing left to change). The layout follows the
+    model when its depth comes from the checkpoint (``model.init_checkpoint``, no ``--set
+    model.num_hidden_layers``): the config file's layout is for the model it describes
+    (finetune_squad's BERT-Base), not the checkpoint's. The memory proportions follow the
+    layout's IPU count."""
+    ipu, m, given = config.ipu, config.model, config.cli_keys.get("ipu", set())
+    notes = list(getattr(ipu, "fitted_notes", ()))
+    from_checkpoint = m.init_checkpoint and "num_hidden_layers" not in config.cli_keys.get("model", set())
+    if "layers_per_ipu" not in given and from_checkpoint and sum(ipu.layers_per_ipu) != m.num_hidden_layers:
+        before = list(ipu.layers_per_ipu)
+        ipu.layers_per_ipu, _ = fitted_layout(config, world_size)
+        notes.append(f"ipu.layers_per_ipu={_flow(ipu.layers_per_ipu)} for the checkpoint's {m.num_hidden_layers} "
+                     f"encoder layers (the config's {_flow(before)} has {sum(before)}); --set ipu.layers_per_ipu "
+                     f"to choose another")
+    count = len(ipu.layers_per_ipu)
+    if "available_memory_proportion" not in given and len(ipu.available_memory_proportion) not in (1, count):
+        ipu.available_memory_proportion = _proportions(ipu.available_memory_proportion, count)
+        notes.append(f"ipu.available_memory_proportion={_flow(ipu.available_memory_proportion)}, one per IPU of "
+                     f"ipu.layers_per_ipu={_flow(ipu.layers_per_ipu)}")
+    ipu.fitted_notes = notes
+    return list(notes)
 
 
 def _check_attention(name: str) -> None:

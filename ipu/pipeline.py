@@ -75,8 +75,8 @@ def check_pipeline_depth(layers_per_ipu: List[int], gradient_accumulation: int, 
         raise ConfigError(f"ipu.layers_per_ipu={list(layers_per_ipu)} makes {num_forward} forward pipeline stages, "
                           f"{stages} in training, and PopTorch needs a gradient accumulation of at least {stages} "
                           f"micro-batches per replica (got {gradient_accumulation}); raise train.gradient_accumulation "
-                          f"(or train.global_batch_size), or use one IPU per replica "
-                          f"(ipu.layers_per_ipu=[{sum(layers_per_ipu)}])")
+                          f"(or train.global_batch_size), or use one IPU per replica: "
+                          f"--set \"ipu.layers_per_ipu=[{sum(layers_per_ipu)}]\"")
 
 
 def _checkpoint_output(poptorch):

@@ -192,28 +192,43 @@ def _time(histogram, name, depth, repeats, seed):
     return result, float(np.median(times)), float(min(times))
 
 
+def _stages(command, total):
+    """A progress bar over a command's stages on stderr, shown on a terminal only (as the
+    project's other bars): ``bench`` and ``plot`` take half a minute at full size."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"packing {command}", unit=" stage", leave=False, file=sys.stderr,
+                disable=not sys.stderr.isatty())
+
+
 def command_bench(args):
     histogram = _load(args)
     plan_rows = [("spfhp", 3), ("spfhp", None), ("lpfhp", 3), ("lpfhp", None), ("ffd", 3), ("bfd", 3)]
     if not args.quick:
         plan_rows += [("greedy", None), ("nnlshp", 3)]
     plan_rows += [("lp", 2), ("lp", 3), ("lp", 4), ("lp", None)]
+    with _stages("bench", len(plan_rows) + 1) as bar:
+        records, assignment, ratio = _bench(args, histogram, plan_rows, bar)
+    _print_bench(args, histogram, records, assignment, ratio)
+
+
+def _bench(args, histogram, plan_rows, bar):
+    """(plan records, the assignment's record, nnlshp / lp time at depth 3 or None)."""
     records = []
     for name, depth in plan_rows:
-        if sys.stderr.isatty():
-            print(f"  timing {name} (depth {_depth_label(depth)}) ...", file=sys.stderr, flush=True)
+        bar.set_postfix_str(f"timing {name} (depth {_depth_label(depth)})")
         fast = name in ("spfhp", "lpfhp", "ffd", "bfd")
         result, median, best = _time(histogram, name, depth, args.repeats if fast else 1, args.seed)
         records.append({"kind": "plan", "algorithm": name, "max_sequences_per_pack": depth,
                         "num_packs": result.num_packs, "efficiency": result.efficiency,
                         "lp_bound_packs": result.lp_bound_packs, "seconds_median": median, "seconds_min": best,
                         "repeats": args.repeats if fast else 1})
+        bar.update()
     by_key = {(r["algorithm"], r["max_sequences_per_pack"]): r for r in records}
     ratio = None
     if ("nnlshp", 3) in by_key:
         ratio = by_key[("nnlshp", 3)]["seconds_median"] / by_key[("lp", 3)]["seconds_median"]
-    if sys.stderr.isatty():
-        print("  timing assignment in a subprocess ...", file=sys.stderr, flush=True)
+    bar.set_postfix_str("timing the assignment in a subprocess")
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     environment = dict(os.environ, PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     completed = subprocess.run(
@@ -224,6 +239,11 @@ def command_bench(args):
     assignment = json.loads(completed.stdout.strip().splitlines()[-1])
     assignment["kind"] = "assign"
     records.append(assignment)
+    bar.update()
+    return records, assignment, ratio
+
+
+def _print_bench(args, histogram, records, assignment, ratio):
     if args.json:
         print(json.dumps({"histogram": histogram.name, "plans": records[:-1], "assign": assignment,
                           "nnlshp_over_lp_depth3": ratio}, indent=1))
@@ -269,7 +289,20 @@ def command_plot(args):
     algorithm = args.algorithm[0] if args.algorithm else "lp"
     check_algorithm_depth(algorithm, depth)
     os.makedirs(args.output, exist_ok=True)
+    residual = depth is not None and depth <= nnls.MAX_NNLS_DEPTH and nnls.fits_dense(
+        "nnlshp", histogram.max_sequence_length, depth)
+    with _stages("plot", 3 + residual) as bar:
+        written = _plot(args, histogram, algorithm, depth, residual, plt, bar)
+    for path in written:
+        print(path)
+
+
+def _plot(args, histogram, algorithm, depth, residual, plt, bar):
+    """Write the PNGs (``bar`` counts them); returns their paths."""
+    from . import nnls
+
     written = []
+    bar.set_postfix_str("histogram")
 
     figure, axis = plt.subplots(figsize=(8, 4))
     axis.bar(histogram.distinct_lengths, histogram.distinct_counts, width=1.0)  # the lengths that occur
@@ -284,9 +317,13 @@ def command_plot(args):
     _save(figure, path)
     written.append(path)
     plt.close(figure)
+    bar.update()
 
     # Padding per pack of the chosen plan: what is left of L in each pack.
+    bar.set_postfix_str(f"{algorithm} plan at depth {_depth_label(depth)}")
     result = pack(histogram, algorithm, depth, seed=args.seed)
+    bar.update()
+    bar.set_postfix_str("padding per pack")
     plan = result.plan
     sums = np.add.reduceat(plan.strategy_lengths, plan.strategy_offsets[:-1])
     padding, slot = np.unique(histogram.max_sequence_length - sums, return_inverse=True)  # no per-L array
@@ -304,11 +341,12 @@ def command_plot(args):
     _save(figure, path)
     written.append(path)
     plt.close(figure)
+    bar.update()
 
     # The papers' Figures 7/8: residual b - A round(x) of NNLS, unweighted and weighted
     # (not where nnlshp itself refuses the size: its dense matrix would not fit).
-    if depth is not None and depth <= nnls.MAX_NNLS_DEPTH and nnls.fits_dense("nnlshp", histogram.max_sequence_length,
-                                                                                depth):
+    if residual:
+        bar.set_postfix_str("NNLS residuals")
         figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for axis, weight, title in ((axes[0], 1.0, "unweighted"), (axes[1], 0.09, "weight 0.09 for lengths <= 8")):
             residual = nnls.nnls_residual(histogram.length_counts, histogram.max_sequence_length, depth,
@@ -323,8 +361,8 @@ def command_plot(args):
         _save(figure, path)
         written.append(path)
         plt.close(figure)
-    for path in written:
-        print(path)
+        bar.update()
+    return written
 
 
 def build_parser():

@@ -254,7 +254,9 @@ def test_the_extraction_reads_the_table_forms_of_the_source():
 
 
 @pytest.mark.skipif(not (os.environ.get("POPTORCH_SRC") and os.environ.get("POPART_SRC")),
-                    reason="set POPTORCH_SRC and POPART_SRC to graphcore/poptorch and graphcore/popart git dirs")
+                    reason="needs Graphcore's PopTorch and PopART sources, which ipu/mock_popart/session_options.json "
+                           "is extracted from: `git clone --bare https://github.com/graphcore/poptorch` (and "
+                           "graphcore/popart), then set POPTORCH_SRC and POPART_SRC to the two clones")
 def test_the_data_file_is_what_the_script_extracts(tmp_path):
     out = tmp_path / "session_options.json"
     extract.main(["--poptorch", os.environ["POPTORCH_SRC"], "--popart", os.environ["POPART_SRC"],

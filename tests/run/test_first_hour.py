@@ -1,8 +1,10 @@
 """A new user's first hour (issue 38): progress and a duration estimate inside a long step, a
 stop signal honoured mid-step (the partial step dropped, the resume exact), the logged learning
 rate is the one the step used."""
+import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -287,3 +289,186 @@ def test_on_a_terminal_a_long_step_redraws_the_bar_status_instead_of_lines():
         watch(index, 100)
     assert len(lines) == 1 and lines[0].startswith("step 1: micro-batch 1 of 100 took 20 s: ~33 min per step")
     assert shown == ["step 1: micro-batch 3/100, ~12 min left", "step 1: micro-batch 4/100, ~9 min left"]
+
+
+# -- Item 4: the IPU layout from the checkpoint's depth; refusals with a working --set line ------
+
+
+@pytest.fixture(scope="module")
+def six_layer_job(tmp_path_factory):
+    """A 6-layer checkpoint (transformers' save_pretrained) and small classification files."""
+    transformers = pytest.importorskip("transformers")
+    from finetune_fixtures import classification_rows, save_hf_checkpoint, write_rows, write_vocab
+
+    directory = tmp_path_factory.mktemp("six")
+    vocab = write_vocab(str(directory / "vocab"))
+    save_hf_checkpoint(transformers, str(directory / "bert"), vocab, num_hidden_layers=6)
+    columns = ["text", "pair", "label"]
+    return {"checkpoint": str(directory / "bert"),
+            "train": write_rows(str(directory / "train.csv"), classification_rows(60, 0), columns),
+            "dev": write_rows(str(directory / "dev.csv"), classification_rows(20, 1), columns)}
+
+
+def _mock_finetune(job, output, *extra):
+    """run.main of a one-step mock fine-tuning run with no ipu overrides (unless ``extra``)."""
+    import run
+
+    return run.main(["--backend", "mock", "--config", "finetune_classification", "--init-checkpoint",
+                     job["checkpoint"], "--set", f"finetune.train_file={job['train']}", "--set",
+                     f"finetune.validation_file={job['dev']}", "--output-dir", str(output), "--no-progress",
+                     "--steps", "1", "--set", "data.max_sequence_length=64", "--set", "train.eval_every=0",
+                     "--set", "train.checkpoint_every=0", "--set", "train.hf_export=false",
+                     "--set", "train.num_threads=1", *extra])
+
+
+def test_spread_layers_follows_the_configured_layout():
+    from ipu.config import spread_layers
+
+    assert spread_layers(6, [3, 7, 7, 7]) == [0, 2, 2, 2]
+    assert spread_layers(24, [3, 7, 7, 7]) == [3, 7, 7, 7]
+    assert spread_layers(4, [3, 7, 7, 7]) == [1, 1, 1, 1]
+    assert spread_layers(6, [0, 4, 4, 4]) == [0, 2, 2, 2]
+    assert spread_layers(5, [0, 0]) == [2, 3]  # no weights: even, the extra layer on the later IPU
+    for layers in range(1, 40):
+        assert sum(spread_layers(layers, [2, 5, 5, 5, 5])) == layers
+
+
+def test_mock_finetuning_from_a_six_layer_checkpoint_starts_without_ipu_overrides(six_layer_job, tmp_path, capsys):
+    """The config's layout is BERT-Large's [3,7,7,7]; the checkpoint's 6 layers get one that fits
+    (one IPU: the accumulation after packing is too small for a 4-stage pipeline), and say so."""
+    assert _mock_finetune(six_layer_job, tmp_path / "out") == 0
+    err = capsys.readouterr().err
+    assert "warning: ipu.layers_per_ipu=[6] for the checkpoint's 6 encoder layers" in err, err
+    assert "warning: ipu.available_memory_proportion=[0.1], one per IPU of ipu.layers_per_ipu=[6]" in err, err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["status"], summary["backend"], summary["last_step"]) == ("completed", "mock", 1)
+
+
+def _suggested_sets(message):
+    """The ``--set X`` pairs of a refusal's 'e.g.' part, split as a shell would."""
+    import shlex
+
+    words = shlex.split(message.split("e.g. ", 1)[1])
+    assert words[0::2] == ["--set"] * (len(words) // 2) and len(words) % 2 == 0, words
+    return words
+
+
+def test_a_refused_layout_names_a_set_line_that_runs(six_layer_job, tmp_path, capsys):
+    status = _mock_finetune(six_layer_job, tmp_path / "bad", "--set", "ipu.layers_per_ipu=[3,7,7,7]")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith("error: ipu.layers_per_ipu=[3, 7, 7, 7] sums to 24 but model.num_hidden_layers=6"), err
+    words = _suggested_sets(err[0])
+    assert words == ["--set", "ipu.layers_per_ipu=[6]", "--set", "ipu.available_memory_proportion=[0.1]"]
+    assert _mock_finetune(six_layer_job, tmp_path / "good", "--set", "ipu.layers_per_ipu=[3,7,7,7]", *words) == 0
+
+
+def test_a_refused_pretraining_layout_names_a_set_line_the_config_accepts(capsys):
+    """No checkpoint: a --set depth keeps the config's layout, refused with one that validates
+    (phase2's accumulation of 1024 holds a 4-IPU pipeline, so the IPU count stays)."""
+    import run
+
+    base = ["--config", "phase2", "--backend", "mock", "--set", "model.num_hidden_layers=4", "--print-config"]
+    assert run.main(base) == 2
+    err = capsys.readouterr().err.strip()
+    words = _suggested_sets(err)
+    assert words == ["--set", "ipu.layers_per_ipu=[1,1,1,1]"], err
+    assert run.main(base + words) == 0
+    assert "layers_per_ipu: [1, 1, 1, 1]" in capsys.readouterr().out
+
+
+def test_a_one_ipu_layout_without_proportions_gets_one_proportion(capsys):
+    """The config comment's recipe (--set ipu.layers_per_ipu=[2]) no longer fails on the four
+    memory proportions of the default layout; a --set list of the wrong length names a fitting one."""
+    import run
+
+    base = ["--config", "phase2", "--backend", "mock", "--set", "model.num_hidden_layers=2", "--set",
+            "ipu.layers_per_ipu=[2]", "--print-config"]
+    assert run.main(base) == 0
+    captured = capsys.readouterr()
+    assert "available_memory_proportion: [0.1]" in captured.out
+    assert "warning: ipu.available_memory_proportion=[0.1], one per IPU of ipu.layers_per_ipu=[2]" in captured.err
+    assert run.main(base[:-1] + ["--set", "ipu.available_memory_proportion=[0.2,0.3]", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ('error: ipu.available_memory_proportion has 2 entries; give 1 or one per IPU (1), e.g. '
+                   '--set "ipu.available_memory_proportion=[0.2]"'), err
+
+
+# -- Item 7: small things -------------------------------------------------------------------------
+
+
+def test_the_cuda_backend_on_a_cpu_says_it_trains_on_the_cpu(tmp_path, capsys):
+    import run
+
+    assert run.main(["--backend", "cuda", "--config", "tiny", "--set", "cuda.device=cpu",
+                     "--set", "cuda.precision=fp32",
+                     "--steps", "1", "--set", "train.eval_every=0", "--output-dir", str(tmp_path / "out")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("training tiny on cpu (backend cuda) x1: 1 steps of "), first
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["backend"] == "cuda"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.fixture()
+def small_histogram(tmp_path):
+    path = tmp_path / "hist.json"
+    counts = [0] * 64
+    for length, count in ((3, 40), (10, 25), (30, 30), (33, 20), (60, 12), (64, 5)):
+        counts[length - 1] = count
+    path.write_text(json.dumps({"max_sequence_length": 64, "counts": counts}))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["bench", "plot"])
+def test_packing_bench_and_plot_show_their_stages_on_a_terminal_only(command, small_histogram, tmp_path, monkeypatch,
+                                                                     capsys):
+    """`python -m packing bench|plot` take half a minute at full size: a bar of their stages on a
+    terminal's stderr, nothing on a pipe (the output itself is unchanged)."""
+    from packing.cli import main
+
+    argv = [command, "--histogram", small_histogram] + (
+        ["--quick", "--repeats", "1", "--num-sequences", "200"] if command == "bench" else
+        ["--output", str(tmp_path / "png")])
+    assert main(argv) in (0, None)
+    piped = capsys.readouterr()
+    assert piped.err == "" and piped.out
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(argv) in (0, None)
+    shown = terminal.getvalue()
+    assert f"packing {command}" in shown and "stage" in shown, shown
+    expected = "timing lp (depth max)" if command == "bench" else "lp plan at depth 3"
+    assert expected in shown, shown
+    assert capsys.readouterr().out.splitlines()[:1] == piped.out.splitlines()[:1]
+
+
+def test_a_layout_with_room_for_its_pipeline_keeps_its_ipus(six_layer_job):
+    """finetune_squad's BERT-Base layout [0,4,4,4] with a 6-layer checkpoint: four IPUs still fit
+    its accumulation (32 rows / 4 replicas = 8 >= 2 x 4 - 1), so the layers are spread over them."""
+    from backends import get_backend_class
+    from bert_packed.config import load_config, validate
+
+    config = load_config("finetune_squad", [f"model.init_checkpoint={six_layer_job['checkpoint']}",
+                                            "data.max_sequence_length=64", "finetune.max_query_length=16"])
+    notes = validate(config, get_backend_class("mock"))
+    assert config.ipu.layers_per_ipu == [0, 2, 2, 2] and config.ipu.available_memory_proportion == [0.25]
+    assert notes == ["ipu.layers_per_ipu=[0,2,2,2] for the checkpoint's 6 encoder layers (the config's [0,4,4,4] "
+                     "has 12); --set ipu.layers_per_ipu to choose another"]
+    assert validate(config, get_backend_class("mock")) == notes  # a second validation repeats the note
+
+
+def test_a_pipeline_too_deep_for_the_accumulation_names_a_one_ipu_line_that_runs(six_layer_job, tmp_path, capsys):
+    """A given 4-IPU layout with the ~1 micro-batch per step packing leaves: PopTorch's rule refuses
+    it before anything compiles, naming a one-IPU --set line; that line (memory proportions fitted
+    to it) runs."""
+    given = ["--set", "ipu.layers_per_ipu=[0,2,2,2]"]
+    assert _mock_finetune(six_layer_job, tmp_path / "deep", *given) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "forward pipeline stages" in errors[0], errors
+    words = shlex.split(errors[0].split("or use one IPU per replica: ", 1)[1])
+    assert words == ["--set", "ipu.layers_per_ipu=[6]"], errors
+    assert _mock_finetune(six_layer_job, tmp_path / "one", *given, *words) == 0
