@@ -11,7 +11,7 @@ Each command runs in a scratch directory (so a documented ``runs/NAME`` output n
 old run) with the repository on ``PYTHONPATH`` and ``run.py`` / ``benchmarks/`` resolved to it;
 piped output, as a reader who copies the command into a script sees it. Timings (``seq/s``,
 ``s of training``, the ``seconds`` column) depend on the machine and its load: the doc says
-so after the block; counts, losses and packs do not. tests/test_doc_snippets.py checks
+so after the block; counts, losses and packs do not. tests/run/test_doc_snippets.py checks
 that every block equals its record and that the recorded commands are the documented ones.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = ["README.md", "packing/README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 PROGRAMS = ("python", "torchrun", "poprun", "pip", "nice", "apt-get", "git", "mkdir", "mv", "~/")
@@ -311,7 +311,7 @@ def skip_reason(words: List[str], text: str) -> str:
     joined = " ".join(words)
     if "--config phase2" in joined and "model.num_hidden_layers=" in joined and "--steps 3" in joined:
         return ("BERT-Large shape cut down: seconds on an idle 2-core machine, a minute under load (the mock's "
-                "36 micro-batches); docs/examples.py runs it, tests/test_run.py and test_ipu_* cover the paths")
+                "36 micro-batches); docs/examples.py runs it, tests/run/test_run.py and tests/ipu/test_ipu_* cover the paths")
     if "--backend ipu" in joined or text.startswith("poprun"):
         return "needs IPUs and the Poplar SDK"
     if "--backend cuda" in joined and "cuda.device=cpu" not in joined or "-m cuda" in joined:
