@@ -38,7 +38,12 @@ def train_vocab(input_paths, vocab_size, output_path, *, lowercase=True, min_fre
     tokenizer.train(input_paths, vocab_size=vocab_size, min_frequency=min_frequency,
                     limit_alphabet=limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
                     show_progress=False, wordpieces_prefix="##")
-    tokens = [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])]
+    # tokenizers numbers the alphabet and equally frequent merges in its hash maps' order, which
+    # changes from process to process: the same corpus gave the same tokens under different ids
+    # (three runs, three files). Ids carry no meaning for BERT, so they are made canonical: the
+    # special tokens first, in their fixed order, then every other token sorted by its text.
+    learned = sorted(set(tokenizer.get_vocab()) - set(SPECIAL_TOKENS))
+    tokens = [token for token in SPECIAL_TOKENS if token in tokenizer.get_vocab()] + learned
     if len(tokens) <= len(SPECIAL_TOKENS):
         raise DataError(f"{input_paths[0]}: no words found to build a vocabulary from; "
                         "give a corpus with text in it")

@@ -122,6 +122,23 @@ def test_vocab_has_special_tokens_first_and_respects_size(synthetic):
     assert load_vocab(vocab_path)["[MASK]"] == MASK
 
 
+def test_vocab_ids_do_not_depend_on_the_process(synthetic, tmp_path):
+    """tokenizers numbers tokens in hash order (a new order in every process): the same corpus gave
+    differently ordered vocab.txt files. Trained in two processes with room for every merge (no tie
+    at the size limit), the files are identical: specials first, then the learned tokens sorted."""
+    _, corpus, _, _ = synthetic
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    files = []
+    for run in range(2):
+        output = tmp_path / f"vocab{run}.txt"
+        subprocess.run([sys.executable, "-m", "bert_packed.data", "vocab", "--input", str(corpus), "--size", "30000",
+                        "--output", str(output)], cwd=root, check=True, capture_output=True)
+        files.append(output.read_bytes())
+    assert files[0] == files[1]
+    tokens = files[0].decode().split("\n")[:-1]
+    assert tuple(tokens[:5]) == SPECIAL_TOKENS and tokens[5:] == sorted(tokens[5:]) and len(tokens) > 50
+
+
 def test_create_layout_and_masking_on_synthetic_text(synthetic):
     _, _, vocab, output = synthetic
     arrays = read(output)
