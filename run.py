@@ -168,7 +168,7 @@ def _compile_only(args, config) -> int:
 
 def _profile(args, config, warnings) -> int:
     """--profile: the packing-overhead report (and the backend's memory estimate) instead of training."""
-    from bert_packed.profiling import run_profile
+    from bert_packed.profiling import format_markdown, run_profile
 
     require(get_backend_class(args.backend), Profiling, "--profile")
     backend = get_backend(args.backend, config=config)
@@ -176,8 +176,12 @@ def _profile(args, config, warnings) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
     check_output_dir(output_dir, input_paths(config))
-    run_profile(config, backend, output_dir)
+    report = run_profile(config, backend, output_dir, show_progress=not args.no_progress and sys.stderr.isatty())
     backend.memory_report(config, output_dir)
+    print(format_markdown(report))
+    written = ", ".join(name for name in ("overhead.md", "overhead.json", "overhead.png", "memory.md")
+                        if os.path.exists(os.path.join(output_dir, name)))
+    print(f"wrote {output_dir}: {written}")
     return 0
 
 

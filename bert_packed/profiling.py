@@ -36,11 +36,13 @@ Outputs in ``output_dir``: ``overhead.json`` (everything), ``overhead.md`` (the 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -181,6 +183,21 @@ def build_profile_model(config, backend, execute: Optional[bool] = None):
 # ----------------------------------------------------------------------------- measurements
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """File descriptor 2 to /dev/null for a moment: for native libraries' chatter that Python's
+    ``sys.stderr`` cannot catch. Only around calls that report errors by raising."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def scope_breakdown(model, batch: Dict[str, np.ndarray], device: str = "cpu") -> Dict[str, float]:
     """Fraction of one forward+backward spent inside the model's packing scopes.
 
@@ -195,12 +212,18 @@ def scope_breakdown(model, batch: Dict[str, np.ndarray], device: str = "cpu") ->
     tensors = {k: torch.as_tensor(v).to(device) for k, v in batch.items()}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     model.zero_grad(set_to_none=True)
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with _native_stderr_silenced():  # torch >= 2.12's kineto prints a "USDT: ... profiler_start" line
+        prof.start()
+    try:
         start = time.perf_counter()
         model(**tensors)["loss"].backward()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         total_us = (time.perf_counter() - start) * 1e6
+    finally:
+        with _native_stderr_silenced():  # ... and a "profiler_stop" line, at every start and stop
+            prof.stop()
     model.zero_grad(set_to_none=True)
     spent = {name: 0.0 for name in CATEGORIES}
     for event in prof.events():

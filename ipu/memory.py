@@ -41,7 +41,7 @@ the 1,472 tiles, against the tile and, for matmul temporaries, against the share
 available-memory proportion gives them; and what Graphcore's BERT does about each. What only a
 real compile can tell: the tile mapping Poplar's planner picks (gathers, exchange buffers, vertex
 state and code are not spread evenly), hence the fullest tile; the out-of-memory error names
-the tiles over, and the report of ``python -m ipu.offline --report`` shows memory per tile.
+the tiles over, and the report of ``run.py --backend ipu ... --compile-only report`` shows memory per tile.
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -260,7 +260,7 @@ def format_tile_table(tensors: List[Dict[str, object]], rows: List[Dict[str, int
     lines.append("\n% of the matmul share: of available_memory_proportion x 624 KiB, the part of a tile the matmul "
                  "planner aims to keep its temporaries within. Only a real compile tells the tile mapping (gathers, "
                  "exchange buffers, vertex state and code are not spread evenly), hence the fullest tile: Poplar's "
-                 "out-of-memory error names the tiles over; `python -m ipu.offline --report` writes the per-tile "
+                 "out-of-memory error names the tiles over; `run.py --backend ipu ... --compile-only report` writes the per-tile "
                  "report. What Graphcore's BERT does about each tensor: docs/ipu.md.")
     return "\n".join(lines)
 

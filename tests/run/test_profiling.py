@@ -221,3 +221,18 @@ def test_mock_executes_through_cycle_count_and_reads_pva(tmp_path):
     assert report["cycle_count_logged"] is True
     assert seen == [os.path.join(str(tmp_path), "popvision")]
     assert report["pva_cycles"] == 42
+
+
+def test_run_py_profile_prints_the_table_and_the_files_and_no_bar_when_piped(tmp_path, capfd):
+    """`run.py --profile` used to write overhead.md silently, draw a 0 % bar into a pipe and let
+    torch's profiler print a 'USDT: ... profiler_start' line at every scope measurement."""
+    import run
+
+    output_dir = tmp_path / "profile"
+    assert run.main(["--config", "tiny", "--profile", "--output-dir", str(output_dir)]) == 0
+    out, err = capfd.readouterr()
+    assert "| depth | algorithm |" in out and "Packed / padded sequences/s" in out
+    assert out.strip().splitlines()[-1] == f"wrote {output_dir}: overhead.md, overhead.json, overhead.png"
+    assert (output_dir / "overhead.md").read_text().strip() in out
+    assert "%|" not in err and "it/s" not in err, "a progress bar on a pipe"
+    assert "USDT" not in err and "profiler_start" not in err
