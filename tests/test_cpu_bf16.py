@@ -1,5 +1,6 @@
 """``cpu.precision=bf16``: the cpu backend's forward under bf16 autocast with fp32 master weights
 (issue 35), on CPUs with native bf16 instructions; refused in one line on a CPU without them."""
+import os
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from bert_packed.train import Interrupted, train
 from helpers import assert_one_line_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _BATCHES = {}
 
@@ -48,8 +50,20 @@ def _steps(overrides, num_steps=3):
 def test_the_default_is_fp32_and_bf16_is_a_choice():
     assert load_config("tiny").sections["cpu"].precision == "fp32"
     assert load_config("tiny", ["cpu.precision=bf16"]).sections["cpu"].precision == "bf16"
-    with pytest.raises(ConfigError, match="cpu.precision"):
-        load_config("tiny", ["cpu.precision=fp16"])  # no loss scaling on the cpu backend
+    assert load_config("tiny").sections["cuda"].precision == "bf16"  # the cuda section keeps its own
+
+
+@pytest.mark.parametrize("value, message", [
+    ("fp16", "cpu.precision must be one of fp32, bf16, got 'fp16'"),  # no loss scaling on the cpu backend
+    ("BF16", "cpu.precision must be one of fp32, bf16, got 'BF16'"),
+    ("", "cpu.precision is empty; give a value"),
+    ("1", "cpu.precision"),
+])
+def test_a_bad_precision_is_one_line(value, message, tmp_path):
+    result = subprocess.run([sys.executable, "run.py", "--config", "tiny", "--steps", "1", "--output-dir",
+                             str(tmp_path / "out"), "--no-progress", "--set", f"cpu.precision={value}"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert_one_line_error(result, message)
 
 
 def test_bf16_runs_the_matrix_products_in_bf16_and_keeps_fp32_weights():
@@ -171,7 +185,7 @@ def test_run_py_refuses_bf16_without_native_support_with_exit_2(tmp_path):
               "sys.argv = ['run.py'] + sys.argv[1:]; runpy.run_path('run.py', run_name='__main__')")
     result = subprocess.run([sys.executable, "-c", script, "--config", "tiny", "--steps", "1", "--output-dir",
                              str(tmp_path / "out"), "--no-progress", "--set", "cpu.precision=bf16"],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert_one_line_error(result, "cpu.precision=bf16", "native bf16")
 
 
