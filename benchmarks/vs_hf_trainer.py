@@ -976,6 +976,10 @@ def qa_main(args, parser) -> int:
     """``--task qa``: extractive question answering (SQuAD v1.1 JSON, ``--train-file`` /
     ``--dev-file``, or ``--data quac``), windows of ``--max-length`` (default 384) tokens sharing
     ``--doc-stride`` (128); the dev columns are the official EM and F1 (percent)."""
+    room = args.max_length - 64 - 3  # finetune_squad's: max_query_length 64 and 3 special tokens
+    if not 0 <= args.doc_stride < room:
+        parser.error(f"--doc-stride {args.doc_stride}: the context tokens two windows share must be at least 0 and "
+                     f"below a window's context room ({room} = --max-length - 64 question tokens - 3)")
     if args.data:
         if args.data not in QA_DATA_WHEELS:
             parser.error(f"--task qa --data: choose from {', '.join(QA_DATA_WHEELS)}")
