@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import platform
 import statistics
 import sys
 import time
@@ -70,6 +71,30 @@ def reuse_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def native_bf16() -> Optional[bool]:
+    """Whether this CPU has native bf16 instructions (AVX512-BF16 or AMX on x86, the bf16
+    extension on Arm): torch's own query where it has one (2.2 and later), else the kernel's
+    CPU flags (Linux); None where neither tells."""
+    queries = [getattr(getattr(torch, "cpu", None), name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    queries = [query for query in queries if callable(query)]
+    if queries and platform.machine().lower() in ("x86_64", "amd64"):
+        return any(bool(query()) for query in queries)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = {word for line in f if line.split(":")[0].strip() in ("flags", "Features")
+                     for word in line.split(":", 1)[1].split()}
+    except OSError:
+        return None
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) if flags else None
+
+
+def check_cpu_precision(config, section: str) -> None:
+    """Refuse ``precision=bf16`` at start-up on a CPU known to lack native bf16 instructions."""
+    if getattr(config.sections[section], "precision", "fp32") == "bf16" and native_bf16() is False:
+        raise ConfigError(f"{section}.precision=bf16 needs a CPU with native bf16 instructions (AVX512-BF16 or "
+                          f"AMX; the bf16 extension on Arm) and this one has none; use {section}.precision=fp32")
+
+
 def check_compiled_attention(config, section: str) -> None:
     """Refuse ``compile`` with an attention whose shapes follow each batch (``bucketed``), at
     start-up: every batch would compile a new graph, and the run would stop at the first step
@@ -96,6 +121,7 @@ class CPUBackend(Backend, Profiling):
     @classmethod
     def validate_config(cls, config, world_size: int) -> List[str]:
         check_compiled_attention(config, cls.config_section)
+        check_cpu_precision(config, cls.config_section)
         return []
 
     @staticmethod
@@ -112,11 +138,15 @@ class CPUBackend(Backend, Profiling):
         self.grad_norm = self.found_inf = None
         self.used_learning_rate: Optional[float] = None  # the rate of the last update (optimizer_step)
         self.num_steps = self.num_recompiles = 0
+        self.cpu_bf16 = False  # cpu.precision=bf16 (set by prepare): the forward under bf16 autocast
 
     # -- hooks (override in subclasses) ----------------------------------------------------
 
     def autocast(self):
-        """Context manager around the forward pass (fp32 here: nothing)."""
+        """Context manager around the forward pass: bf16 autocast with ``cpu.precision=bf16``,
+        else nothing (fp32)."""
+        if self.cpu_bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -218,6 +248,8 @@ class CPUBackend(Backend, Profiling):
     def prepare(self, model: torch.nn.Module, optimizer: Any, plan, *, scheduler: Optional[Any] = None,
                 state: Optional[Dict[str, Any]] = None) -> None:
         self.plan = plan
+        self.cpu_bf16 = type(self).autocast is CPUBackend.autocast and getattr(plan.settings, "precision",
+                                                                                "fp32") == "bf16"
         if plan.settings.reuse_freed_memory:
             reuse_freed_memory()
         self.model = model.to(self.device)

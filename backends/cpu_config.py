@@ -35,3 +35,9 @@ class CPUConfig:
     # no page faults: pre-training MiniLM ran 1.11x faster (docs/benchmarks.md). The memory
     # the process has held is not returned to the system until it exits. No effect elsewhere.
     reuse_freed_memory: bool = field(default=True, metadata=HARMLESS)
+    # "bf16": every forward under torch.autocast("cpu", bfloat16), so the matrix products (and
+    # their backward) run in bf16 on the CPU's AVX512-BF16 / AMX units; the weights (the
+    # optimizer's master copy), gradients, optimizer state and checkpoints stay fp32, and the
+    # loss and softmax stay fp32 (autocast's lists). Refused on a CPU without native bf16
+    # instructions, where bf16 would only be emulated. (The cuda section redefines it.)
+    precision: str = field(default="fp32", metadata={"choices": ("fp32", "bf16")})

