@@ -498,8 +498,8 @@ def hf_qa(spec: dict) -> dict:
                               default_data_collator, set_seed)
 
     sys.path.insert(0, ROOT)
-    from bert_packed.finetune.squad_data import read_squad
-    from bert_packed.finetune.squad_metrics import squad_scores
+    from bert_packed.finetune.squad.data import read_squad
+    from bert_packed.finetune.squad.metrics import squad_scores
 
     torch.set_num_threads(spec["threads"])
     set_seed(spec["seed"])  # before from_pretrained draws the new span head, as run_qa.py does

@@ -19,7 +19,7 @@ from bert_packed.train import Interrupted, train
 from helpers import assert_one_line_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _BATCHES = {}
 
