@@ -32,7 +32,7 @@ class CPUConfig:
     # (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB) instead of mapping fresh pages for every
     # tensor over 32 MiB and unmapping them when it is freed. A step's large temporaries (the
     # 30,522 x 384 embedding gradient, the MLM logits) then reuse memory already touched, with
-    # no page faults: pre-training MiniLM ran 1.11x faster (docs/benchmarks.md). The memory
+    # no page faults: pre-training MiniLM ran 1.11x faster (docs/benchmarks/trainer.md). The memory
     # the process has held is not returned to the system until it exits. No effect elsewhere.
     reuse_freed_memory: bool = field(default=True, metadata=HARMLESS)
     # "bf16": every forward under torch.autocast("cpu", bfloat16), so the matrix products (and

@@ -6,7 +6,7 @@ Writes a synthetic unpacked HDF5 file (NVIDIA layout, S=128, lengths from the Wi
 histogram scaled to 128), then runs `python -m bert_packed.data pack` on it in a child
 process and reports that process's own peak resident memory (VmHWM; getrusage's ru_maxrss
 would carry this parent's peak across fork + exec), wall time, file
-sizes and the packing statistics. Figures go to docs/benchmarks.md ("Real data").
+sizes and the packing statistics. Figures go to docs/benchmarks/training.md ("Real data").
 """
 import argparse
 import json

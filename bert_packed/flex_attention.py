@@ -7,7 +7,7 @@ for the 128x128 tiles that hold at least one allowed pair, skips the others, and
 skips even the mask function on tiles that are entirely allowed. On Wikipedia-length
 packs at S=512, depth 3, it computes about 91 % of the tiles (128-token tiles are coarse
 next to sequences of ~250 tokens); on padded rows it skips the padding, about half
-(measured with benchmarks/cuda_throughput.py --tiles-only; see docs/benchmarks.md).
+(measured with benchmarks/cuda_throughput.py --tiles-only; see docs/benchmarks/cuda.md).
 
 Registered in the attention registry as ``"flex"``. The model calls ``prepare`` once
 per forward (the block mask is built once per batch and shared by all layers) and

@@ -56,7 +56,7 @@ class Lamb(torch.optim.Optimizer):
     the two agree to float32 rounding (tested within 1e-6 over 5 steps). ``None`` (default):
     foreach on every device. On the CPU a foreach operation is a loop over the tensors inside one
     call, yet it still measured 1.5-1.9x faster than the per-tensor step on all-MiniLM-L6-v2's
-    105 tensors on a quiet 2-core machine, 1.5x with a ``found_inf`` flag (docs/benchmarks.md;
+    105 tensors on a quiet 2-core machine, 1.5x with a ``found_inf`` flag (docs/benchmarks/trainer.md;
     an earlier measurement under heavy load had it slower, and that was the load).
     ``state["step"]`` is a float32 0-dim tensor on the parameter's device (the
     step count can then stay on the device when an update is skipped, see ``step``); an int

@@ -126,7 +126,7 @@ def test_fp16_mock_pipeline_follows_the_fp32_cpu_reference_over_50_steps():
     x accumulation 8 on a 4-stage pipeline (embeddings, two IPUs of layers, the heads back on
     IPU 0), 50 LAMB steps: the loss curve stays within 0.5 % of the cpu's fp32 one (measured:
     6.7e-5 relative on torch 2.13, 7.0e-5 on 2.0.1, while the loss falls 5.54 -> 4.44; an fp32
-    mock run: 1.8e-7; benchmarks/ipu_fp16_mock_curve.py, docs/benchmarks.md)."""
+    mock run: 1.8e-7; benchmarks/ipu_fp16_mock_curve.py, docs/benchmarks/ipu.md)."""
     mock_losses, cpu_losses, mock = mock_and_cpu_loss_curves(steps=50)
     assert mock.training_model.pipeline["stage_ipus"] == [0, 1, 2, 0]
     assert mock.optimizer.accum_type == torch.float16 and all(p.dtype == torch.float16 for p in mock.model.parameters())

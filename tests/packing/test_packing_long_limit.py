@@ -4,7 +4,7 @@ number of sequences and of distinct lengths, never with max_sequence_length L.
 A handful of short sequences at L = 10**8 (and 10**12) goes through every algorithm, assign,
 the LLM API and the command line under tracemalloc (numpy's allocations are traced). The
 bound asserted, 4 MiB, is three orders of magnitude below what the dense implementation
-took at L = 10**8 (0.8-6 GiB per call; docs/benchmarks.md, "Packing library") and a million
+took at L = 10**8 (0.8-6 GiB per call; docs/benchmarks/packing.md, "Packing library") and a million
 times below what it would need at 10**12. Results are checked too, and against the same
 data at a small L where that has to give the same plan.
 """

@@ -21,7 +21,8 @@ from typing import List, Optional
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DOCS = ["README.md", "packing/README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+DOCS = ["README.md", "packing/README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+                                                  + glob.glob(os.path.join(ROOT, "docs", "benchmarks", "*.md")))
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 PROGRAMS = ("python", "torchrun", "poprun", "pip", "nice", "apt-get", "git", "mkdir", "mv", "~/")
 # A word that stands for something the reader fills in (a synopsis line, not a command).
@@ -420,7 +421,7 @@ def test_the_commands_found_cover_the_docs():
     format that hid them would otherwise pass silently)."""
     found = {c.doc for c in COMMANDS}
     for doc in ("README.md", "docs/cuda.md", "docs/data.md", "docs/finetuning.md", "docs/ipu.md",
-                "docs/profiling.md", "docs/benchmarks.md"):
+                "docs/profiling.md", "docs/benchmarks/cuda.md", "docs/benchmarks/trainer.md"):
         assert doc in found, doc
     assert len(COMMANDS) >= 60, len(COMMANDS)
 
