@@ -30,6 +30,7 @@ import json
 import os
 from typing import Iterator, List, Sequence, Tuple
 
+from ..io import not_utf8_message
 from .errors import DataError
 
 FORMATS = ("lines", "wikiextractor", "jsonl", "parquet")
@@ -199,13 +200,9 @@ def _decode(path, start, stop) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        # The message of vocab.utf8_lines: one invalid-UTF-8 policy for every corpus reader.
-        line_start = data.rfind(b"\n", 0, exc.start) + 1
-        number = _first_line(path, start) + data.count(b"\n", 0, line_start)
-        bad = data[exc.start:exc.end].hex()
-        raise DataError(f"{path}: line {number}: invalid UTF-8 (byte 0x{bad} at column {exc.start - line_start + 1}); "
-                        f"corpora must be UTF-8: convert with iconv -f <encoding> -t utf-8, or drop bad "
-                        f"bytes with iconv -c -f utf-8 -t utf-8") from None
+        # The project's one message for a byte that is not UTF-8 (bert_packed.io), as vocab gives.
+        raise DataError(not_utf8_message(path, data, exc.start, first_line=_first_line(path, start),
+                                         base_offset=start)) from None
 
 
 def _first_line(path, offset) -> int:

@@ -5,7 +5,7 @@ the id), so Google's and Hugging Face's vocabularies work as they are.
 """
 import os
 
-from ..io import write_text_atomic
+from ..io import read_utf8, utf8_lines as _utf8_lines, write_text_atomic
 from .errors import DataError, refuse_output_over_input
 
 # The order matters only for ids: [PAD] = 0 because the packed layout reads token 0 as
@@ -57,17 +57,11 @@ def utf8_lines(path):
     The one invalid-UTF-8 policy of `vocab` and `create`: a corpus must be UTF-8, and a byte
     sequence that is not is refused with one line naming the file, line and byte offset (no
     silent replacement or dropping: either would train on text that is not in the corpus).
-    Convert a file with `iconv -f <encoding> -t utf-8`, or drop bad bytes with `iconv -c`.
+    The message is bert_packed.io's, as for every user file. Convert a file with
+    `iconv -f <encoding> -t utf-8`, or drop bad bytes with `iconv -c`.
     """
     with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, 1):
-            try:
-                yield raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                bad = raw[exc.start:exc.end].hex()
-                raise DataError(f"{path}: line {number}: invalid UTF-8 (byte 0x{bad} at column {exc.start + 1}); "
-                                f"corpora must be UTF-8: convert with iconv -f <encoding> -t utf-8, or drop bad "
-                                f"bytes with iconv -c -f utf-8 -t utf-8") from None
+        yield from _utf8_lines(path, handle, DataError)  # the project's one reader of user text (bert_packed.io)
 
 
 def check_corpus_file(path):
@@ -88,11 +82,7 @@ def load_vocab(path):
     if not os.path.isfile(path):
         raise DataError(f"{path}: vocabulary file not found (make one with "
                         "`python -m bert_packed.data vocab`)")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            tokens = [line.rstrip("\n").rstrip("\r") for line in handle]
-    except UnicodeDecodeError:
-        raise DataError(f"{path}: the vocabulary is not UTF-8 text (one token per line)") from None
+    tokens = [line.rstrip("\r") for line in read_utf8(path, DataError).split("\n")]
     while tokens and tokens[-1] == "":
         tokens.pop()
     vocab = {}

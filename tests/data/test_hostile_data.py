@@ -20,7 +20,7 @@ from bert_packed.io import _host
 from hostile import TINY, assert_unchanged, main_error, snapshot
 from test_data_create import synthetic_corpus
 
-UTF8_HINT = "corpora must be UTF-8: convert with iconv -f <encoding> -t utf-8, or drop bad bytes with iconv -c -f utf-8 -t utf-8"
+UTF8_HINT = "save the file as UTF-8, e.g. iconv -f <encoding> -t utf-8"  # bert_packed.io: one message for every reader
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +105,14 @@ def test_stats_refuses_a_plot_over_the_file_it_reads(work, capsys, name):
 @pytest.mark.parametrize("command", ["vocab", "create"])
 def test_invalid_utf8_is_refused_the_same_way_by_vocab_and_create(work, capsys, command):
     bad = work / "bad.txt"
-    bad.write_bytes(b"good line one .\nstill good .\nab\xffcd is not utf-8 .\n")
+    content = b"good line one .\nstill good .\nab\xffcd is not utf-8 .\n"
+    bad.write_bytes(content)
+    offset = content.index(b"\xff")
     before = snapshot(work)
     args = (["vocab", "--input", bad, "--size", 100, "--output", work / "vocab.txt"] if command == "vocab" else
             ["create", "--input", bad, "--vocab", work / "vocab.txt", "--output", work / "train.h5"])
     assert data_error(capsys, *args) == (
-        2, f"error: {bad}: line 3: invalid UTF-8 (byte 0xff at column 3); {UTF8_HINT}")
+        2, f"error: {bad}: line 3: not UTF-8 (byte 0xff at byte offset {offset}, column 3); {UTF8_HINT}")
     assert_unchanged(before, work)  # the previous vocab.txt / train.h5 survive
 
 
