@@ -102,3 +102,11 @@ def classification_rows(n: int, seed: int, problem_type: str = "single_label_cla
             value = label
         rows.append({"text": text, "pair": pair, "label": value})
     return rows
+
+
+def tiny_pretraining_checkpoint(transformers, directory):
+    """A tiny Hugging Face BertForPreTraining in ``directory/bert`` with its fast tokenizer (the
+    hostile fine-tuning tests' module-scoped checkpoint); returns that path."""
+    vocab = write_vocab(str(directory / "vocab"))
+    save_hf_checkpoint(transformers, str(directory / "bert"), vocab, "BertForPreTraining")
+    return directory / "bert"

@@ -9,3 +9,21 @@ def assert_one_line_error(result, *needles):
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def stop_after(backend, num_steps):
+    """Make ``backend`` send this process SIGTERM after its ``num_steps``-th step, as a kill would:
+    the loop checkpoints that step and raises Interrupted. Returns ``backend``."""
+    import signal
+
+    train_step, calls = backend.train_step, []
+
+    def step_then_stop(micro_batches):
+        result = train_step(micro_batches)
+        calls.append(1)
+        if len(calls) == num_steps:
+            signal.raise_signal(signal.SIGTERM)
+        return result
+
+    backend.train_step = step_then_stop
+    return backend

@@ -16,7 +16,7 @@ from bert_packed.config import ConfigError, load_config
 from bert_packed.data import build_data_source
 from bert_packed.loop.plan import make_plan
 from bert_packed.train import Interrupted, train
-from helpers import assert_one_line_error
+from helpers import assert_one_line_error, stop_after
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -118,23 +118,6 @@ def test_bf16_gradients_are_fp32_and_finite():
     assert all(bool(torch.isfinite(g).all()) for g in grads)
 
 
-def _stop_after(backend, num_steps):
-    """Raise SIGTERM inside the loop after ``num_steps`` optimizer steps (the loop checkpoints and stops)."""
-    import signal
-
-    calls, train_step = [], backend.train_step
-
-    def step_then_stop(micro_batches):
-        result = train_step(micro_batches)
-        calls.append(1)
-        if len(calls) == num_steps:
-            signal.raise_signal(signal.SIGTERM)
-        return result
-
-    backend.train_step = step_then_stop
-    return backend
-
-
 def _rows(path):
     import json
 
@@ -152,7 +135,7 @@ def test_bf16_checkpoints_stay_fp32_and_a_resume_reproduces_the_run(tmp_path):
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     train(config, get_backend("cpu"), output_dir=str(full), show_progress=False)
     with pytest.raises(Interrupted):
-        train(config, _stop_after(get_backend("cpu"), 3), output_dir=str(stopped), show_progress=False)
+        train(config, stop_after(get_backend("cpu"), 3), output_dir=str(stopped), show_progress=False)
     saved = load_checkpoint(str(stopped / CHECKPOINT_NAME))
     assert saved["step"] == 3
     floats = [t for t in saved["model"].values() if t.is_floating_point()]

@@ -8,7 +8,6 @@ backward) is in the ``cuda``-marked tests at the bottom.
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from bert_packed.train import Interrupted, train
 from bert_packed.data import build_data_source
 from bert_packed.build import build_model, build_optimizer
 from bert_packed.loop.plan import make_plan
+from helpers import stop_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -386,22 +386,6 @@ class FakeCUDAGenerator:
         self.state = state.clone()
 
 
-def _stop_after(backend, num_steps):
-    """Make ``backend`` send this process SIGTERM after its ``num_steps``-th step, as a kill would:
-    the loop checkpoints that step and raises Interrupted."""
-    train_step, calls = backend.train_step, []
-
-    def step_then_stop(micro_batches):
-        result = train_step(micro_batches)
-        calls.append(1)
-        if len(calls) == num_steps:
-            signal.raise_signal(signal.SIGTERM)
-        return result
-
-    backend.train_step = step_then_stop
-    return backend
-
-
 def test_the_checkpoint_carries_the_cuda_generator_and_a_resume_restores_it(tmp_path, monkeypatch):
     fake = FakeCUDAGenerator(torch.arange(16, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
@@ -409,7 +393,7 @@ def test_the_checkpoint_carries_the_cuda_generator_and_a_resume_restores_it(tmp_
     monkeypatch.setattr(CUDABackend, "rng_device", property(lambda self: torch.device("cuda", 0)))
     config = load_config("tiny", CPU_FP32 + ["train.steps=4", "train.checkpoint_every=2"])
     with pytest.raises(Interrupted):
-        train(config, _stop_after(get_backend("cuda", config=config), 2), output_dir=str(tmp_path),
+        train(config, stop_after(get_backend("cuda", config=config), 2), output_dir=str(tmp_path),
               show_progress=False)
     saved = load_checkpoint(str(tmp_path / CHECKPOINT_NAME))
     assert saved["step"] == 2 and fake.set_calls == []  # a fresh run restores nothing
@@ -438,7 +422,7 @@ def test_a_resumed_run_with_dropout_reproduces_the_uninterrupted_one(tmp_path, d
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     train(config, get_backend("cuda", config=config), output_dir=str(full), show_progress=False)
     with pytest.raises(Interrupted):
-        train(config, _stop_after(get_backend("cuda", config=config), 3), output_dir=str(stopped),
+        train(config, stop_after(get_backend("cuda", config=config), 3), output_dir=str(stopped),
               show_progress=False)
     assert load_checkpoint(str(stopped / CHECKPOINT_NAME))["step"] == 3
     train(config, get_backend("cuda", config=config), output_dir=str(stopped), resume=True, show_progress=False)

@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from bert_packed.finetune.__main__ import main as finetune_main
-from finetune_fixtures import save_hf_checkpoint, write_vocab
+from finetune_fixtures import save_hf_checkpoint, tiny_pretraining_checkpoint
 from hostile import assert_unchanged, main_error, snapshot
 
 transformers = pytest.importorskip("transformers")
@@ -31,10 +31,7 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny Hugging Face BertForPreTraining directory with its fast tokenizer (read-only use)."""
-    directory = tmp_path_factory.mktemp("ckpt")
-    vocab = write_vocab(str(directory / "vocab"))
-    save_hf_checkpoint(transformers, str(directory / "bert"), vocab, "BertForPreTraining")
-    return directory / "bert"
+    return tiny_pretraining_checkpoint(transformers, tmp_path_factory.mktemp("ckpt"))
 
 
 def no_output(out):

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from finetune_fixtures import classification_rows, save_hf_checkpoint, write_rows, write_vocab
+from finetune_fixtures import classification_rows, tiny_pretraining_checkpoint, write_rows
 from hostile import assert_unchanged, snapshot
 
 transformers = pytest.importorskip("transformers")
@@ -25,10 +25,7 @@ def _one_thread(one_thread):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("ckpt")
-    vocab = write_vocab(str(directory / "vocab"))
-    save_hf_checkpoint(transformers, str(directory / "bert"), vocab, "BertForPreTraining")
-    return directory / "bert"
+    return tiny_pretraining_checkpoint(transformers, tmp_path_factory.mktemp("ckpt"))
 
 
 def argv(checkpoint, out, train, dev, *extra):
