@@ -690,11 +690,20 @@ def ner_plans(args, checkpoint):
     return {
         "hf-ner-random": ("hf", dict(common)),
         "hf-ner-grouped": ("hf", dict(common, grouped=True)),
-        "ner-padded": ("ours", ours + ["finetune.packing=false", f"train.micro_batch_size={args.batch_size}",
-                                       "train.gradient_accumulation=1"]),
-        "ner-packed": ("ours", ours + ["train.micro_batch_size=4",
-                                       f"train.gradient_accumulation={max(1, args.batch_size // 4)}",
-                                       "train.packing_adjustment=gradient_accumulation"]),
+        **_padded_and_packed("ner", ours, args.batch_size),
+    }
+
+
+def _padded_and_packed(prefix, ours, batch_size):
+    """Our two rows of a task: one sequence per row, ``batch_size`` rows a step; and packed, 4
+    packs per micro-batch with the accumulation divided by the packing factor (about
+    ``batch_size`` sequences a step)."""
+    return {
+        f"{prefix}-padded": ("ours", ours + ["finetune.packing=false", f"train.micro_batch_size={batch_size}",
+                                             "train.gradient_accumulation=1"]),
+        f"{prefix}-packed": ("ours", ours + ["train.micro_batch_size=4",
+                                             f"train.gradient_accumulation={max(1, batch_size // 4)}",
+                                             "train.packing_adjustment=gradient_accumulation"]),
     }
 
 
@@ -713,11 +722,7 @@ def qa_plans(args, checkpoint):
     return {
         "hf-qa-max-length": ("hf", dict(common, max_length_padding=True)),
         "hf-qa-grouped": ("hf", dict(common, grouped=True)),
-        "qa-padded": ("ours", ours + ["finetune.packing=false", f"train.micro_batch_size={args.batch_size}",
-                                      "train.gradient_accumulation=1"]),
-        "qa-packed": ("ours", ours + ["train.micro_batch_size=4",
-                                      f"train.gradient_accumulation={max(1, args.batch_size // 4)}",
-                                      "train.packing_adjustment=gradient_accumulation"]),
+        **_padded_and_packed("qa", ours, args.batch_size),
     }
 
 
