@@ -730,6 +730,8 @@ def main(argv=None):
                 from backends.cuda import CUDABackend
 
                 raise ConfigError(f"no GPU: {CUDABackend.unavailable_reason()} (or --tiles-only / --device cpu)")
+            if args.setup_timeout is not None and not args.setup_timeout > 0:
+                raise ConfigError(f"--setup-timeout must be a positive number of seconds, got {args.setup_timeout:g}")
             for model_name in args.models:
                 load_config(model_name, list(args.set))  # a bad name or override: one line, before any run
             device = torch.device(args.device or "cuda")

@@ -150,6 +150,13 @@ def test_table_of_a_bad_results_file_is_one_line_error(tmp_path, capsys, content
     assert len(err) == 1 and err[0].startswith("error: --table") and message in err[0]
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_a_setup_timeout_that_is_not_positive_is_one_line_error(capsys, value):
+    assert cuda_throughput.main(SMALL + ["--setup-timeout", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --setup-timeout must be a positive number")
+
+
 def test_bad_scaling_argument_is_one_line_error(capsys):
     assert cuda_throughput.main(SMALL + ["--scaling", "two"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
