@@ -13,7 +13,7 @@ from typing import List, Optional
 from bert_packed.config import HARMLESS, bounded
 from bert_packed.errors import ConfigError
 from bert_packed.limits import LAYERS, VOCABULARY, at_most
-from bert_packed.loop.plan import accumulation_for
+from bert_packed.loop.plan import accumulation_for, adjust_gradient_accumulation
 
 # The largest IPU systems (Bow Pod1024) have 1024 IPUs: replicas x IPUs per replica must fit.
 MAX_IPUS = 1024
@@ -143,10 +143,9 @@ def _accumulation_floor(config, world_size: int) -> int:
     """The fewest micro-batches per replica a step can get (after ``train.packing_adjustment``
     divides them by a packing factor of at most ``data.max_sequences_per_pack``)."""
     t = config.train
-    per_pass = t.micro_batch_size * config.ipu.replication_factor * world_size
-    accumulation = t.gradient_accumulation if t.global_batch_size is None else max(1, t.global_batch_size // per_pass)
+    accumulation = max(1, accumulation_for(t, config.ipu.replication_factor * world_size))
     if t.packing_adjustment == "gradient_accumulation":
-        accumulation = max(1, int(round(accumulation / config.data.max_sequences_per_pack)))
+        accumulation = adjust_gradient_accumulation(accumulation, config.data.max_sequences_per_pack)
     return accumulation
 
 
