@@ -78,6 +78,15 @@ def test_two_local_workers_write_the_same_bytes(corpus_dir, reference, tmp_path)
     assert contents(tmp_path / "two") == contents(reference[0])
 
 
+def test_local_workers_keep_glibcs_adaptive_malloc_and_one_thread_each(monkeypatch):
+    """Dask's nanny sets MALLOC_TRIM_THRESHOLD_ in its workers, which turns off glibc's adaptive
+    mmap threshold (shard writing 1.3x slower); our local cluster drops it and pins the threads."""
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    names = ["MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "RAYON_NUM_THREADS", "OMP_NUM_THREADS"]
+    seen = cs.engine.run_tasks(os.getenv, names + names, workers=2)
+    assert seen == [None, None, "1", "1"] * 2
+
+
 def _start(argv, log):
     env = dict(os.environ, PYTHONPATH=ROOT, **cs.engine.WORKER_ENV)
     return subprocess.Popen([sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
