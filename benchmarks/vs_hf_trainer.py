@@ -139,7 +139,8 @@ FINETUNE_ROWS = {
     "hf-max-length": ("hf", "HF Trainer, random order, padding to max_length"),
     "hf-compile": ("hf", "HF Trainer, group_by_length + torch_compile=True"),
     "padded": ("ours", "packed-bert, padded (finetune.packing=false)"),
-    "packed": ("ours", "packed-bert, packed"),
+    "packed": ("ours", "packed-bert, packed (the shipped config: attention auto, on the CPU bucketed)"),
+    "packed-dense": ("ours", "packed-bert, packed + model.attention_implementation=dense (the block-diagonal mask)"),
     "packed-baseline": ("ours", "packed-bert, packed, at --baseline-root (e.g. before a change)"),
     "packed-compile": ("ours", "packed-bert, packed + cpu.compile (torch.compile of the fixed-shape step)"),
     "packed-bucketed": ("ours", "packed-bert, packed + model.attention_implementation=bucketed (attention per "
@@ -150,7 +151,9 @@ NER_ROWS = {
     "hf-ner-random": ("hf", "HF Trainer, run_ner.py's features, random order, dynamic padding"),
     "hf-ner-grouped": ("hf", 'HF Trainer, run_ner.py\'s features, train_sampling_strategy="group_by_length"'),
     "ner-padded": ("ours", "packed-bert token classification, padded (finetune.packing=false)"),
-    "ner-packed": ("ours", "packed-bert token classification, packed"),
+    "ner-packed": ("ours", "packed-bert token classification, packed (attention auto: on the CPU bucketed)"),
+    "ner-packed-dense": ("ours", "packed-bert token classification, packed + the block-diagonal mask "
+                                "(model.attention_implementation=dense)"),
     "ner-packed-bucketed": ("ours", "packed-bert token classification, packed + attention per sequence "
                                     "(model.attention_implementation=bucketed)"),
 }
@@ -159,7 +162,9 @@ QA_ROWS = {
     "hf-qa-grouped": ("hf", 'HF Trainer, run_qa.py\'s features, train_sampling_strategy="group_by_length", '
                             "dynamic padding"),
     "qa-padded": ("ours", "packed-bert SQuAD, padded (finetune.packing=false)"),
-    "qa-packed": ("ours", "packed-bert SQuAD, packed"),
+    "qa-packed": ("ours", "packed-bert SQuAD, packed (the block-diagonal mask, finetune_squad's dense)"),
+    "qa-packed-dense": ("ours", "packed-bert SQuAD, packed + model.attention_implementation=dense (qa-packed "
+                                "while finetune_squad keeps dense)"),
     "qa-packed-bucketed": ("ours", "packed-bert SQuAD, packed + attention per sequence "
                                    "(model.attention_implementation=bucketed)"),
 }
@@ -677,6 +682,7 @@ def finetune_plans(args, paths, splits):
         "packed": ("ours", packed),
         "packed-compile": ("ours", packed + ["cpu.compile=true"]),
         "packed-bucketed": ("ours", packed + ["model.attention_implementation=bucketed"]),
+        "packed-dense": ("ours", packed + ["model.attention_implementation=dense"]),
         "packed-baseline": ("ours", ("root", args.baseline_root, packed)),
     }
 
@@ -709,6 +715,7 @@ def _padded_and_packed(prefix, ours, batch_size):
                                              "train.gradient_accumulation=1"]),
         f"{prefix}-packed": ("ours", packed),
         f"{prefix}-packed-bucketed": ("ours", packed + ["model.attention_implementation=bucketed"]),
+        f"{prefix}-packed-dense": ("ours", packed + ["model.attention_implementation=dense"]),
     }
 
 
