@@ -83,6 +83,12 @@ class CUDABackend(CPUBackend):
         return cls(device=config.sections["cuda"].device)
 
     @classmethod
+    def resolve_attention(cls, config) -> str:
+        """``auto`` on CUDA: ``dense``, as before ``auto`` existed (``bucketed`` is not measured on
+        a GPU; docs/cuda.md says which to choose there)."""
+        return "dense"
+
+    @classmethod
     def validate_config(cls, config, world_size: int) -> List[str]:
         check_compiled_attention(config, cls.config_section)
         attention = config.model.attention_implementation

@@ -139,25 +139,34 @@ FINETUNE_ROWS = {
     "hf-max-length": ("hf", "HF Trainer, random order, padding to max_length"),
     "hf-compile": ("hf", "HF Trainer, group_by_length + torch_compile=True"),
     "padded": ("ours", "packed-bert, padded (finetune.packing=false)"),
-    "packed": ("ours", "packed-bert, packed"),
+    "packed": ("ours", "packed-bert, packed (the shipped config: attention auto, on the CPU bucketed)"),
+    "packed-dense": ("ours", "packed-bert, packed + model.attention_implementation=dense (the block-diagonal mask)"),
     "packed-baseline": ("ours", "packed-bert, packed, at --baseline-root (e.g. before a change)"),
     "packed-compile": ("ours", "packed-bert, packed + cpu.compile (torch.compile of the fixed-shape step)"),
     "packed-bucketed": ("ours", "packed-bert, packed + model.attention_implementation=bucketed (attention per "
-                                "sequence in length buckets, issue 35)"),
+                                "sequence in length buckets)"),
 }
 NOT_YET: dict = {}
 NER_ROWS = {
     "hf-ner-random": ("hf", "HF Trainer, run_ner.py's features, random order, dynamic padding"),
     "hf-ner-grouped": ("hf", 'HF Trainer, run_ner.py\'s features, train_sampling_strategy="group_by_length"'),
     "ner-padded": ("ours", "packed-bert token classification, padded (finetune.packing=false)"),
-    "ner-packed": ("ours", "packed-bert token classification, packed"),
+    "ner-packed": ("ours", "packed-bert token classification, packed (attention auto: on the CPU bucketed)"),
+    "ner-packed-dense": ("ours", "packed-bert token classification, packed + the block-diagonal mask "
+                                "(model.attention_implementation=dense)"),
+    "ner-packed-bucketed": ("ours", "packed-bert token classification, packed + attention per sequence "
+                                    "(model.attention_implementation=bucketed)"),
 }
 QA_ROWS = {
     "hf-qa-max-length": ("hf", "HF Trainer, run_qa.py's features padded to max_length (its default), random order"),
     "hf-qa-grouped": ("hf", 'HF Trainer, run_qa.py\'s features, train_sampling_strategy="group_by_length", '
                             "dynamic padding"),
     "qa-padded": ("ours", "packed-bert SQuAD, padded (finetune.packing=false)"),
-    "qa-packed": ("ours", "packed-bert SQuAD, packed"),
+    "qa-packed": ("ours", "packed-bert SQuAD, packed (the block-diagonal mask, finetune_squad's dense)"),
+    "qa-packed-dense": ("ours", "packed-bert SQuAD, packed + model.attention_implementation=dense (qa-packed "
+                                "while finetune_squad keeps dense)"),
+    "qa-packed-bucketed": ("ours", "packed-bert SQuAD, packed + attention per sequence "
+                                   "(model.attention_implementation=bucketed)"),
 }
 PRETRAIN_ROWS = {
     "hf-pretrain-grouped": ("hf", "HF Trainer BertForPreTraining, group_by_length, DataCollatorForLanguageModeling"),
@@ -673,6 +682,7 @@ def finetune_plans(args, paths, splits):
         "packed": ("ours", packed),
         "packed-compile": ("ours", packed + ["cpu.compile=true"]),
         "packed-bucketed": ("ours", packed + ["model.attention_implementation=bucketed"]),
+        "packed-dense": ("ours", packed + ["model.attention_implementation=dense"]),
         "packed-baseline": ("ours", ("root", args.baseline_root, packed)),
     }
 
@@ -695,15 +705,17 @@ def ner_plans(args, checkpoint):
 
 
 def _padded_and_packed(prefix, ours, batch_size):
-    """Our two rows of a task: one sequence per row, ``batch_size`` rows a step; and packed, 4
-    packs per micro-batch with the accumulation divided by the packing factor (about
-    ``batch_size`` sequences a step)."""
+    """Our rows of a task: one sequence per row, ``batch_size`` rows a step; packed, 4 packs per
+    micro-batch with the accumulation divided by the packing factor (about ``batch_size``
+    sequences a step); and the packed row with attention per sequence (``bucketed``)."""
+    packed = ours + ["train.micro_batch_size=4", f"train.gradient_accumulation={max(1, batch_size // 4)}",
+                     "train.packing_adjustment=gradient_accumulation"]
     return {
         f"{prefix}-padded": ("ours", ours + ["finetune.packing=false", f"train.micro_batch_size={batch_size}",
                                              "train.gradient_accumulation=1"]),
-        f"{prefix}-packed": ("ours", ours + ["train.micro_batch_size=4",
-                                             f"train.gradient_accumulation={max(1, batch_size // 4)}",
-                                             "train.packing_adjustment=gradient_accumulation"]),
+        f"{prefix}-packed": ("ours", packed),
+        f"{prefix}-packed-bucketed": ("ours", packed + ["model.attention_implementation=bucketed"]),
+        f"{prefix}-packed-dense": ("ours", packed + ["model.attention_implementation=dense"]),
     }
 
 
@@ -1056,7 +1068,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default=ROWS_DEFAULT,
                         help="fine-tuning rows, comma-separated, of: " + ", ".join(FINETUNE_ROWS)
                         + "; with --task ner of: " + ", ".join(NER_ROWS) + "; with --task qa of: "
-                        + ", ".join(QA_ROWS) + " (ner, qa default: all four)")
+                        + ", ".join(QA_ROWS) + " (ner, qa default: all of them)")
     parser.add_argument("--once", default="",
                         help="rows (comma-separated) run in the first repeat only (the slow ones)")
     parser.add_argument("--baseline-root", help="a second checkout of this project (e.g. `git archive` of an "

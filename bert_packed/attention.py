@@ -11,7 +11,10 @@ An implementation is two plain functions:
 * ``prepare(sequence_ids, *, dtype) -> prepared`` runs once per forward (the mask or
   block mask is built once per batch, not once per layer); ``dtype`` is the activations'
   dtype, and an implementation that builds a float mask builds it in the dtype the scores
-  will have (autocast's when autocast is on: :func:`attention_compute_dtype`);
+  will have (autocast's when autocast is on: :func:`attention_compute_dtype`). One that
+  sets ``takes_max_sequences`` is also given ``max_sequences=K``, the model's
+  ``max_sequences_per_pack`` (validated batches hold at most K sequences a row), as a static
+  bound on the sequences of a row;
 * ``attend(query, key, value, prepared, *, dropout_p, training) -> context`` runs in
   every layer, on ``[B, num_heads, S, head_dim]`` tensors, and returns the same shape.
 
@@ -121,6 +124,8 @@ class AttentionImplementation:
     # False when the tensors' shapes depend on the batch's contents (``bucketed``): a graph
     # compiled for fixed shapes (PopTorch on the IPU) cannot run it.
     static_shapes: bool = True
+    # True when ``prepare`` takes ``max_sequences=K`` (see the module docstring).
+    takes_max_sequences: bool = False
 
 
 ATTENTION_IMPLEMENTATIONS: Dict[str, AttentionImplementation] = {}

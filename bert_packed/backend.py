@@ -153,6 +153,12 @@ class Backend:
         return []
 
     @classmethod
+    def resolve_attention(cls, config) -> str:
+        """The attention implementation ``model.attention_implementation: auto`` means here:
+        ``dense``, exact and static-shaped everywhere (the IPU's block-diagonal mask)."""
+        return "dense"
+
+    @classmethod
     def replicas_per_process(cls, config) -> int:
         """Data-parallel model copies one process feeds (ipu: the replication factor)."""
         return 1

@@ -15,12 +15,17 @@ def bert_config(config, **overrides):
 
     names = {f.name for f in dataclasses.fields(BertConfig)}
     values = {k: v for k, v in dataclasses.asdict(config.model).items() if k in names}
+    if values.get("attention_implementation") == "auto":  # never validated for a backend: the exact default
+        values["attention_implementation"] = "dense"
     values["max_sequences_per_pack"] = config.data.max_sequences_per_pack
     values["max_masked_tokens_per_pack"] = config.data.max_masked_tokens_per_pack
     try:
         return BertConfig(**{**values, **overrides})
     except ModelConfigError as exc:
-        raise ConfigError(str(exc)) from None
+        from bert_packed.attention import list_attention_implementations
+
+        unknown = values["attention_implementation"] not in list_attention_implementations()
+        raise ConfigError(str(exc) + (", or auto (the backend chooses)" if unknown else "")) from None
 
 
 def build_model(config):

@@ -68,6 +68,8 @@ __all__ = ["ConfigError", "Config", "ModelConfig", "DataConfig", "OptimizerConfi
            "validate", "resume_harmless_keys", "input_paths", "dump",
            "CONFIG_DIR"]
 
+AUTO_ATTENTION = "auto"  # model.attention_implementation chosen by the backend (validate)
+
 
 def _choices(*values: Any) -> Dict[str, Any]:
     return {"choices": values}
@@ -111,7 +113,9 @@ class ModelConfig:
     # activations by about 32, and fp16 overflows within a few layers.
     initializer_range: float = bounded(0.02, ge=0.0, **at_most(1.0, "larger initial weights overflow within a few "
                                                                     "layers (BERT: 0.02)"))
-    # Name in bert_packed.attention's registry; "dense" runs everywhere (IPU included).
+    # Name in bert_packed.attention's registry; "dense" runs everywhere (IPU included). "auto":
+    # the backend chooses when the run is validated (Backend.resolve_attention: the CPU without
+    # compile takes "bucketed", every other backend "dense"); the fine-tuning configs ask for it.
     attention_implementation: str = "dense"
     # "token": mean over the masked tokens of the step (canonical BERT);
     # "sequence": mean per sequence, then over sequences (the paper's Listing 1).
@@ -647,6 +651,10 @@ def validate(config: Config, backend, world_size: int = 1) -> List[str]:
     A run validates once: asked again about the same config, unchanged, for the same backend and
     world size (``run.py`` validates before it builds the backend, the loop when it starts), it
     returns the warnings it found the first time."""
+    if config.model.attention_implementation == AUTO_ATTENTION:
+        # Resolved once, here, so the run (its config.yaml, --print-config, checkpoints) names
+        # what it computes with.
+        config.model.attention_implementation = backend.resolve_attention(config)
     key = (backend.name, world_size, config.to_dict(), {k: sorted(v) for k, v in config.cli_keys.items()})
     if config.validated is not None and config.validated[0] == key:
         return list(config.validated[1])

@@ -490,7 +490,8 @@ class BertModel(BertPreTrainedModel):
                 needs_grad=torch.is_grad_enabled(),
             )
         # Built once per forward and shared by every layer.
-        prepared = attend.prepare(sequence_ids, dtype=hidden_states.dtype)
+        bound = {"max_sequences": self.config.max_sequences_per_pack} if attend.takes_max_sequences else {}
+        prepared = attend.prepare(sequence_ids, dtype=hidden_states.dtype, **bound)
         return self.encoder(hidden_states, attend, prepared)
 
     def pool(self, sequence_output: torch.Tensor, cls_positions: torch.Tensor) -> torch.Tensor:

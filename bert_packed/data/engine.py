@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any, Callable, Iterable, List, Optional
 
 from tqdm import tqdm
@@ -67,6 +68,21 @@ def run_tasks(function: Callable[[Any], Any], tasks: Iterable[Any], *, workers: 
     when it runs on Dask workers. One call, one cluster: use ``Engine`` for several phases."""
     with Engine(workers=workers, scheduler=scheduler) as engine:
         return engine.run(function, tasks, desc=desc, unit=unit, show_progress=show_progress)
+
+
+def slow_malloc_hint(client) -> Optional[str]:
+    """One line for the user when workers of an existing cluster run with a malloc threshold set
+    (Dask's nanny sets MALLOC_TRIM_THRESHOLD_): correct but slower, see ``Engine._connect``."""
+    try:
+        seen = client.run(os.getenv, "MALLOC_TRIM_THRESHOLD_")
+    except Exception:  # a worker that cannot answer is not this hint's business
+        return None
+    slow = [address for address, value in seen.items() if value is not None]
+    if not slow:
+        return None
+    return (f"note: {len(slow)} of {len(seen)} Dask workers run with MALLOC_TRIM_THRESHOLD_ set (Dask's nanny "
+            f"sets it), which makes writing shards about 1.3x slower; start them with `dask worker --no-nanny` "
+            f"(docs/data.md, \"A Dask cluster\")")
 
 
 class Engine:
@@ -121,6 +137,9 @@ class Engine:
             except (OSError, TimeoutError) as exc:
                 raise DataError(f"--scheduler {self.scheduler}: cannot reach a Dask scheduler there "
                                 f"({str(exc).splitlines()[0][:160]})") from None
+            hint = slow_malloc_hint(self._client)
+            if hint:
+                print(hint, file=sys.stderr)
             return
         import dask.config
 

@@ -87,6 +87,26 @@ def test_local_workers_keep_glibcs_adaptive_malloc_and_one_thread_each(monkeypat
     assert seen == [None, None, "1", "1"] * 2
 
 
+def test_workers_of_an_existing_cluster_with_dasks_malloc_setting_get_a_one_line_hint(capsys, monkeypatch):
+    """A cluster started with Dask's defaults (its nanny sets MALLOC_TRIM_THRESHOLD_) works, and the
+    user is told once how to make it faster; a cluster without the setting gets no note. (A nanny
+    also sets the variable in the process that starts it, so the plain cluster goes first.)"""
+    from dask.distributed import LocalCluster
+
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    for nanny_env, expected in (({}, ""), ({"MALLOC_TRIM_THRESHOLD_": 65536}, "note: 1 of 1 Dask workers")):
+        import dask.config
+
+        with dask.config.set({"distributed.nanny.pre-spawn-environ": nanny_env}):
+            cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                                   memory_limit=0)
+        with cluster:
+            assert cs.engine.run_tasks(abs, [-1, -2], scheduler=cluster.scheduler_address) == [1, 2]
+        err = capsys.readouterr().err
+        assert err.startswith(expected) and ("--no-nanny" in err) == bool(expected), err
+        assert err.count("\n") == bool(expected)
+
+
 def _start(argv, log):
     env = dict(os.environ, PYTHONPATH=ROOT, **cs.engine.WORKER_ENV)
     return subprocess.Popen([sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT, env=env,

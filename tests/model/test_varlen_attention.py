@@ -87,6 +87,63 @@ def test_attend_layout_equals_dense_on_real_tokens(monkeypatch):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed,max_sequences", [(0, 6), (1, 6), (2, 9), (3, 60)])
+def test_bounded_lengths_have_k_plus_one_slots_a_row_and_the_same_segments(seed, max_sequences):
+    ids = random_sequence_ids(seed, 5, 48, 6)  # at most 6 sequences a row, padding as a 7th segment
+    cu = varlen.cumulative_lengths(ids, max_sequences + 1)
+    slots = min(max_sequences + 1, 48)
+    assert cu.dtype == torch.int32 and cu.shape == (5 * slots + 1,), "fixed shape: B*(K+1) + 1 whatever the data"
+    assert cu[0] == 0 and cu[-1] == 5 * 48 and bool((cu[1:] >= cu[:-1]).all())
+    values = cu.tolist()
+    assert [(a, b) for a, b in zip(values, values[1:]) if b > a] == segments_by_hand(ids)
+    unbounded = varlen.cumulative_lengths(ids).tolist()
+    assert [(a, b) for a, b in zip(unbounded, unbounded[1:]) if b > a] == segments_by_hand(ids)
+
+
+def test_a_row_with_more_segments_than_the_bound_stops_instead_of_merging_sequences():
+    ids = torch.tensor([[1, 1, 2, 3, 0, 0], [1, 2, 2, 2, 2, 0]])  # row 0: 4 segments
+    assert varlen.cumulative_lengths(ids, 4).shape == (9,)
+    with pytest.raises(RuntimeError):
+        varlen.cumulative_lengths(ids, 3)
+    with pytest.raises(varlen.VarlenAttentionError, match="positive int"):
+        varlen.cumulative_lengths(ids, 0)
+
+
+def test_the_model_passes_its_k_and_equals_dense(monkeypatch):
+    """A whole encoder forward with the bounded layout (the reference kernel in place of the GPU
+    one): the kernel sees B*(K+1) + 1 boundaries and the output equals dense attention's."""
+    from bert_packed.modeling import BertConfig, BertModel
+
+    seen = []
+
+    def spy(query, key, value, cu_q, cu_k, max_q, max_k):
+        seen.append(cu_q.shape[0])
+        return reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k)
+
+    monkeypatch.setattr(varlen, "_varlen_kernel", lambda: spy)
+    import dataclasses
+
+    from bert_packed.attention import ATTENTION_IMPLEMENTATIONS
+
+    # The GPU-only check stands aside; prepare and attend are the real ones.
+    monkeypatch.setitem(ATTENTION_IMPLEMENTATIONS, "varlen", dataclasses.replace(get_attention("varlen"), check=None))
+    torch.manual_seed(0)
+    config = dict(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                  max_position_embeddings=40, max_sequences_per_pack=5, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    dense_model = BertModel(BertConfig(**config)).eval()
+    varlen_model = BertModel(BertConfig(**config, attention_implementation="varlen")).eval()
+    varlen_model.load_state_dict(dense_model.state_dict())
+    ids = random_sequence_ids(7, 3, 40, 5)
+    inputs = (torch.randint(1, 50, (3, 40)), torch.zeros(3, 40, dtype=torch.long),
+              torch.arange(40).repeat(3, 1), ids)
+    with torch.no_grad():
+        expected, out = dense_model(*inputs), varlen_model(*inputs)
+    assert seen == [3 * 6 + 1] * 2  # two layers, K = 5: six slots a row
+    real = ids > 0
+    torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
 def test_collated_packs_keep_sequences_contiguous():
     # varlen's segments are runs of equal ids: check the real data pipeline lays packs out so.
     from bert_packed.config import load_config
@@ -120,14 +177,16 @@ def test_not_offered_on_cpu():
 
 
 @pytest.mark.cuda
-def test_varlen_equals_dense_forward_and_gradients_bf16_on_gpu():
+@pytest.mark.parametrize("max_sequences", [None, 6])
+def test_varlen_equals_dense_forward_and_gradients_bf16_on_gpu(max_sequences):
     pytest.importorskip("torch.nn.attention.varlen")
     torch.manual_seed(0)
     ids = random_sequence_ids(4, 4, 512, 6).cuda()
     q32, k32, v32 = (torch.randn(4, 16, 512, 64, device="cuda") for _ in range(3))
     impl, dense = get_attention("varlen"), get_attention("dense")
     q, k, v = (t.bfloat16().requires_grad_() for t in (q32, k32, v32))
-    out = impl.attend(q, k, v, impl.prepare(ids, dtype=torch.bfloat16), dropout_p=0.0, training=True)
+    prepared = impl.prepare(ids, dtype=torch.bfloat16, max_sequences=max_sequences)
+    out = impl.attend(q, k, v, prepared, dropout_p=0.0, training=True)
     ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref = dense.attend(*ref_inputs, dense.prepare(ids, dtype=torch.float32), dropout_p=0.0, training=True)
     real = ids > 0
