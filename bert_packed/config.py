@@ -430,6 +430,9 @@ class Config:
         # that resolves it, bert_packed.task.resolve_checkpoint_shape), so it is resolved once.
         self.shape_from: Optional[str] = None
         self.validated: Optional[tuple] = None  # what validate() was asked and found, so a run validates once
+        # model.attention_implementation was "auto" and validate() chose it for a backend; validated
+        # for another backend, the same config chooses again (it is not that backend's choice).
+        self.auto_attention = False
 
     def __getattr__(self, name: str) -> Any:
         sections = self.__dict__.get("sections")
@@ -651,9 +654,10 @@ def validate(config: Config, backend, world_size: int = 1) -> List[str]:
     A run validates once: asked again about the same config, unchanged, for the same backend and
     world size (``run.py`` validates before it builds the backend, the loop when it starts), it
     returns the warnings it found the first time."""
-    if config.model.attention_implementation == AUTO_ATTENTION:
-        # Resolved once, here, so the run (its config.yaml, --print-config, checkpoints) names
-        # what it computes with.
+    if config.model.attention_implementation == AUTO_ATTENTION or config.auto_attention:
+        # Resolved here, so the run (its config.yaml, --print-config, checkpoints) names what it
+        # computes with.
+        config.auto_attention = True
         config.model.attention_implementation = backend.resolve_attention(config)
     key = (backend.name, world_size, config.to_dict(), {k: sorted(v) for k, v in config.cli_keys.items()})
     if config.validated is not None and config.validated[0] == key:

@@ -25,6 +25,15 @@ def test_each_backend_resolves_auto_once_at_validation(name, backend, overrides,
     assert bert_config(config).attention_implementation == expected
 
 
+def test_one_config_validated_for_two_backends_resolves_for_each():
+    """The shipped-config test validates one config object for cpu, then mock: auto must not
+    carry the CPU's choice to the IPU's refusal."""
+    config = load_config("finetune_classification")
+    for backend, expected in (("cpu", "bucketed"), ("mock", "dense"), ("cpu", "bucketed")):
+        validate(config, get_backend_class(backend))
+        assert config.model.attention_implementation == expected, backend
+
+
 def test_a_named_implementation_is_kept_and_auto_without_a_backend_is_dense():
     config = load_config("finetune_classification", ["model.attention_implementation=sdpa"])
     validate(config, get_backend_class("cpu"))
