@@ -4,6 +4,7 @@ Each test states the PopTorch behaviour it checks; expected values are computed 
 with plain torch, never by the mock.
 """
 import copy
+from datetime import timedelta
 
 import pytest
 import torch
@@ -605,7 +606,7 @@ def test_post_is_the_fp32_default_and_running_cannot_be_switched_in_after_compil
         wrapped.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.1, accum_type=torch.float16))
 
 
-def test_mean_reduction_divides_by_the_global_replicas_under_poprun(monkeypatch, tmp_path):
+def test_mean_reduction_divides_by_the_global_replicas_under_poprun(monkeypatch):
     """With two PopRun instances Mean divides by GA x (replicas of BOTH); the gradients of the
     other instance arrive through the all-reduce (here a one-process group stands in for it,
     so this instance's gradient is halved)."""
@@ -624,8 +625,9 @@ def test_mean_reduction_divides_by_the_global_replicas_under_poprun(monkeypatch,
     single = grad_with(1)
     with pytest.raises(poptorch.Error, match="torch.distributed"):
         grad_with(2)
-    # A file store, not a fixed TCP port: concurrent test runs on one host would share the port.
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    # An in-memory store: no fixed TCP port (concurrent test runs on one host would share it) and
+    # no file (a file store once left CI waiting in a futex under load); a bounded timeout.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
         torch.testing.assert_close(grad_with(2), single / 2, rtol=1e-6, atol=1e-7)
     finally:
