@@ -172,6 +172,8 @@ PRETRAIN_ROWS = {
     "hf-pretrain-grouped": ("hf", "HF Trainer BertForPreTraining, group_by_length, DataCollatorForLanguageModeling"),
     "pretrain-packed": ("ours", "packed-bert pre-training, packed (lpfhp, depth 3)"),
     "pretrain-packed-compile": ("ours", "packed-bert pre-training, packed + cpu.compile"),
+    "pretrain-packed-auto": ("ours", "packed-bert pre-training, packed + model.attention_implementation=auto "
+                                     "(on the CPU bucketed: attention per sequence)"),
 }
 
 
@@ -778,7 +780,9 @@ def pretrain_plans(args, paths, work):
                   threads=args.threads, grouped=True)
     return {"hf-pretrain-grouped": ("hf", common),
             "pretrain-packed": ("ours", ("config", config, [f"data.path={packed}"])),
-            "pretrain-packed-compile": ("ours", ("config", config, [f"data.path={packed}", "cpu.compile=true"]))}
+            "pretrain-packed-compile": ("ours", ("config", config, [f"data.path={packed}", "cpu.compile=true"])),
+            "pretrain-packed-auto": ("ours", ("config", config, [f"data.path={packed}",
+                                                                 "model.attention_implementation=auto"]))}
 
 
 def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, once=(), seeds=None):
@@ -1148,7 +1152,12 @@ def main(argv=None) -> int:
             markdown += ["Dev accuracy per training seed (the same split each time):", "",
                          quality_table(runs, {n: d for n, (_, d) in FINETUNE_ROWS.items() if n in names}), ""]
     if args.pretrain:
-        names = list(PRETRAIN_ROWS)
+        # --no-finetune --rows names the pre-training rows; otherwise all of them.
+        names = ([n for n in args.rows.split(",") if n] if not args.finetune and args.rows != ROWS_DEFAULT
+                 else list(PRETRAIN_ROWS))
+        unknown = [n for n in names if n not in PRETRAIN_ROWS]
+        if unknown:
+            parser.error(f"unknown pre-training row(s) {', '.join(unknown)}; choose from {', '.join(PRETRAIN_ROWS)}")
         plans = pretrain_plans(args, paths, data_dir)
         runs = run_rows(plans, names, args.repeats, out_dir, args, paths["checkpoint"], None)
         summary = summarise(runs, names)

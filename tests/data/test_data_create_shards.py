@@ -87,6 +87,23 @@ def test_local_workers_keep_glibcs_adaptive_malloc_and_one_thread_each(monkeypat
     assert seen == [None, None, "1", "1"] * 2
 
 
+def _profiling(dask_worker):
+    return sorted(name for name in dask_worker.periodic_callbacks if name.startswith("profile"))
+
+
+def test_local_workers_run_without_dasks_sampling_profiler():
+    """A local cluster serves no dashboard, so its workers' 10 ms stack sampler (about 4 % of a
+    2-worker `create`) is off; a worker started with Dask's defaults has it (the check can fail)."""
+    from dask.distributed import Client, LocalCluster
+
+    with cs.engine.Engine(workers=2) as runner:
+        assert runner.run(abs, [-1, -2]) == [1, 2]
+        assert list(runner._client.run(_profiling).values()) == [[], []]
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                      memory_limit=0) as cluster, Client(cluster) as client:
+        assert list(client.run(_profiling).values()) == [["profile", "profile-cycle"]]
+
+
 def test_workers_of_an_existing_cluster_with_dasks_malloc_setting_get_a_one_line_hint(capsys, monkeypatch):
     """A cluster started with Dask's defaults (its nanny sets MALLOC_TRIM_THRESHOLD_) works, and the
     user is told once how to make it faster; a cluster without the setting gets no note. (A nanny
