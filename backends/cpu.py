@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from bert_packed.attention import AttentionError, get_attention, no_profiler_scopes
+from bert_packed.dropout import host_dropout
 from bert_packed.config import ConfigError
 from bert_packed.backend import Backend, Profiling, StepMetrics
 from bert_packed.loop.estimate import host_flops_per_second
@@ -170,8 +171,11 @@ class CPUBackend(Backend, Profiling):
 
     def tracing(self):
         """Context around a call of the (possibly compiled) model: a compiled one runs without the
-        profiler scopes, which dynamo would only warn about and drop."""
-        return no_profiler_scopes() if self.plan.settings.compile else contextlib.nullcontext()
+        profiler scopes, which dynamo would only warn about and drop; an eager one draws its CPU
+        dropout masks from raw random bits with ``fast_dropout`` (``bert_packed.dropout``)."""
+        if self.plan.settings.compile:
+            return no_profiler_scopes()
+        return host_dropout(getattr(self.plan.settings, "fast_dropout", False))
 
     def replicate(self, model: torch.nn.Module) -> torch.nn.Module:
         """Make every process start from rank 0's weights (whatever its seed did); returns the

@@ -145,6 +145,8 @@ FINETUNE_ROWS = {
     "packed-compile": ("ours", "packed-bert, packed + cpu.compile (torch.compile of the fixed-shape step)"),
     "packed-bucketed": ("ours", "packed-bert, packed + model.attention_implementation=bucketed (attention per "
                                 "sequence in length buckets)"),
+    "packed-torch-dropout": ("ours", "packed-bert, packed + cpu.fast_dropout=false "
+                                 "(torch's bernoulli_ dropout masks)"),
 }
 NOT_YET: dict = {}
 NER_ROWS = {
@@ -156,6 +158,8 @@ NER_ROWS = {
                                 "(model.attention_implementation=dense)"),
     "ner-packed-bucketed": ("ours", "packed-bert token classification, packed + attention per sequence "
                                     "(model.attention_implementation=bucketed)"),
+    "ner-packed-torch-dropout": ("ours", "packed-bert token classification, packed + cpu.fast_dropout=false "
+                                 "(torch's bernoulli_ dropout masks)"),
 }
 QA_ROWS = {
     "hf-qa-max-length": ("hf", "HF Trainer, run_qa.py's features padded to max_length (its default), random order"),
@@ -167,6 +171,8 @@ QA_ROWS = {
                                 "while finetune_squad keeps dense)"),
     "qa-packed-bucketed": ("ours", "packed-bert SQuAD, packed + attention per sequence "
                                    "(model.attention_implementation=bucketed)"),
+    "qa-packed-torch-dropout": ("ours", "packed-bert SQuAD, packed + cpu.fast_dropout=false "
+                                 "(torch's bernoulli_ dropout masks)"),
 }
 PRETRAIN_ROWS = {
     "hf-pretrain-grouped": ("hf", "HF Trainer BertForPreTraining, group_by_length, DataCollatorForLanguageModeling"),
@@ -174,6 +180,8 @@ PRETRAIN_ROWS = {
     "pretrain-packed-compile": ("ours", "packed-bert pre-training, packed + cpu.compile"),
     "pretrain-packed-auto": ("ours", "packed-bert pre-training, packed + model.attention_implementation=auto "
                                      "(on the CPU bucketed: attention per sequence)"),
+    "pretrain-packed-torch-dropout": ("ours", "packed-bert pre-training, packed + cpu.fast_dropout=false "
+                                 "(torch's bernoulli_ dropout masks)"),
 }
 
 
@@ -685,6 +693,7 @@ def finetune_plans(args, paths, splits):
         "packed-compile": ("ours", packed + ["cpu.compile=true"]),
         "packed-bucketed": ("ours", packed + ["model.attention_implementation=bucketed"]),
         "packed-dense": ("ours", packed + ["model.attention_implementation=dense"]),
+        "packed-torch-dropout": ("ours", packed + ["cpu.fast_dropout=false"]),
         "packed-baseline": ("ours", ("root", args.baseline_root, packed)),
     }
 
@@ -718,6 +727,7 @@ def _padded_and_packed(prefix, ours, batch_size):
         f"{prefix}-packed": ("ours", packed),
         f"{prefix}-packed-bucketed": ("ours", packed + ["model.attention_implementation=bucketed"]),
         f"{prefix}-packed-dense": ("ours", packed + ["model.attention_implementation=dense"]),
+        f"{prefix}-packed-torch-dropout": ("ours", packed + ["cpu.fast_dropout=false"]),
     }
 
 
@@ -782,7 +792,9 @@ def pretrain_plans(args, paths, work):
             "pretrain-packed": ("ours", ("config", config, [f"data.path={packed}"])),
             "pretrain-packed-compile": ("ours", ("config", config, [f"data.path={packed}", "cpu.compile=true"])),
             "pretrain-packed-auto": ("ours", ("config", config, [f"data.path={packed}",
-                                                                 "model.attention_implementation=auto"]))}
+                                                                 "model.attention_implementation=auto"])),
+            "pretrain-packed-torch-dropout": ("ours", ("config", config, [f"data.path={packed}",
+                                                                          "cpu.fast_dropout=false"]))}
 
 
 def run_rows(plans, names, repeats, out_dir, args, checkpoint, default_config, once=(), seeds=None):

@@ -50,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from bert_packed.dropout import dropout
+
 __all__ = [
     "AttentionError",
     "AttentionImplementation",
@@ -282,7 +284,7 @@ def dense_attend(
         scores = scores + prepared
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0 and training:
-        probs = F.dropout(probs, p=dropout_p, training=True)
+        probs = dropout(probs, dropout_p, training=True)
     return torch.matmul(probs, value)
 
 

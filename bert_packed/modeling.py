@@ -40,6 +40,7 @@ from torch import nn
 
 from bert_packed import attention as attention_registry
 from bert_packed.attention import profiler_scope
+from bert_packed.dropout import Dropout
 from bert_packed.losses import (MLM_LOSS_NORMALIZATIONS, PRETRAINING_COUNTS, PRETRAINING_METRICS,
                                  add_step_normalizers, mlm_loss_terms, normalize, nsp_loss_terms)
 
@@ -255,7 +256,7 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         # Not snake-cased: the checkpoint name (Hugging Face, and Google's TF before it).
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: torch.Tensor, segment_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         embeddings = self.word_embeddings(input_ids) + self.token_type_embeddings(segment_ids)
@@ -300,7 +301,7 @@ class BertSelfOutput(nn.Module):
         super().__init__()
         self.dense = nn.Linear(in_features or config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         hidden_states = self.dropout(self.dense(hidden_states))

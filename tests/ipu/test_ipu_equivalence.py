@@ -236,3 +236,29 @@ def test_steps_must_fill_whole_calls():
     optimizer, _ = build_optimizer(config, model, (0.9, 0.999))
     with pytest.raises(ConfigError, match="not a multiple of ipu.device_iterations"):
         MockBackend().prepare(model, optimizer, make_plan(config, MockBackend))
+
+
+def test_the_mock_keeps_poptorchs_dropout(monkeypatch):
+    """PopTorch lowers F.dropout to PopART's dropout: the mock (like the IPU) never draws the cpu
+    backend's raw-bit masks, while the cpu backend on the same config does (the check can fail)."""
+    from bert_packed import dropout as dropout_module
+
+    shapes = []
+    real = dropout_module._keep_mask
+    monkeypatch.setattr(dropout_module, "_keep_mask", lambda *args: shapes.append(args[0]) or real(*args))
+    config = fp32_config((2,), 1, ["model.hidden_dropout_prob=0.1", "ipu.replication_factor=1",
+                                     "ipu.device_iterations=1"])
+    torch.manual_seed(0)
+    model = build_model(config)
+    mock = MockBackend()
+    optimizer, scheduler = build_optimizer(config, model, (config.optimizer.beta1, config.optimizer.beta2))
+    mock.prepare(model, optimizer, make_plan(config, mock), scheduler=scheduler)
+    batches = random_micro_batches(1, mock.micro_batches_per_step * mock.steps_per_call, config)
+    mock.train_step([dict(b) for b in batches])
+    assert shapes == []
+    reference = build_model(config)
+    cpu = CPUBackend()
+    ref_optimizer, ref_scheduler = build_optimizer(config, reference, (config.optimizer.beta1, config.optimizer.beta2))
+    cpu.prepare(reference, ref_optimizer, make_plan(config, cpu), scheduler=ref_scheduler)
+    cpu.train_step([dict(b) for b in batches[:mock.micro_batches_per_step]])
+    assert len(shapes) > 0

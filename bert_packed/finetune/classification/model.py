@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bert_packed.attention import profiler_scope
+from bert_packed.dropout import Dropout
 from bert_packed.losses import add_sequence_normalizer, normalize, nsp_loss_terms
 from bert_packed.modeling import BertConfig, BertModel, BertPreTrainedModel, PipelineLayout
 
@@ -87,7 +88,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
         self.problem_type = config.resolved_problem_type
         self.bert = BertModel(config)
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.classifier.apply(self._init_weights)
 

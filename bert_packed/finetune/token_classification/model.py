@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bert_packed.attention import profiler_scope
+from bert_packed.dropout import Dropout
 from bert_packed.finetune.token_classification.data import IGNORE_INDEX
 from bert_packed.losses import add_sequence_normalizer, normalize
 from bert_packed.modeling import BertConfig, BertModel, BertPreTrainedModel, PipelineLayout
@@ -58,7 +59,7 @@ class BertForTokenClassification(BertPreTrainedModel):
         self.num_labels = config.num_labels
         self.bert = BertModel(config, add_pooling_layer=False)
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.classifier.apply(self._init_weights)
 
