@@ -70,19 +70,26 @@ def run_tasks(function: Callable[[Any], Any], tasks: Iterable[Any], *, workers: 
         return engine.run(function, tasks, desc=desc, unit=unit, show_progress=show_progress)
 
 
+def malloc_settings() -> List[str]:
+    """The glibc malloc variables set in this process (run on each worker by ``slow_malloc_hint``)."""
+    return [name for name in MALLOC_VARIABLES if os.environ.get(name) is not None]
+
+
 def slow_malloc_hint(client) -> Optional[str]:
     """One line for the user when workers of an existing cluster run with a malloc threshold set
-    (Dask's nanny sets MALLOC_TRIM_THRESHOLD_): correct but slower, see ``Engine._connect``."""
+    (Dask's nanny sets MALLOC_TRIM_THRESHOLD_; any of them turns off glibc's adaptive mmap
+    threshold): correct but slower, see ``Engine._connect``."""
     try:
-        seen = client.run(os.getenv, "MALLOC_TRIM_THRESHOLD_")
+        seen = client.run(malloc_settings)
     except Exception:  # a worker that cannot answer is not this hint's business
         return None
-    slow = [address for address, value in seen.items() if value is not None]
+    slow = [address for address, names in seen.items() if names]
     if not slow:
         return None
-    return (f"note: {len(slow)} of {len(seen)} Dask workers run with MALLOC_TRIM_THRESHOLD_ set (Dask's nanny "
-            f"sets it), which makes writing shards about 1.3x slower; start them with `dask worker --no-nanny` "
-            f"(docs/data.md, \"A Dask cluster\")")
+    names = sorted({name for address in slow for name in seen[address]})
+    return (f"note: {len(slow)} of {len(seen)} Dask workers run with {', '.join(names)} set (Dask's nanny "
+            f"sets MALLOC_TRIM_THRESHOLD_), which makes writing shards about 1.3x slower; start them with "
+            f"`dask worker --no-nanny` (docs/data.md, \"A Dask cluster\")")
 
 
 class Engine:

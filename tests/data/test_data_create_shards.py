@@ -106,14 +106,19 @@ def test_local_workers_run_without_dasks_sampling_profiler():
 
 def test_workers_of_an_existing_cluster_with_dasks_malloc_setting_get_a_one_line_hint(capsys, monkeypatch):
     """A cluster started with Dask's defaults (its nanny sets MALLOC_TRIM_THRESHOLD_) works, and the
-    user is told once how to make it faster; a cluster without the setting gets no note. (A nanny
-    also sets the variable in the process that starts it, so the plain cluster goes first.)"""
+    user is told once how to make it faster, naming what is set (any malloc threshold turns off
+    glibc's adaptive one); a cluster without the setting gets no note. (A nanny also sets the
+    variables in the process that starts it: they are cleared before each cluster.)"""
     from dask.distributed import LocalCluster
 
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
-    for nanny_env, expected in (({}, ""), ({"MALLOC_TRIM_THRESHOLD_": 65536}, "note: 1 of 1 Dask workers")):
+    for nanny_env, expected in (({}, ""), ({"MALLOC_TRIM_THRESHOLD_": 65536}, "note: 1 of 1 Dask workers run with "
+                                                                             "MALLOC_TRIM_THRESHOLD_ set"),
+                                ({"MALLOC_MMAP_THRESHOLD_": 131072}, "note: 1 of 1 Dask workers run with "
+                                                                     "MALLOC_MMAP_THRESHOLD_ set")):
         import dask.config
 
+        for name in cs.engine.MALLOC_VARIABLES:
+            monkeypatch.delenv(name, raising=False)
         with dask.config.set({"distributed.nanny.pre-spawn-environ": nanny_env}):
             cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
                                    memory_limit=0)
