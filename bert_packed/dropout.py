@@ -8,9 +8,9 @@
 Why: torch's CPU dropout draws its mask with ``bernoulli_(1 - p)``, which costs about 5.6 ns
 per element on the project's CPU (mt19937 and a double-precision compare per element), and
 then divides and multiplies the mask in further passes; forward and backward together about
-7.9 ns per element. A BERT step drops out every hidden state three times per layer and
-every attention probability once, so that was 11 % of a packed fine-tuning step (the NER
-profile in docs/benchmarks/trainer.md). Here one 64-bit draw from the same generator gives
+7.9 ns per element. A BERT step drops out every hidden state twice per layer (and once after
+the embeddings) and every attention probability once, so that was 11 % of a packed
+fine-tuning step (the NER profile in docs/benchmarks/trainer.md). Here one 64-bit draw from the same generator gives
 the bits of two elements: an element is kept when its 32 bits, read as a signed integer,
 are at least ``round(p * 2**32) - 2**31``, i.e. with probability ``1 - p`` to within
 ``2**-32`` (torch's own bernoulli compares a double); kept elements are scaled by
