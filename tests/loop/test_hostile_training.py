@@ -161,6 +161,8 @@ BAD_CONFIGS = [
     (["finetune.label_separator="], "cpu", "--set: finetune.label_separator is empty; give a value"),
     (["cpu.reuse_freed_memory=maybe"], "cpu", "--set: cpu.reuse_freed_memory: expected bool, got 'maybe' (str)"),
     (["cpu.reuse_freed_memory="], "cpu", "--set: cpu.reuse_freed_memory: expected bool, got '' (str)"),
+    (["cpu.fast_dropout=maybe"], "cpu", "--set: cpu.fast_dropout: expected bool, got 'maybe' (str)"),
+    (["cpu.fast_dropout=0.5"], "cpu", "--set: cpu.fast_dropout: expected bool, got 0.5 (float)"),
 ]
 
 
