@@ -175,7 +175,7 @@ class CPUBackend(Backend, Profiling):
         dropout masks from raw random bits with ``fast_dropout`` (``bert_packed.dropout``)."""
         if self.plan.settings.compile:
             return no_profiler_scopes()
-        return host_dropout(getattr(self.plan.settings, "fast_dropout", False))
+        return host_dropout(self.plan.settings.fast_dropout)
 
     def replicate(self, model: torch.nn.Module) -> torch.nn.Module:
         """Make every process start from rank 0's weights (whatever its seed did); returns the

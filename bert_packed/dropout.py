@@ -10,12 +10,12 @@ per element on the project's CPU (mt19937 and a double-precision compare per ele
 then divides and multiplies the mask in further passes; forward and backward together about
 7.9 ns per element. A BERT step drops out every hidden state twice per layer (and once after
 the embeddings) and every attention probability once, so that was 11 % of a packed
-fine-tuning step (the NER profile in docs/benchmarks/trainer.md). Here one 64-bit draw from the same generator gives
-the bits of two elements: an element is kept when its 32 bits, read as a signed integer,
-are at least ``round(p * 2**32) - 2**31``, i.e. with probability ``1 - p`` to within
-``2**-32`` (torch's own bernoulli compares a double); kept elements are scaled by
-``1 / (1 - p)``, dropped ones are 0, and the backward multiplies the gradient by the same
-mask, as ``F.dropout``. Forward and backward about 4.3 ns per element (1.8x).
+fine-tuning step (the NER profile in docs/benchmarks/trainer.md). Here one 64-bit draw from
+the same generator gives the bits of two elements: an element is kept when its 32 bits, read
+as a signed integer, are at least ``round(p * 2**32) - 2**31``, i.e. with probability
+``1 - p`` to within ``2**-32`` (torch's own bernoulli compares a double); kept elements are
+scaled by ``1 / (1 - p)``, dropped ones are 0, and the backward multiplies the gradient by the
+same mask, as ``F.dropout``. Forward and backward about 4.3 ns per element (1.8x).
 
 What stays torch's: tensors not on the CPU (CUDA's fused dropout is already cheap), a model
 being compiled (inductor draws its own random numbers), ``p`` of 0 or 1, evaluation, and
@@ -56,7 +56,7 @@ def host_dropout(enabled: bool = True):
 def _compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     check = getattr(compiler, "is_compiling", None)
-    if check is None:  # torch 2.0
+    if check is None:  # torch 2.0: torch._dynamo is imported (and found) once something compiles
         check = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
     return bool(check()) if check is not None else False
 
@@ -69,9 +69,7 @@ def uses_host_masks(x: torch.Tensor, p: float, training: bool) -> bool:
 
 def _keep_mask(shape, p: float, dtype: torch.dtype) -> torch.Tensor:
     """``1 / (1 - p)`` where kept (probability 1 - p), 0 where dropped; ``dtype``, ``shape``."""
-    numel = 1
-    for size in shape:
-        numel *= int(size)
+    numel = torch.Size(shape).numel()
     words = torch.empty((numel + 1) // 2, dtype=torch.int64).random_(-2**63, None)  # full 64-bit range
     bits = words.view(torch.int32)[:numel].view(shape)
     threshold = int(round(p * 2**32)) - 2**31

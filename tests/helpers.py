@@ -27,3 +27,14 @@ def stop_after(backend, num_steps):
 
     backend.train_step = step_then_stop
     return backend
+
+
+def count_raw_bit_masks(monkeypatch):
+    """Spy on ``bert_packed.dropout``'s raw-bit mask draws: returns the list that collects the
+    shape of every mask drawn from now on (the draws themselves still happen)."""
+    from bert_packed import dropout as dropout_module
+
+    shapes = []
+    real = dropout_module._keep_mask
+    monkeypatch.setattr(dropout_module, "_keep_mask", lambda *args: shapes.append(args[0]) or real(*args))
+    return shapes

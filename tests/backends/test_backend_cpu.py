@@ -12,6 +12,7 @@ from bert_packed.config import ConfigError, load_config
 from bert_packed.data import build_data_source
 from bert_packed.build import build_model, build_optimizer
 from bert_packed.loop.plan import make_plan
+from helpers import count_raw_bit_masks
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -128,21 +129,12 @@ def test_reuse_freed_memory_follows_the_config(monkeypatch):
         assert calls == expected
 
 
-def _count_raw_bit_masks(monkeypatch):
-    from bert_packed import dropout as dropout_module
-
-    shapes = []
-    real = dropout_module._keep_mask
-    monkeypatch.setattr(dropout_module, "_keep_mask", lambda *args: shapes.append(args[0]) or real(*args))
-    return shapes
-
-
 @pytest.mark.parametrize("fast, expected", [("true", 7), ("false", 0)])
 def test_training_forward_draws_dropout_masks_from_raw_bits_with_fast_dropout(monkeypatch, fast, expected):
     """cpu.fast_dropout (default true): the training forward's dropouts (the embeddings', then per
     layer the attention probabilities' and two outputs': 1 + 3 x 2 layers = 7 on tiny with dropout)
     draw their masks from raw bits; evaluation draws none; false keeps torch's F.dropout."""
-    shapes = _count_raw_bit_masks(monkeypatch)
+    shapes = count_raw_bit_masks(monkeypatch)
     config = load_config("tiny", ["model.hidden_dropout_prob=0.1", "model.attention_probs_dropout_prob=0.1",
                                   f"cpu.fast_dropout={fast}"])
     assert config.model.num_hidden_layers == 2

@@ -241,11 +241,9 @@ def test_steps_must_fill_whole_calls():
 def test_the_mock_keeps_poptorchs_dropout(monkeypatch):
     """PopTorch lowers F.dropout to PopART's dropout: the mock (like the IPU) never draws the cpu
     backend's raw-bit masks, while the cpu backend on the same config does (the check can fail)."""
-    from bert_packed import dropout as dropout_module
+    from helpers import count_raw_bit_masks
 
-    shapes = []
-    real = dropout_module._keep_mask
-    monkeypatch.setattr(dropout_module, "_keep_mask", lambda *args: shapes.append(args[0]) or real(*args))
+    shapes = count_raw_bit_masks(monkeypatch)
     config = fp32_config((2,), 1, ["model.hidden_dropout_prob=0.1", "ipu.replication_factor=1",
                                      "ipu.device_iterations=1"])
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from bert_packed import dropout as dropout_module
 from bert_packed.dropout import Dropout, dropout, host_dropout, uses_host_masks
+from helpers import count_raw_bit_masks
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -120,9 +121,7 @@ def test_attention_dropout_goes_through_it(monkeypatch):
     """dense_attend's attention-probability dropout uses the same function (counted)."""
     from bert_packed.attention import dense_attend
 
-    calls = []
-    real = dropout_module._keep_mask
-    monkeypatch.setattr(dropout_module, "_keep_mask", lambda *a: calls.append(a[0]) or real(*a))
+    calls = count_raw_bit_masks(monkeypatch)
     q = k = v = torch.randn(2, 3, 8, 4)
     mask = torch.zeros(2, 1, 8, 8)
     with host_dropout():
