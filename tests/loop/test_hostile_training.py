@@ -163,6 +163,7 @@ BAD_CONFIGS = [
     (["cpu.reuse_freed_memory="], "cpu", "--set: cpu.reuse_freed_memory: expected bool, got '' (str)"),
     (["cpu.fast_dropout=maybe"], "cpu", "--set: cpu.fast_dropout: expected bool, got 'maybe' (str)"),
     (["cpu.fast_dropout=0.5"], "cpu", "--set: cpu.fast_dropout: expected bool, got 0.5 (float)"),
+    (["cpu.fast_dropout="], "cpu", "--set: cpu.fast_dropout: expected bool, got '' (str)"),
 ]
 
 
