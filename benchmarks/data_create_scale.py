@@ -68,12 +68,15 @@ def digest(output):
     return hasher.hexdigest()[:12]
 
 
-def prepare(folder, corpus, vocab_size):
-    """The KJV corpus (or ``corpus``) and a vocabulary trained on it."""
+def prepare(folder, corpus, vocab_size, vocab=None):
+    """The KJV corpus (or ``corpus``) and a vocabulary trained on it (or ``vocab``: `tokenizers`'
+    trainer can differ in a few tokens from run to run, so runs to compare share one file)."""
     if corpus is None:
         corpus = os.path.join(folder, "kjv.txt")
         subprocess.run([sys.executable, "-m", "bert_packed.data", "kjv", "--output", corpus], check=True, cwd=ROOT,
                        stdout=subprocess.DEVNULL)
+    if vocab is not None:
+        return corpus, os.path.abspath(vocab)
     vocab = os.path.join(folder, "vocab.txt")
     subprocess.run([sys.executable, "-m", "bert_packed.data", "vocab", "--input", corpus, "--size", str(vocab_size),
                     "--output", vocab], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -96,16 +99,18 @@ def main():
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--corpus", default=None, help="corpus to concatenate (default: the KJV)")
     parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--vocab", default=None, help="use this vocab.txt instead of training one")
     parser.add_argument("--dupe-factor", type=int, default=5)
     parser.add_argument("--max-seq-length", type=int, default=128)
     parser.add_argument("--max-predictions", type=int, default=20)
     parser.add_argument("--output-shards", type=int, default=None, help="default: create's (one per ~4 MiB)")
+    parser.add_argument("--block-bytes", type=int, default=None, help="default: create's (8 MiB tokenising blocks)")
     parser.add_argument("--single-file", action="store_true", help="also time today's one-file create (.h5)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (its path is printed)")
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="create-scale-")
-    corpus, vocab = prepare(folder, args.corpus, args.vocab_size)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    corpus, vocab = prepare(folder, args.corpus, args.vocab_size, args.vocab)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     print(f"| copies | input MB | output | workers | wall s | MB/s | CPU s | MB per CPU s | peak RSS MiB (all processes) "
           f"| sequences | sha256 of the shards |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -123,6 +128,8 @@ def main():
                 argv += ["--workers", str(workers), "--no-progress"]
                 if args.output_shards:
                     argv += ["--output-shards", str(args.output_shards)]
+                if args.block_bytes:
+                    argv += ["--block-bytes", str(args.block_bytes)]
             wall, peak, out, cpu = run_measured(argv, env=env)
             sequences = out.split(": ", 1)[1].split(" sequences")[0] if ": " in out else "?"
             print(f"| {copies} | {megabytes:.1f} | {mode} | {workers} | {wall:.1f} | {megabytes / wall:.2f} | {cpu:.1f} | "

@@ -8,7 +8,7 @@ histogram scaled to 128, one manifest.json), then runs `python -m bert_packed.da
 --input DIR --output DIR/packed-wN --workers N` once per worker count in a child process, and
 samples the resident memory of that process and all its descendants (psutil, recursive, every
 20 ms: Dask's worker processes included) for the peak of their sum and of the largest one.
-Prints a markdown table: wall time, sequences/s, peak RSS, packs, efficiency, the gap to the
+Prints a markdown table, a row as each run ends: wall time, sequences/s, peak RSS, packs, efficiency, the gap to the
 global LP bound, the sharding gap and the gap to the sum of the shards' own bounds (from the
 output manifest), and whether every worker count wrote the same bytes. Run it on a quiet machine: the timings are what it is for.
 """
@@ -108,7 +108,13 @@ def main():
         num_sequences = args.shards * args.sequences_per_shard
         print(f"generated {num_sequences} sequences in {args.shards} shards in {time.perf_counter() - start:.1f} s",
               file=sys.stderr)
-    rows, digests = [], set()
+    digests = set()
+    print(f"`pack` of {num_sequences:,} sequences in {args.shards} shards ({args.algorithm}, "
+          f"K={args.max_sequences_per_pack})\n")
+    print("| workers | seconds | sequences/s | CPU s | sequences per CPU s | peak RSS, all processes (MiB) | "
+          "largest process (MiB) | packs | efficiency % | gap to LP bound % | sharding gap % | "
+          "gap to the shards' bounds % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for workers in args.workers:
         output = os.path.join(workdir, f"packed-w{workers}")
         command = [sys.executable, "-m", "bert_packed.data", "pack", "--input", source, "--output", output,
@@ -119,17 +125,11 @@ def main():
         with open(os.path.join(output, "manifest.json"), encoding="utf-8") as handle:
             manifest = json.load(handle)
         digests.add(digest(output))
-        rows.append(f"| {workers} | {seconds:.1f} | {num_sequences / seconds:,.0f} | {cpu:.1f} | {num_sequences / cpu:,.0f} | "
-                    f"{peak_sum:.0f} | {peak_one:.0f} | "
-                    f"{manifest['num_packs']} | {100 * manifest['efficiency']:.3f} | {manifest['gap_percent']:.4f} | "
-                    f"{manifest['sharding_gap_percent']:.4f} | {manifest['gap_to_shards_bound_percent']:.4f} |")
-    print(f"\n`pack` of {num_sequences:,} sequences in {args.shards} shards ({args.algorithm}, "
-          f"K={args.max_sequences_per_pack}); outputs byte-identical across worker counts: {len(digests) == 1}\n")
-    print("| workers | seconds | sequences/s | CPU s | sequences per CPU s | peak RSS, all processes (MiB) | "
-          "largest process (MiB) | packs | efficiency % | gap to LP bound % | sharding gap % | "
-          "gap to the shards' bounds % |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+        print(f"| {workers} | {seconds:.1f} | {num_sequences / seconds:,.0f} | {cpu:.1f} | {num_sequences / cpu:,.0f} | "
+            f"{peak_sum:.0f} | {peak_one:.0f} | "
+            f"{manifest['num_packs']} | {100 * manifest['efficiency']:.3f} | {manifest['gap_percent']:.4f} | "
+            f"{manifest['sharding_gap_percent']:.4f} | {manifest['gap_to_shards_bound_percent']:.4f} |", flush=True)
+    print(f"\noutputs byte-identical across worker counts: {len(digests) == 1}")
     if not args.keep and args.workdir is None:
         shutil.rmtree(workdir)
 
