@@ -210,33 +210,58 @@ def plan_shard(part, leftover, counts, algorithm, max_sequences_per_pack, seed=0
                accept=SPLIT_ACCEPT, **options):
     """The plan a shard is packed by: ``(plan, which, bound)``. ``bound`` is the shard's certified
     lower bound (:func:`shard_bound`, raised to its own LP bound where that is solved); their sum
-    over shards bounds every packing whose packs stay within shards.
+    over shards bounds every packing whose packs stay within shards. Each step below runs only
+    when the plans before it are all more than ``accept`` (a fraction) above ``bound``, cheapest
+    first:
 
     1. "global": its part of the global plan plus its leftover packed with ``algorithm``
-       (:func:`complete_shard_plan`; the leftover is small, so this is cheap). Taken as it is when
-       within ``accept`` (a fraction) of ``bound``: solving the shard's own LP (and polishing it
-       with a MILP) cost half of `pack`'s time at S=512 and could gain at most that fraction.
-    2. Otherwise "own": ``algorithm``'s plan of the shard's histogram ``counts`` alone, polished
-       with ``polish`` when the better of the two is still above ``accept``; the plan with fewer
-       packs is kept (ties: "global"). A pack cannot cross shards, so each shard's best plan is
-       what counts; both are exact plans of the shard. Deterministic where ``algorithm`` is."""
+       (:func:`complete_shard_plan`; the leftover is small, so this is cheap);
+    2. "global" again, the leftover polished with ``polish`` (where given): about a thousand
+       sequences whatever the shard's size (one partial copy of each of the global plan's
+       strategies), so its MILP is far cheaper than the shard's own, and it closes most of the
+       rounding's loss (about 7 packs a leftover on KJV at S=512). Skipped where saving every
+       leftover pack above the leftover's lower bound would still leave the shard outside;
+    3. "own": ``algorithm``'s plan of the shard's histogram ``counts`` alone;
+    4. the same polished with ``polish`` (where given).
+
+    Solving the shard's own LP (and polishing it with a MILP) costs several times the rest of the
+    shard's `pack` and could gain at most ``accept``. The plan with the fewest packs is kept (ties:
+    the earlier). A pack cannot cross shards, so each shard's best plan is what counts; all are
+    exact plans of the shard. Deterministic where ``algorithm`` is."""
     from .algorithms import pack
 
     counts = as_length_counts(counts)
     length = part.max_sequence_length
     bound = shard_bound(counts, length, max_sequences_per_pack, duals)
-    split, _ = complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed, **options)
-    if split.num_packs <= bound * (1.0 + accept):
-        return split, "global", bound
+    best, extra = complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed, **options)
+    which = "global"
+
+    def good(plan):
+        return plan.num_packs <= bound * (1.0 + accept)
+
+    if good(best):
+        return best, which, bound
+    # Polishing the leftover can save at most its packs above its own lower bound: skip it where even
+    # that would not bring the shard within the tolerance (a big shard far off; its own plan is next).
+    reachable = best.num_packs - (extra - shard_bound(leftover, length, max_sequences_per_pack, duals))
+    if polish and leftover.counts.size and reachable <= bound * (1.0 + accept):
+        polished, _ = complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed,
+                                          **{**options, **polish})
+        best = polished if polished.num_packs < best.num_packs else best
+        if good(best):
+            return best, which, bound
     histogram = Histogram.from_length_counts(counts.lengths, counts.counts, length, name="shard")
     own = pack(histogram, algorithm=algorithm, max_sequences_per_pack=max_sequences_per_pack, seed=seed, **options)
     bound = max(bound, own.lp_bound_packs)
-    if polish and min(own.num_packs, split.num_packs) > bound * (1.0 + accept):
+    if own.num_packs < best.num_packs:
+        best, which = own.plan, "own"
+    if polish and not good(best):
         polished = pack(histogram, algorithm=algorithm, max_sequences_per_pack=max_sequences_per_pack, seed=seed,
                         **{**options, **polish})
-        own = polished if polished.num_packs < own.num_packs else own
         bound = max(bound, polished.lp_bound_packs)
-    return (own.plan, "own", bound) if own.num_packs < split.num_packs else (split, "global", bound)
+        if polished.num_packs < best.num_packs:
+            best, which = polished.plan, "own"
+    return best, which, bound
 
 
 def pack_shards(shard_counts, max_sequence_length, algorithm="lp", max_sequences_per_pack=3, seed=0, polish=None,

@@ -127,3 +127,63 @@ def test_a_shard_takes_its_split_unplanned_only_within_the_tolerance():
             assert strict[1] == "global"
         else:  # planned again: the own plan is kept only when it has fewer packs
             assert strict[1] == "global" or strict[0].num_packs < split.num_packs
+
+
+def test_a_shard_is_planned_cheapest_first_and_stops_at_the_first_plan_within_the_tolerance(monkeypatch):
+    """With ``polish`` (as `pack` runs lp): the split with its leftover rounded, then with the
+    leftover polished by the MILP (never more packs, fewer over these shards), then the shard's
+    own plan, then that polished; each step only while every plan so far is outside ``accept``,
+    and the leftover's polish only where it could bring the shard within."""
+    import packing.algorithms
+    from packing.split import global_duals, shard_bound
+
+    shards = wikipedia_shards(4, 0.002, seed=11)
+    result = packing.pack(packing.Histogram(shards.sum(axis=0)), algorithm="lp", max_sequences_per_pack=3,
+                          max_milp_sequences=0)
+    duals = global_duals(result)
+    real_pack = packing.algorithms.pack
+    calls = []
+
+    def counting_pack(histogram, **kwargs):
+        calls.append((histogram.name, "milp_node_limit" in kwargs))
+        return real_pack(histogram, **kwargs)
+
+    def planned(part, leftover, counts, accept):
+        calls.clear()
+        monkeypatch.setattr(packing.algorithms, "pack", counting_pack)
+        try:
+            return plan_shard(part, leftover, counts, "lp", 3, polish=POLISH, duals=duals, accept=accept,
+                              max_milp_sequences=0)
+        finally:
+            monkeypatch.setattr(packing.algorithms, "pack", real_pack)
+
+    plain_total = polished_total = skipped = 0
+    for counts, (part, leftover) in zip(shards, split_plan(result.plan, list(shards))):
+        assert leftover.counts.size
+        bound = shard_bound(counts, 512, 3, duals)
+        plain, extra = complete_shard_plan(part, leftover, "lp", 3, max_milp_sequences=0)
+        polished, _ = complete_shard_plan(part, leftover, "lp", 3, **{"max_milp_sequences": 0, **POLISH})
+        polished.validate(counts, 3)
+        # what polishing the leftover could reach at best (its packs down to its own lower bound)
+        reachable = plain.num_packs - (extra - shard_bound(leftover, 512, 3, duals))
+        assert reachable <= polished.num_packs
+        assert bound <= polished.num_packs <= plain.num_packs
+        plain_total, polished_total = plain_total + plain.num_packs, polished_total + polished.num_packs
+
+        taken = planned(part, leftover, counts, accept=1.0)  # step 1 is within: nothing else runs
+        assert taken[1] == "global" and taken[0].num_packs == plain.num_packs and calls == [("leftover", False)]
+        if polished.num_packs < plain.num_packs:  # step 2 is within, step 1 not: steps 3-4 do not run
+            taken = planned(part, leftover, counts, accept=(polished.num_packs + 0.5) / bound - 1.0)
+            assert taken[1] == "global" and taken[0].num_packs == polished.num_packs
+            assert calls == [("leftover", False), ("leftover", True)]
+        strict = planned(part, leftover, counts, accept=0.0)
+        strict[0].validate(counts, 3)
+        assert strict[0].num_packs <= polished.num_packs and bound <= strict[2] <= strict[0].num_packs
+        if polished.num_packs > bound:  # nothing within: every step ran, in order, but the leftover's
+            # polish where it could not reach the bound
+            steps = [("leftover", False)] + [("leftover", True)] * (reachable <= bound) + [("shard", False)]
+            assert calls[:len(steps)] == steps and calls[len(steps):] in ([], [("shard", True)])
+            skipped += reachable > bound
+            assert strict[1] == "own" or strict[0].num_packs == polished.num_packs
+    assert polished_total < plain_total, (polished_total, plain_total)
+    assert skipped  # a shard where the leftover's polish could not have helped skipped it
