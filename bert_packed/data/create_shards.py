@@ -101,7 +101,7 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
                            for i, (p, f, a, b) in enumerate(blocks)]
             results = runner.run(tokenise_block, block_tasks, desc="tokenise", unit=" blocks",
                                  show_progress=show_progress)
-            shard_tasks, shard_costs = _shard_tasks(common, output_dir, results, paths)
+            shard_tasks = _shard_tasks(common, output_dir, results, paths)
         except DataError as exc:
             # Bad input found before any shard: leave no job behind that would refuse the fixed rerun
             # (a failed write keeps the finished blocks for the rerun).
@@ -110,9 +110,7 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
                 if created and not os.listdir(output_dir):
                     os.rmdir(output_dir)
             raise
-        # Longest shards first (their tokens): the phase ends with short ones on every worker.
-        summaries = runner.run(write_shard, shard_tasks, desc="shards", unit=" shards", show_progress=show_progress,
-                               costs=shard_costs)
+        summaries = runner.run(write_shard, shard_tasks, desc="shards", unit=" shards", show_progress=show_progress)
         _remove_orphan_shards(output_dir)
         entries = [summary.pop("entry") for summary in summaries]
         totals = {key: int(sum(s[key] for s in summaries)) for key in ("num_documents", "num_masked_tokens",
@@ -278,11 +276,8 @@ def tokenise_block(task):
                 shutil.rmtree(tmp, ignore_errors=True)
                 if not os.path.isdir(final):  # another run of the same task may have finished it
                     raise
-    shard_ends = np.load(os.path.join(final, "shard_ends.npy"))  # documents, cumulative over shards
-    document_ends = np.load(os.path.join(final, "document_ends.npy"))  # sentences, cumulative
-    sentence_ends = np.load(os.path.join(final, "sentence_ends.npy"))  # tokens, cumulative
-    tokens_at = np.concatenate([[0], sentence_ends])[np.concatenate([[0], document_ends])[shard_ends]]
-    return {"documents": np.diff(shard_ends, prepend=0), "tokens": np.diff(tokens_at, prepend=0)}
+    shard_ends = np.load(os.path.join(final, "shard_ends.npy"))
+    return {"documents": np.diff(shard_ends, prepend=0)}
 
 
 def _remove_orphan_shards(output_dir):
@@ -399,20 +394,18 @@ def _merge_ranges(ranges):
 
 def _shard_tasks(common, output_dir, results, paths):
     """One task per shard that received documents (empty ones are left out; outputs are
-    numbered densely in shard order), and each one's tokens (its cost, for the engine)."""
+    numbered densely in shard order)."""
     per_shard = np.sum([r["documents"] for r in results], axis=0) if results else np.zeros(0, np.int64)
     if not int(np.sum(per_shard)):
         raise DataError(f"{', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}: no text found; give documents "
                         f"(lines: one sentence per line, blank line between documents; or WikiExtractor, JSONL, "
                         f"Parquet)")
-    tokens = np.sum([r["tokens"] for r in results], axis=0)
-    tasks, costs = [], []
+    tasks = []
     for assigned in np.nonzero(per_shard)[0]:
         output = os.path.join(output_dir, shards.shard_name(len(tasks)))
         seed = int.from_bytes(hashlib.sha256(f"{common['options']['seed']}/{assigned}".encode()).digest()[:7], "big")
         tasks.append(dict(common, assigned=int(assigned), output=output, shard_seed=seed, num_blocks=len(results)))
-        costs.append(int(tokens[assigned]))
-    return tasks, costs
+    return tasks
 
 
 @functools.lru_cache(maxsize=4)

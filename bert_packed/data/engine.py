@@ -15,12 +15,6 @@ call, and the same code then runs on any cluster it supports. The tasks are inde
 coarse (a block of input text, a shard), so the scheduler's overhead (about a millisecond a task)
 does not matter; results are small dicts, the data goes through the file system.
 
-Longest first: given ``costs`` (a number per task, e.g. a shard's tokens), the tasks go to a
-cluster in decreasing cost (ties in task order; Dask hands out queued tasks in submission
-order), so the last tasks to start are the short ones and no worker is left with a long one
-while the others wait at the end of a phase (longest-processing-time-first list scheduling).
-Results still come back in task order.
-
 Determinism does not depend on the engine: each task's output is a function of the task alone
 (its inputs and seeds), so any number of workers, in any order, writes the same files.
 
@@ -32,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Iterable, List, Optional
 
 from tqdm import tqdm
 
@@ -68,13 +62,12 @@ def check_workers(workers: Optional[int], scheduler: Optional[str]) -> int:
 
 def run_tasks(function: Callable[[Any], Any], tasks: Iterable[Any], *, workers: Optional[int] = 1,
               scheduler: Optional[str] = None, desc: str = "tasks", unit: str = " tasks",
-              show_progress: bool = False, costs: Optional[Sequence[float]] = None) -> List[Any]:
+              show_progress: bool = False) -> List[Any]:
     """``[function(task) for task in tasks]`` on the chosen engine (see module doc), with a
-    progress bar over tasks; ``costs``: see the module doc. ``function`` must be importable by
-    name (a module-level function) when it runs on Dask workers. One call, one cluster: use
-    ``Engine`` for several phases."""
+    progress bar over tasks. ``function`` must be importable by name (a module-level function)
+    when it runs on Dask workers. One call, one cluster: use ``Engine`` for several phases."""
     with Engine(workers=workers, scheduler=scheduler) as engine:
-        return engine.run(function, tasks, desc=desc, unit=unit, show_progress=show_progress, costs=costs)
+        return engine.run(function, tasks, desc=desc, unit=unit, show_progress=show_progress)
 
 
 def malloc_settings() -> List[str]:
@@ -122,13 +115,11 @@ class Engine:
             cluster.close()
 
     def run(self, function: Callable[[Any], Any], tasks: Iterable[Any], *, desc: str = "tasks",
-            unit: str = " tasks", show_progress: bool = False, costs: Optional[Sequence[float]] = None) -> List[Any]:
+            unit: str = " tasks", show_progress: bool = False) -> List[Any]:
         """``[function(task) for task in tasks]`` (see ``run_tasks``)."""
         tasks = list(tasks)
         if not tasks:
             return []
-        if costs is not None and len(costs) != len(tasks):
-            raise ValueError(f"costs: {len(costs)} values for {len(tasks)} tasks")
         bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=not show_progress)
         try:
             if self.scheduler is None and (self.workers == 1 or len(tasks) == 1):
@@ -137,14 +128,7 @@ class Engine:
                     results.append(function(task))
                     bar.update()
                 return results
-            if costs is None:
-                return self._run_on_dask(function, tasks, bar)
-            order = sorted(range(len(tasks)), key=lambda i: (-float(costs[i]), i))  # longest first
-            done = self._run_on_dask(function, [tasks[i] for i in order], bar)
-            results = [None] * len(tasks)
-            for i, result in zip(order, done):
-                results[i] = result
-            return results
+            return self._run_on_dask(function, tasks, bar)
         finally:
             bar.close()
 

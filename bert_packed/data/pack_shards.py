@@ -106,8 +106,7 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
              for i, (path, (part, leftover)) in enumerate(zip(inputs, parts))]
     from .engine import run_tasks
     entries = run_tasks(pack_shard, tasks, workers=workers, scheduler=scheduler, desc="pack: shards",
-                        unit=" shards", show_progress=show_progress,
-                        costs=[int(counts[i].sum()) for i in range(len(tasks))])  # longest first
+                        unit=" shards", show_progress=show_progress)
     return _finish(output_dir, entries, result, histogram, manifest, options,
                    {"path": input_dir, "manifest_sha256": digest, "num_shards": len(inputs),
                     "bytes": sum(int(entry["bytes"]) for entry in manifest["shards"])})

@@ -87,47 +87,6 @@ def test_local_workers_keep_glibcs_adaptive_malloc_and_one_thread_each(monkeypat
     assert seen == [None, None, "1", "1"] * 2
 
 
-def _started(task):
-    import time
-
-    return task, time.perf_counter()
-
-
-def test_tasks_go_to_a_cluster_longest_first_and_come_back_in_task_order():
-    """``costs``: a one-worker cluster runs the tasks one at a time in the order they were handed
-    out; with costs that order is decreasing cost (ties in task order), results in task order."""
-    from dask.distributed import LocalCluster
-
-    costs = [1, 5, 3, 5, 2]
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
-                      memory_limit=0) as cluster:
-        with cs.engine.Engine(scheduler=cluster.scheduler_address) as runner:
-            results = runner.run(_started, list(range(5)), costs=costs)
-            plain = runner.run(_started, list(range(5)))
-    assert [task for task, _ in results] == [0, 1, 2, 3, 4]
-    assert sorted(range(5), key=lambda i: results[i][1]) == [1, 3, 2, 4, 0]
-    assert sorted(range(5), key=lambda i: plain[i][1]) == [0, 1, 2, 3, 4]
-    with pytest.raises(ValueError, match="2 values for 5 tasks"):
-        cs.engine.run_tasks(abs, range(5), costs=[1, 2])
-
-
-def test_each_shard_costs_its_tokens(corpus_dir, tmp_path, monkeypatch):
-    """Phase A's counts give every shard task its cost: the tokens phase B gathers for it."""
-    _, text, vocab = corpus_dir
-    seen = []
-    real = cs._shard_tasks
-
-    def checked(common, output_dir, results, paths):
-        tasks, costs = real(common, output_dir, results, paths)
-        seen.extend((len(cs._shard_documents(task).tokens), cost) for task, cost in zip(tasks, costs))
-        return tasks, costs
-
-    monkeypatch.setattr(cs, "_shard_tasks", checked)
-    cs.create_shards([text], vocab, tmp_path / "out", workers=1, **OPTIONS)
-    assert len(seen) > 1 and len({cost for _, cost in seen}) > 1
-    assert all(gathered == cost for gathered, cost in seen), seen
-
-
 def _profiling(dask_worker):
     return sorted(name for name in dask_worker.periodic_callbacks if name.startswith("profile"))
 
