@@ -236,7 +236,7 @@ def plan_shard(part, leftover, counts, algorithm, max_sequences_per_pack, seed=0
     best, extra = complete_shard_plan(part, leftover, algorithm, max_sequences_per_pack, seed, **options)
     which = "global"
 
-    def good(plan):
+    def good(plan):  # against the bound as it stands: the shard's own LP bound raises it in step 3
         return plan.num_packs <= bound * (1.0 + accept)
 
     if good(best):
