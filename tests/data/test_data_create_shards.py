@@ -87,21 +87,33 @@ def test_local_workers_keep_glibcs_adaptive_malloc_and_one_thread_each(monkeypat
     assert seen == [None, None, "1", "1"] * 2
 
 
-def _profiling(dask_worker):
-    return sorted(name for name in dask_worker.periodic_callbacks if name.startswith("profile"))
+def _timers(dask_worker=None, dask_scheduler=None):
+    """A server's periodic callbacks that wake it most: the profiler's, "tick" and "monitor" (ms)."""
+    server = dask_worker if dask_worker is not None else dask_scheduler
+    return {name: callback.callback_time for name, callback in server.periodic_callbacks.items()
+            if name.startswith("profile") or name in ("tick", "monitor")}
 
 
-def test_local_workers_run_without_dasks_sampling_profiler():
+def test_local_workers_run_without_dasks_sampling_profiler_and_frequent_timers():
     """A local cluster serves no dashboard, so its workers' 10 ms stack sampler (about 4 % of a
-    2-worker `create`) is off; a worker started with Dask's defaults has it (the check can fail)."""
+    2-worker `create`) is off, and every server's event-loop tick (20 ms) and system monitor
+    (0.5 s) slow down (QUIET_LOCAL_CLUSTER): workers, nannies and the scheduler. A cluster
+    started with Dask's defaults has them all (the check can fail)."""
     from dask.distributed import Client, LocalCluster
 
+    quiet = {"tick": 1000, "monitor": 5000}
     with cs.engine.Engine(workers=2) as runner:
         assert runner.run(abs, [-1, -2]) == [1, 2]
-        assert list(runner._client.run(_profiling).values()) == [[], []]
+        client = runner._client
+        assert list(client.run(_timers).values()) == [quiet, quiet]
+        assert list(client.run(_timers, nanny=True).values()) == [quiet, quiet]
+        assert client.run_on_scheduler(_timers) == quiet
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
                       memory_limit=0) as cluster, Client(cluster) as client:
-        assert list(client.run(_profiling).values()) == [["profile", "profile-cycle"]]
+        default = {"tick": 20, "monitor": 500}
+        assert list(client.run(_timers).values()) == [{**default, "profile": 10, "profile-cycle": 1000}]
+        assert list(client.run(_timers, nanny=True).values()) == [default]
+        assert client.run_on_scheduler(_timers) == default
 
 
 def test_workers_of_an_existing_cluster_with_dasks_malloc_setting_get_a_one_line_hint(capsys, monkeypatch):
