@@ -242,6 +242,58 @@ def test_a_rerun_after_a_failure_skips_finished_blocks_and_shards(corpus_dir, re
     assert contents(output) == contents(reference[0])
 
 
+def _stopped_before_the_first_shard(text, vocab, output, monkeypatch):
+    """A create stopped at the start of phase B: every block finished, no shard; its block files."""
+    def crash(*args):
+        raise RuntimeError("simulated crash")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cs, "_write_instances", crash)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            cs.create_shards([text], vocab, output, workers=1, **OPTIONS)
+    return sorted((output / ".work" / "blocks").iterdir())
+
+
+@pytest.mark.parametrize("damage", ["cut", "overwritten", "lengthened"])
+def test_a_damaged_block_file_is_named_in_one_line_and_a_rerun_without_it_finishes(corpus_dir, reference, tmp_path,
+                                                                                  monkeypatch, damage):
+    """A finished block is trusted on a rerun; one cut short, longer than its header says, or
+    with other bytes is named, the job is kept, and once it is removed the rerun tokenises it again."""
+    _, text, vocab = corpus_dir
+    output = tmp_path / "out"
+    blocks = _stopped_before_the_first_shard(text, vocab, output, monkeypatch)
+    assert len(blocks) > 2 and [b.name for b in blocks] == [f"block-{i:06d}.bin" for i in range(len(blocks))]
+    data = blocks[1].read_bytes()
+    blocks[1].write_bytes({"cut": data[:-4], "overwritten": b"\x00" * len(data), "lengthened": data + data[-4:]}[damage])
+    with pytest.raises(DataError) as error:
+        cs.create_shards([text], vocab, output, workers=1, **OPTIONS)
+    assert str(error.value) == (f"{blocks[1]}: a finished block file is damaged (cut or overwritten); remove it and "
+                                f"run the same command again to tokenise that block afresh")
+    assert os.path.exists(output / ".work" / "job.json")
+    os.unlink(blocks[1])
+    cs.create_shards([text], vocab, output, workers=1, **OPTIONS)
+    assert contents(output) == contents(reference[0])
+
+
+def test_blocks_of_the_earlier_layout_are_tokenised_again_on_the_rerun(corpus_dir, reference, tmp_path, monkeypatch):
+    """An unfinished job from before blocks were single files (a directory of four .npy files per
+    block) finishes with the same bytes: those directories are removed and the blocks remade."""
+    _, text, vocab = corpus_dir
+    output = tmp_path / "out"
+    blocks = _stopped_before_the_first_shard(text, vocab, output, monkeypatch)
+    for block in blocks:
+        block.unlink()
+        block.with_suffix("").mkdir()
+        np.save(block.with_suffix("") / "tokens.npy", np.arange(3, dtype=np.int32))
+    tokenised, tokenise = [], cs._tokenise
+    left = lambda: sorted(path.name for path in blocks[0].parent.iterdir())  # noqa: E731
+    monkeypatch.setattr(cs, "_tokenise", lambda task: tokenised.append((task["index"], left())) or tokenise(task))
+    cs.create_shards([text], vocab, output, workers=1, **OPTIONS)
+    # The old directories went before the first block was tokenised (no two copies on disk).
+    assert tokenised == [(i, [b.name for b in blocks[:i]]) for i in range(len(blocks))]
+    assert contents(output) == contents(reference[0])
+
+
 def test_a_rerun_with_other_options_is_refused_and_an_empty_dir_is_fine(corpus_dir, tmp_path, monkeypatch):
     _, text, vocab = corpus_dir
     output = tmp_path / "job"

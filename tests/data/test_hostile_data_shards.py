@@ -222,7 +222,7 @@ def test_a_disk_that_fills_while_tokenising_keeps_the_job_for_the_rerun(work, ca
     result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, preexec_fn=_limit_file_size(4000))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (
-        f"error: {work / 'out' / '.work' / 'blocks' / 'block-000000'}: writing failed (File too large); finished "
+        f"error: {work / 'out' / '.work' / 'blocks' / 'block-000000.bin'}: writing failed (File too large); finished "
         f"shards are kept: free space (or raise the limit) and run the same command again to finish")
     assert os.listdir(work / "out") == [".work"]
     result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
