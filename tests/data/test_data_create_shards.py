@@ -78,6 +78,50 @@ def test_two_local_workers_write_the_same_bytes(corpus_dir, reference, tmp_path)
     assert contents(tmp_path / "two") == contents(reference[0])
 
 
+def _doubled_unless_negative(value):
+    if value < 0:
+        raise DataError(f"task {value}: refused")
+    return 2 * value
+
+
+def test_the_engine_returns_results_in_task_order_and_re_raises_a_tasks_error_as_it_is():
+    """Results come back in batches as tasks finish (as_completed with_results) and land in task
+    order; a worker's DataError reaches the caller with its type and its one line."""
+    assert cs.engine.run_tasks(_doubled_unless_negative, range(200), workers=2) == [2 * i for i in range(200)]
+    with pytest.raises(DataError) as error:
+        cs.engine.run_tasks(_doubled_unless_negative, [1, 2, -3, 4], workers=2)
+    assert str(error.value) == "task -3: refused"
+
+
+def _log_an_error(name):
+    import logging
+
+    logging.getLogger(name).error("an error logged by a worker")
+
+
+def test_a_local_clusters_workers_log_nothing_once_it_starts_to_stop(capfd):
+    """Dask issue 7105: a heartbeat in flight as a local cluster closes prints an error and a
+    traceback after a job that succeeded. Before closing, the engine quiets every worker process
+    (their stderr is this process's); until then a worker's error is printed (the check can fail).
+    The scheduler and nannies run in this process, quiet while the cluster stops, then put back."""
+    import logging
+
+    import distributed  # noqa: F401  (importing it sets the level that must be put back)
+
+    level = logging.getLogger("distributed").level
+    with cs.engine.Engine(workers=2) as runner:
+        assert runner.run(abs, [-1, -2]) == [1, 2]
+        client = runner._client
+        client.run(_log_an_error, "distributed.worker")
+        time.sleep(0.2)
+        assert capfd.readouterr().err.count("an error logged by a worker") == 2
+        cs.engine._quiet_for_shutdown(client)
+        client.run(_log_an_error, "distributed.worker")
+        time.sleep(0.2)
+        assert "an error logged by a worker" not in capfd.readouterr().err
+    assert logging.getLogger("distributed").level == level
+
+
 def test_local_workers_keep_glibcs_adaptive_malloc_and_one_thread_each(monkeypatch):
     """Dask's nanny sets MALLOC_TRIM_THRESHOLD_ in its workers, which turns off glibc's adaptive
     mmap threshold (shard writing 1.3x slower); our local cluster drops it and pins the threads."""
