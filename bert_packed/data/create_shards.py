@@ -35,7 +35,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 
 import numpy as np
 
@@ -43,7 +42,7 @@ from . import corpus, engine, h5io, shards
 from .create import Documents, check_options, create_instances
 from .errors import DataError, refuse_output_over_input
 from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
-from ..io import TEMP_PREFIX, DirectoryLock, OutputInUseError, write_text_atomic
+from ..io import TEMP_PREFIX, DirectoryLock, OutputInUseError, atomic_path, write_text_atomic
 
 DEFAULT_BLOCK_BYTES = 8 << 20  # 20 GB: 2,500 tasks; small enough to balance 2 workers on 80 MB
 DEFAULT_SHARD_BYTES = 4 << 20
@@ -270,18 +269,9 @@ def tokenise_block(task):
     if not os.path.exists(final):
         tokens, sentence_lengths, document_sizes = _tokenise(task)
         arrays = _group_by_shard(tokens, sentence_lengths, document_sizes, task)
-        parent = os.path.dirname(final)
-        with _writing(final):
-            os.makedirs(parent, exist_ok=True)
-            handle = tempfile.NamedTemporaryFile(dir=parent, prefix=f".tmp-block-{task['index']:06d}-", delete=False)
-            try:
-                with handle:
-                    _write_block(handle, arrays)
-                os.rename(handle.name, final)
-            except BaseException:
-                os.unlink(handle.name)
-                if not os.path.exists(final):  # another run of the same task may have finished it
-                    raise
+        # Two runs of the same task write the same bytes, so either may publish last.
+        with _writing(final), atomic_path(final, prefix=".tmp-block-") as tmp, open(tmp, "wb") as handle:
+            _write_block(handle, arrays)
     with _BlockReader(final) as block:
         return {"documents": np.diff(block.array(block.shard_ends_at, block.num_shards), prepend=0)}
 
