@@ -35,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import sys
 
 import numpy as np
 
@@ -100,6 +101,10 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
             results = runner.run(tokenise_block, block_tasks, desc="tokenise", unit=" blocks",
                                  show_progress=show_progress)
             shard_tasks = _shard_tasks(common, output_dir, results, paths)
+            if output_shards and len(shard_tasks) < output_shards:  # said, never silent (issue 46)
+                print(f"warning: --output-shards {output_shards}: only {len(shard_tasks)} shards receive documents "
+                      f"({int(sum(sum(r['documents']) for r in results))} documents in all; shards without any are "
+                      f"not written), so {len(shard_tasks)} are written", file=sys.stderr)
         except DataError as exc:
             # Bad input found before any shard: leave no job behind that would refuse the fixed rerun
             # (a failed write keeps the finished blocks for the rerun).
