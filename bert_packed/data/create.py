@@ -71,8 +71,8 @@ def create_instances(documents, vocab_size, special_ids, *, max_seq_length, max_
                      dupe_factor, short_seq_prob=0.1, masked_lm_prob=0.15,
                      whole_word_mask=False, continuation_ids=frozenset(), seed=12345,
                      show_progress=False):
-    """Run the algorithm on tokenised documents (a `Documents`, or lists as `read_documents`
-    gave them before); return the shuffled `Instances`, which lay themselves out (and mask)
+    """Run the algorithm on tokenised documents (a `Documents`, or a list of documents, each a list
+    of sentences of token ids); return the shuffled `Instances`, which lay themselves out (and mask)
     a chunk of rows at a time.
 
     `special_ids`: dict with the ids of [CLS] [SEP] [MASK] (and the other specials, which
