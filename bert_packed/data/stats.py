@@ -34,7 +34,11 @@ _PACKED_ATTRS = ("algorithm", "lp_bound_packs", "unpacked_efficiency", "speedup"
 
 
 def _refuse_a_corpus(path):
-    """A corpus (create's input) given to stats is named as what it is, not as a broken HDF5 file."""
+    """A corpus (create's input), a pipe or a device given to stats is named as what it is, not as a
+    broken HDF5 file."""
+    kind = formats.base.not_regular_kind(path)
+    if kind is not None:
+        raise DataError(f"{path}: is {kind}, not a regular file; stats reads an HDF5 file or a dataset directory")
     if not os.path.isfile(path):
         return
     with open(path, "rb") as handle:

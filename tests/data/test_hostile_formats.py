@@ -275,6 +275,15 @@ def test_stats_on_a_corpus_says_it_is_one(work, capsys):
     assert_unchanged(before, work)
 
 
+def test_stats_on_a_named_pipe_says_so(work, tmp_path, capsys):
+    fifo = tmp_path / "pipe.h5"
+    os.mkfifo(fifo)
+    code, line = main_error(capsys, ["stats", str(fifo), "--no-plot"], entry=data_main)
+    assert (code, line) == (2, f"error: {fifo}: is a named pipe (FIFO), not a regular file; stats reads an HDF5 file "
+                               f"or a dataset directory")
+    assert sorted(os.listdir(tmp_path)) == ["data", "pipe.h5"]
+
+
 # -- the single-file create is the sharded engine writing one shard -------------------------------------
 
 def test_a_single_file_is_the_one_shard_of_a_directory(work, capsys):
