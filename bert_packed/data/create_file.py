@@ -12,7 +12,7 @@ import tempfile
 
 from ..io import TEMP_PREFIX, publish
 from . import shards
-from .create_shards import DEFAULT_BLOCK_BYTES, create_shards
+from .create_shards import DEFAULT_BLOCK_BYTES, WriteFailed, create_shards
 from .errors import DataError, refuse_output_over_input
 
 
@@ -42,10 +42,14 @@ def create_pretraining_file(input_paths, vocab_path, output_path, *, max_seq_len
                                 workers=workers, scheduler=scheduler, output_shards=1, block_bytes=block_bytes,
                                 show_progress=show_progress)
         publish(os.path.join(work, shards.shard_name(0)), output_path)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(work, ignore_errors=True)
         if made and not os.listdir(folder):
             os.rmdir(folder)
+        if isinstance(exc, WriteFailed):  # its words are for a directory that keeps finished shards
+            reason = str(exc).split("writing failed (", 1)[-1].split("); finished", 1)[0]
+            raise DataError(f"{output_path}: writing failed ({reason}); nothing was written: free space (or raise "
+                            f"the limit) and run the command again") from None
         raise
     shutil.rmtree(work, ignore_errors=True)
     summary.pop("num_shards", None)

@@ -5,7 +5,10 @@ Every refusal: the one-line message, exit status 2, the inputs byte-identical af
 nothing left behind (no output directory, file or vocabulary). Calls go in-process."""
 import json
 import os
+import resource
 import shutil
+import subprocess
+import sys
 
 import h5py
 import pytest
@@ -15,6 +18,7 @@ from bert_packed.data.vocab import train_vocab
 from hostile import assert_unchanged, main_error, snapshot
 from test_data_create import synthetic_corpus
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALGORITHM = ["--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--seed", "1",
              "--workers", "1", "--no-progress"]
 SENTENCES = ["The river runs past the old mill.", "Birds sing in the tall trees at dawn.",
@@ -292,3 +296,23 @@ def test_a_single_file_is_the_one_shard_of_a_directory(work, capsys):
     create_ok(capsys, work, [work / "docs.jsonl"], work / "dir", "--output-shards", "1")
     assert (work / "one.h5").read_bytes() == (work / "dir" / "shard-00000.h5").read_bytes()
     assert not [name for name in os.listdir(work) if name.startswith(".tmp-")]
+
+
+def test_a_single_file_that_cannot_be_written_leaves_nothing(work, capsys):
+    """A full disk (RLIMIT_FSIZE: writes over the limit fail with EFBIG) while the one shard is written:
+    one line naming the .h5 (not the temporary directory's shard), nothing left behind."""
+    create_ok(capsys, work, [work / "corpus.txt"], work / "reference.h5")
+    size = os.path.getsize(work / "reference.h5")
+    before = snapshot(work)
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
+
+    result = subprocess.run([sys.executable, "-m", "bert_packed.data", "create", "--input", str(work / "corpus.txt"),
+                             "--vocab", str(work / "vocab.txt"), "--output", str(work / "one.h5"), *ALGORITHM],
+                            capture_output=True, text=True, cwd=ROOT, preexec_fn=limit)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"error: {work / 'one.h5'}: writing failed (File too large); nothing was "
+                                     f"written: free space (or raise the limit) and run the command again")
+    assert_unchanged(before, work)
+    assert sorted(os.listdir(work)) == sorted(os.path.basename(path) for path in before)
