@@ -9,12 +9,12 @@ import sys
 
 from packing.entry import ArgumentParser, run_cli
 
-from .formats import FORMATS
+from . import formats
 
 
 def _add_format_options(p):
     """--format and --text-column: the input formats of `create` and `vocab` (formats.REGISTRY)."""
-    p.add_argument("--format", default=None, choices=FORMATS,
+    p.add_argument("--format", default=None, choices=list(formats.REGISTRY),
                    help="input format of every file (default: detected per file from its name and head)")
     p.add_argument("--text-column", default=None, help="JSONL field / Parquet column of the text (default: text)")
 
@@ -36,7 +36,7 @@ def _parser():
     p = commands.add_parser("create", help="raw text -> unpacked HDF5 (Google BERT's algorithm)")
     p.add_argument("--input", nargs="+", required=True,
                    help="corpus files, directories (recursively) or quoted globs, each in one of the input "
-                        f"formats ({', '.join(FORMATS)})")
+                        f"formats ({', '.join(formats.REGISTRY)})")
     p.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
     p.add_argument("--output", required=True,
                    help="a directory of HDF5 shards plus manifest.json (streams: memory bounded by a shard); "

@@ -316,3 +316,34 @@ def test_a_single_file_that_cannot_be_written_leaves_nothing(work, capsys):
                                      f"written: free space (or raise the limit) and run the command again")
     assert_unchanged(before, work)
     assert sorted(os.listdir(work)) == sorted(os.path.basename(path) for path in before)
+
+
+# -- a new format is one module: registered once, every command reads it ---------------------------------
+
+def test_a_registered_format_is_read_by_every_command(work, capsys, monkeypatch):
+    """A toy format (one document per line, ``id<TAB>text``) registered in the registry alone: the
+    --format choices, `vocab`, the sharded and the single-file `create` all take it."""
+    from bert_packed.data import formats
+    from bert_packed.data.formats.base import TextFormat, split_sentences
+
+    class Tabbed(TextFormat):
+        name = "tsv"
+        suffixes = (".tsv",)
+
+        def boundary(self, line):
+            return "at"
+
+        def documents(self, lines, path, start, text_column, max_seq_length):
+            for line in lines:
+                if line.strip():
+                    yield split_sentences(line.split("\t", 1)[1])
+
+    monkeypatch.setitem(formats.REGISTRY, "tsv", Tabbed())
+    corpus = work / "docs.tsv"
+    corpus.write_text("".join(f"id{i}\t{text}\n" for i, text in enumerate(documents(12))))
+    tokens = vocab_tokens(capsys, work, [corpus], "--format", "tsv")
+    assert "river" in tokens and not {"id0", "id", "##0"} & set(tokens)
+    create_ok(capsys, work, [corpus], work / "one.h5", "--format", "tsv")
+    create_ok(capsys, work, [corpus], work / "dir")  # detected by its suffix
+    assert json.loads((work / "dir" / "manifest.json").read_text())["num_documents"] == 12
+    assert (work / "one.h5").read_bytes() == (work / "dir" / "shard-00000.h5").read_bytes()

@@ -34,7 +34,7 @@ __all__ = ["REGISTRY", "FORMATS", "Format", "get", "detect_format", "plan_blocks
 
 _MODULES = (lines, wikiextractor, jsonl, parquet)
 REGISTRY: Dict[str, Format] = {module.FORMAT.name: module.FORMAT for module in _MODULES}
-FORMATS = tuple(REGISTRY)
+FORMATS = tuple(REGISTRY)  # the built-in formats; REGISTRY is what the commands read
 _GLOB_CHARS = set("*?[")
 
 
@@ -43,7 +43,7 @@ def get(name: str) -> Format:
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):
-        raise DataError(f"--format must be one of {', '.join(FORMATS)}, got {name!r}") from None
+        raise DataError(f"--format must be one of {', '.join(REGISTRY)}, got {name!r}") from None
 
 
 def describe() -> str:
