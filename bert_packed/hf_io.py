@@ -35,7 +35,7 @@ import torch
 
 # One error class for every unusable checkpoint (ours or Hugging Face's): one line, exit 2.
 from bert_packed.checkpoint import CheckpointError, safe_torch_load
-from bert_packed.io import atomic_path, read_utf8, write_text_atomic
+from bert_packed.io import atomic_path, read_utf8, read_vocab_tokens, write_text_atomic
 
 __all__ = [
     "CheckpointError", "Pretrained", "read_pretrained", "resolve_model_config", "load_weights",
@@ -435,6 +435,7 @@ def load_tokenizer(path: str, *, lowercase: Optional[bool] = None):
     if lowercase is None:
         config_path = os.path.join(directory, "tokenizer_config.json")
         lowercase = bool(_read_json(config_path).get("do_lower_case", True)) if os.path.isfile(config_path) else True
+    read_vocab_tokens(vocab, CheckpointError)  # a token listed twice is refused (ambiguous ids)
     try:
         wordpiece = BertWordPieceTokenizer(vocab, lowercase=lowercase, strip_accents=None, clean_text=True,
                                            handle_chinese_chars=True)

@@ -23,12 +23,13 @@ import os
 import re
 import socket
 import tempfile
-from typing import Iterable, Iterator, Optional, Tuple, Type
+from typing import Iterable, Iterator, List, Optional, Tuple, Type
 
 from bert_packed.errors import ConfigError
 
 __all__ = ["read_utf8", "utf8_lines", "write_text_atomic", "atomic_path", "publish", "make_temp", "make_folder",
-           "remove_orphans", "DirectoryLock", "OutputInUseError", "not_utf8_message", "check_output_dir"]
+           "remove_orphans", "DirectoryLock", "OutputInUseError", "not_utf8_message", "check_output_dir",
+           "read_vocab_tokens"]
 
 TEMP_PREFIX = ".tmp-"
 
@@ -60,6 +61,22 @@ def read_utf8(path, error: Type[Exception] = ValueError, *, drop_bom: bool = Tru
     except UnicodeDecodeError as exc:
         raise error(not_utf8_message(path, raw, exc.start)) from None
     return text[1:] if drop_bom and text.startswith("\ufeff") else text
+
+
+def read_vocab_tokens(path, error: Type[Exception] = ValueError) -> List[str]:
+    """The tokens of a WordPiece ``vocab.txt`` (one a line, the line number is the id; trailing
+    empty lines dropped). A token on two lines is refused with ``error`` naming both: its id
+    would be ambiguous (tokenizers keeps one of them, the model's embeddings both)."""
+    tokens = [line.rstrip("\r") for line in read_utf8(path, error).split("\n")]
+    while tokens and tokens[-1] == "":
+        tokens.pop()
+    seen = {}
+    for number, token in enumerate(tokens, 1):
+        if token in seen:
+            raise error(f"{path}: line {number} repeats the token {token!r} of line {seen[token]}; a token is listed "
+                        f"once, or its id is ambiguous: remove the duplicate line")
+        seen[token] = number
+    return tokens
 
 
 def utf8_lines(path, handle, error: Type[Exception] = ValueError) -> Iterator[str]:

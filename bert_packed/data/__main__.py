@@ -9,6 +9,15 @@ import sys
 
 from packing.entry import ArgumentParser, run_cli
 
+from . import formats
+
+
+def _add_format_options(p):
+    """--format and --text-column: the input formats of `create` and `vocab` (formats.REGISTRY)."""
+    p.add_argument("--format", default=None, choices=list(formats.REGISTRY),
+                   help="input format of every file (default: detected per file from its name and head)")
+    p.add_argument("--text-column", default=None, help="JSONL field / Parquet column of the text (default: text)")
+
 
 def _parser():
     parser = ArgumentParser(prog="python -m bert_packed.data",
@@ -16,20 +25,23 @@ def _parser():
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("vocab", help="train a WordPiece vocabulary (vocab.txt) on a corpus")
-    p.add_argument("--input", nargs="+", required=True, help="corpus text file(s)")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="corpus files, directories (recursively) or quoted globs, read as `create` reads them")
     p.add_argument("--size", type=int, required=True, help="vocabulary size (upper bound)")
     p.add_argument("--output", required=True, help="vocab.txt to write")
     p.add_argument("--cased", action="store_true", help="keep case and accents")
     p.add_argument("--min-frequency", type=int, default=2)
+    _add_format_options(p)
 
     p = commands.add_parser("create", help="raw text -> unpacked HDF5 (Google BERT's algorithm)")
     p.add_argument("--input", nargs="+", required=True,
-                   help="corpus files, directories (recursively) or quoted globs: one sentence per line with a "
-                        "blank line between documents, WikiExtractor output, JSONL or Parquet")
+                   help="corpus files, directories (recursively) or quoted globs, each in one of the input "
+                        f"formats ({', '.join(formats.REGISTRY)})")
     p.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
     p.add_argument("--output", required=True,
                    help="a directory of HDF5 shards plus manifest.json (streams: memory bounded by a shard); "
-                        "a name ending in .h5/.hdf5 writes one file, all in memory, as before")
+                        "a name ending in .h5/.hdf5 writes one file (the one shard of --output-shards 1, made in "
+                        "memory)")
     p.add_argument("--max-seq-length", "--max-sequence-length", dest="max_seq_length", type=int,
                    default=128)
     p.add_argument("--max-predictions", type=int, default=20, help="masked tokens per sequence, at most")
@@ -39,11 +51,10 @@ def _parser():
     p.add_argument("--masked-lm-prob", type=float, default=0.15)
     p.add_argument("--whole-word-mask", action="store_true")
     p.add_argument("--cased", action="store_true", help="keep case and accents")
-    p.add_argument("--format", default=None, choices=["lines", "wikiextractor", "jsonl", "parquet"],
-                   help="input format of every file (default: detected per file from its name and first line)")
-    p.add_argument("--text-column", default=None, help="JSONL field / Parquet column of the text (default: text)")
+    _add_format_options(p)
     p.add_argument("--workers", type=int, default=None,
-                   help="local worker processes (default: every core; ignored with --scheduler)")
+                   help="local worker processes (default: every core, 1 for a .h5 --output; ignored with "
+                        "--scheduler)")
     p.add_argument("--scheduler", default=None, help="address of an existing Dask scheduler, e.g. tcp://host:8786")
     p.add_argument("--output-shards", type=int, default=None,
                    help="number of shards (default: one per ~4 MiB of input)")
@@ -78,8 +89,8 @@ def _parser():
                    help="progress bars on stderr (default: when stderr is a terminal)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
-    p = commands.add_parser("stats", help="length histogram and padding of an HDF5 file")
-    p.add_argument("file")
+    p = commands.add_parser("stats", help="length histogram and padding of an HDF5 file or a sharded dataset")
+    p.add_argument("file", help="unpacked or packed HDF5 file, or a dataset directory (shards and manifest.json)")
     p.add_argument("--plot", default=None, help="PNG to write (default: FILE with .png)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
@@ -121,32 +132,13 @@ def _run(args):
     if args.command == "vocab":
         from .vocab import train_vocab
         num_tokens = train_vocab(args.input, args.size, args.output, lowercase=not args.cased,
-                                 min_frequency=args.min_frequency)
+                                 min_frequency=args.min_frequency, input_format=args.format,
+                                 text_column=_text_column(args))
         print(f"wrote {args.output}: {num_tokens} tokens")
     elif args.command == "create" and _sharded(args.output):
         _create_shards(args)
     elif args.command == "create":
-        from .errors import DataError
-        extra = [flag for flag, value in (("--format", args.format), ("--text-column", args.text_column),
-                                          ("--workers", args.workers), ("--scheduler", args.scheduler),
-                                          ("--output-shards", args.output_shards),
-                                          ("--block-bytes", args.block_bytes)) if value is not None]
-        if extra:
-            raise DataError(f"{' '.join(extra)}: for a sharded --output directory; --output {args.output} "
-                            f"(.h5) writes one file from plain-text files")
-        from .create import create_pretraining_file
-        summary = create_pretraining_file(
-            args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
-            max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
-            seed=args.seed, short_seq_prob=args.short_seq_prob,
-            masked_lm_prob=args.masked_lm_prob, lowercase=not args.cased,
-            whole_word_mask=args.whole_word_mask,
-            show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
-        print(f"wrote {args.output}: {summary['num_sequences']} sequences from "
-              f"{summary['num_documents']} documents, {summary['num_tokens']} tokens, "
-              f"{summary['num_masked_tokens']} masked, random next "
-              f"{100 * summary['random_next_fraction']:.1f} %, padding "
-              f"{100 * summary['padding_fraction']:.1f} %")
+        _create_file(args)
     elif args.command == "pack" and os.path.isdir(args.input):
         _pack_dataset(args)
     elif args.command == "pack":
@@ -189,13 +181,40 @@ def _run(args):
     return 0
 
 
+def _text_column(args):
+    return "text" if args.text_column is None else args.text_column
+
+
+def _create_file(args):
+    """`create` into one .h5 file: the sharded engine writing one shard (create_file.py)."""
+    if args.output_shards not in (None, 1):
+        from .errors import DataError
+        raise DataError(f"--output-shards {args.output_shards}: --output {args.output} (.h5) is one file, one shard; "
+                        f"give a directory for {args.output_shards} shards")
+    from .create_file import create_pretraining_file
+    summary = create_pretraining_file(
+        args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
+        max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
+        seed=args.seed, short_seq_prob=args.short_seq_prob,
+        masked_lm_prob=args.masked_lm_prob, lowercase=not args.cased,
+        whole_word_mask=args.whole_word_mask, input_format=args.format, text_column=_text_column(args),
+        workers=1 if args.workers is None else args.workers, scheduler=args.scheduler,
+        **({} if args.block_bytes is None else {"block_bytes": args.block_bytes}),
+        show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
+    print(f"wrote {args.output}: {summary['num_sequences']} sequences from "
+          f"{summary['num_documents']} documents, {summary['num_tokens']} tokens, "
+          f"{summary['num_masked_tokens']} masked, random next "
+          f"{100 * summary['random_next_fraction']:.1f} %, padding "
+          f"{100 * summary['padding_fraction']:.1f} %")
+
+
 def _create_shards(args):
     from .create_shards import DEFAULT_BLOCK_BYTES, create_shards
     summary = create_shards(
         args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
         max_predictions=args.max_predictions, dupe_factor=args.dupe_factor, seed=args.seed,
         short_seq_prob=args.short_seq_prob, masked_lm_prob=args.masked_lm_prob, lowercase=not args.cased,
-        whole_word_mask=args.whole_word_mask, input_format=args.format, text_column="text" if args.text_column is None else args.text_column,
+        whole_word_mask=args.whole_word_mask, input_format=args.format, text_column=_text_column(args),
         workers=args.workers, scheduler=args.scheduler, output_shards=args.output_shards,
         block_bytes=DEFAULT_BLOCK_BYTES if args.block_bytes is None else args.block_bytes,
         show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
@@ -228,7 +247,7 @@ def _pack_dataset(args):
 
 
 def _with_suffix(path, suffix):
-    root, _ = os.path.splitext(path)
+    root, _ = os.path.splitext(os.path.normpath(path))  # a directory "out/" plots to out.png
     return root + suffix
 
 

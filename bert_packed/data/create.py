@@ -1,9 +1,10 @@
-"""`create`: raw text -> unpacked pre-training HDF5 (Google BERT's create_pretraining_data).
+"""`create`'s algorithm: documents -> unpacked pre-training rows (Google BERT's create_pretraining_data).
 
-Input text: one sentence per line, documents separated by blank lines. The algorithm is
+The documents come from the input formats (bert_packed.data.formats), tokenised by the sharded
+engine (create_shards.py; one shard for a single-file output, create_file.py). The algorithm is
 the one of Google's reference implementation, re-implemented here on token ids:
 
-1. Tokenise every line with WordPiece (`tokenizers`, BertWordPieceTokenizer normalisation);
+1. Tokenise every sentence with WordPiece (`tokenizers`, BertWordPieceTokenizer normalisation);
    drop empty documents; shuffle the documents.
 2. `dupe_factor` times over all documents, cut each document into instances: the target
    length is max_seq_length - 3, except with probability `short_seq_prob` (10 %) a random
@@ -34,7 +35,6 @@ import array
 import bisect
 import collections.abc
 import itertools
-import os
 import random
 from typing import NamedTuple
 
@@ -43,53 +43,6 @@ from tqdm import tqdm
 
 from . import h5io
 from .errors import DataError
-from .errors import refuse_output_over_input
-from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab, utf8_lines
-
-def read_documents(input_paths, vocab_path, *, lowercase=True, batch_lines=4096,
-                   show_progress=False):
-    """Tokenise corpus files into documents: a list of documents, each a list of sentences,
-    each a non-empty list of token ids. Blank lines end documents; empty ones are dropped."""
-    from tokenizers import BertWordPieceTokenizer
-
-    load_vocab(vocab_path)  # checks the special tokens with a clear message
-    tokenizer = BertWordPieceTokenizer(os.fspath(vocab_path), clean_text=True, handle_chinese_chars=True,
-                                       strip_accents=None, lowercase=lowercase)
-    documents = [[]]
-
-    def flush(lines):
-        encodings = iter(tokenizer.encode_batch([x for x in lines if x is not None],
-                                                add_special_tokens=False))
-        for line in lines:
-            if line is None:
-                documents.append([])
-                continue
-            ids = next(encodings).ids
-            if ids:
-                documents[-1].append(list(ids))
-
-    for path in input_paths:
-        check_corpus_file(path)
-        pending = []
-        # Invalid UTF-8 is refused with file, line and byte (vocab.utf8_lines: one policy for
-        # `vocab` and `create`).
-        for line in tqdm(utf8_lines(path), desc=f"tokenise {os.path.basename(path)}", unit=" lines",
-                         disable=not show_progress):
-            line = line.strip()
-            # A blank line is a document boundary; keep its place in the batch order.
-            pending.append(line if line else None)
-            if len(pending) >= batch_lines:
-                flush(pending)
-                pending = []
-        if pending:
-            flush(pending)
-        documents.append([])  # files never share a document
-    documents = [doc for doc in documents if doc]
-    if not documents:
-        raise DataError(f"{', '.join(map(str, input_paths))}: no text found; the corpus needs "
-                        "one sentence per line, documents separated by blank lines")
-    return documents
-
 
 class Documents(NamedTuple):
     """Tokenised documents as flat arrays: ``tokens`` (int32, every sentence back to back),
@@ -118,8 +71,8 @@ def create_instances(documents, vocab_size, special_ids, *, max_seq_length, max_
                      dupe_factor, short_seq_prob=0.1, masked_lm_prob=0.15,
                      whole_word_mask=False, continuation_ids=frozenset(), seed=12345,
                      show_progress=False):
-    """Run the algorithm on tokenised documents (a `Documents`, or lists as `read_documents`
-    gave them before); return the shuffled `Instances`, which lay themselves out (and mask)
+    """Run the algorithm on tokenised documents (a `Documents`, or a list of documents, each a list
+    of sentences of token ids); return the shuffled `Instances`, which lay themselves out (and mask)
     a chunk of rows at a time.
 
     `special_ids`: dict with the ids of [CLS] [SEP] [MASK] (and the other specials, which
@@ -283,16 +236,6 @@ class Instances(collections.abc.Sized):
             arrays["next_sentence_labels"][:] = self._random_next[rows]
             yield start, arrays
 
-    def to_arrays(self):
-        """Every row at once (the single-file `create`)."""
-        m = self._masking
-        arrays = {name: np.zeros(shape, dtype) for name, (shape, dtype)
-                  in h5io.unpacked_shapes(len(self), self.max_seq_length, m.max_predictions).items()}
-        for start, chunk in self.chunks():
-            for name, values in chunk.items():
-                arrays[name][start:start + len(values)] = values
-        return arrays
-
 
 def _ranges(starts, lengths):
     """The indices of the runs [start, start + length) back to back (int64)."""
@@ -444,43 +387,3 @@ def check_options(max_seq_length, max_predictions, dupe_factor, masked_lm_prob, 
         raise DataError(f"--dupe-factor must be at least 1, got {dupe_factor}")
     if not 0 < masked_lm_prob < 1 or not 0 <= short_seq_prob <= 1:
         raise DataError("--masked-lm-prob must be in (0, 1) and --short-seq-prob in [0, 1]")
-
-
-def create_pretraining_file(input_paths, vocab_path, output_path, *, max_seq_length=128,
-                            max_predictions=20, dupe_factor=10, seed=12345, short_seq_prob=0.1,
-                            masked_lm_prob=0.15, lowercase=True, whole_word_mask=False,
-                            show_progress=False):
-    """The whole `create` step; writes `output_path` atomically and returns summary statistics."""
-    if isinstance(input_paths, (str, os.PathLike)):
-        input_paths = [input_paths]
-    input_paths = [os.fspath(p) for p in input_paths]
-    refuse_output_over_input(output_path, input_paths + [os.fspath(vocab_path)])
-    check_options(max_seq_length, max_predictions, dupe_factor, masked_lm_prob, short_seq_prob)
-    vocab_path = os.fspath(vocab_path)
-    vocab = load_vocab(vocab_path)
-    documents = read_documents(input_paths, vocab_path, lowercase=lowercase,
-                               show_progress=show_progress)
-    special_ids = {token: vocab[token] for token in SPECIAL_TOKENS}
-    continuation_ids = frozenset(i for token, i in vocab.items() if token.startswith("##"))
-    vocab_size = max(vocab.values()) + 1
-    instances = create_instances(
-        documents, vocab_size, special_ids, max_seq_length=max_seq_length,
-        max_predictions=max_predictions, dupe_factor=dupe_factor, short_seq_prob=short_seq_prob,
-        masked_lm_prob=masked_lm_prob, whole_word_mask=whole_word_mask,
-        continuation_ids=continuation_ids, seed=seed, show_progress=show_progress)
-    arrays = instances.to_arrays()
-    with h5io.atomic_h5(output_path) as handle:
-        for name in h5io.UNPACKED_FIELDS:
-            h5io.create_dataset(handle, name, arrays[name])
-        handle.attrs.update({
-            "max_seq_length": max_seq_length, "max_predictions_per_seq": max_predictions,
-            "dupe_factor": dupe_factor, "seed": seed, "short_seq_prob": short_seq_prob,
-            "masked_lm_prob": masked_lm_prob, "do_lower_case": bool(lowercase),
-            "whole_word_mask": bool(whole_word_mask), "vocab_size": vocab_size,
-            "num_documents": len(documents)})
-    lengths = arrays["input_mask"].sum(axis=1, dtype=np.int64)
-    num_masked = (arrays["masked_lm_ids"] != 0).sum()
-    return {"num_documents": len(documents), "num_sequences": len(instances),
-            "num_tokens": int(lengths.sum()), "num_masked_tokens": int(num_masked),
-            "random_next_fraction": float(arrays["next_sentence_labels"].mean()) if instances else 0.0,
-            "padding_fraction": 1.0 - float(lengths.sum()) / max(1, len(instances) * max_seq_length)}

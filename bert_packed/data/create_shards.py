@@ -5,7 +5,7 @@ memory; at Wikipedia scale (~20 GB of text) that is over a TiB. Here memory is b
 of input and by one shard, whatever the corpus size, and the work runs on ``engine.run_tasks``
 (this process, a local Dask cluster, or an existing one):
 
-Phase A, one task per input block (``corpus.plan_blocks``: ~8 MiB of whole documents, or a
+Phase A, one task per input block (``formats.plan_blocks``: ~8 MiB of whole documents, or a
 Parquet row group): read the block's documents, tokenise them (WordPiece, as create.py),
 and send every document to one of N shards by a hash of (seed, block, document). The block's
 documents are stored as ``DIR/.work/blocks/block-NNNNNN.bin`` grouped by shard, as flat arrays
@@ -35,10 +35,11 @@ import json
 import math
 import os
 import shutil
+import sys
 
 import numpy as np
 
-from . import corpus, engine, h5io, shards
+from . import engine, formats, h5io, shards
 from .create import Documents, check_options, create_instances
 from .errors import DataError, refuse_output_over_input
 from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
@@ -65,21 +66,21 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
     _check_counts(output_shards, block_bytes, input_format)
     if not isinstance(text_column, str) or not text_column.strip():
         raise DataError(f"--text-column must name the JSONL field / Parquet column of the text, got {text_column!r}")
-    paths = corpus.expand_inputs(inputs)
+    paths = formats.expand_inputs(inputs)
     if not paths:
         raise DataError("--input names no files")
     _refuse_output_over_inputs(output_dir, [os.fspath(x) for x in inputs], paths + [os.fspath(vocab_path)])
     vocab = load_vocab(os.fspath(vocab_path))
     for path in paths:
         check_corpus_file(path)
-    formats = [corpus.detect_format(path, input_format) for path in paths]
+    detected = [formats.detect_format(path, input_format) for path in paths]
     options = {"max_seq_length": max_seq_length, "max_predictions": max_predictions, "dupe_factor": dupe_factor,
                "seed": seed, "short_seq_prob": short_seq_prob, "masked_lm_prob": masked_lm_prob,
                "do_lower_case": bool(lowercase), "whole_word_mask": bool(whole_word_mask),
                "text_column": text_column, "block_bytes": block_bytes, "sentence_splitter": "blingfire"}
     inputs_record = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "format": f}
-                     for p, f in zip(paths, formats)]
-    total_bytes = sum(corpus.text_bytes(x["path"], x["format"], text_column) for x in inputs_record)
+                     for p, f in zip(paths, detected)]
+    total_bytes = sum(formats.text_bytes(x["path"], x["format"], text_column) for x in inputs_record)
     options["num_shards"] = output_shards or min(MAX_SHARDS, max(1, math.ceil(total_bytes / DEFAULT_SHARD_BYTES)))
     vocab_record = {"file": os.path.basename(os.fspath(vocab_path)), "bytes": os.path.getsize(vocab_path),
                     "num_tokens": max(vocab.values()) + 1}
@@ -93,13 +94,17 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
         common = {"work": work, "vocab": job["vocab"]["path"], "options": options}
         try:
             blocks = [(record["path"], record["format"], start, stop) for record in inputs_record
-                      for start, stop in corpus.plan_blocks(record["path"], record["format"], block_bytes,
+                      for start, stop in formats.plan_blocks(record["path"], record["format"], block_bytes,
                                                             text_column)]
             block_tasks = [dict(common, index=i, path=p, format=f, start=a, stop=b)
                            for i, (p, f, a, b) in enumerate(blocks)]
             results = runner.run(tokenise_block, block_tasks, desc="tokenise", unit=" blocks",
                                  show_progress=show_progress)
             shard_tasks = _shard_tasks(common, output_dir, results, paths)
+            if output_shards and len(shard_tasks) < output_shards:  # said, never silent (issue 46)
+                print(f"warning: --output-shards {output_shards}: only {len(shard_tasks)} shards receive documents "
+                      f"({int(sum(sum(r['documents']) for r in results))} documents in all; shards without any are "
+                      f"not written), so {len(shard_tasks)} are written", file=sys.stderr)
         except DataError as exc:
             # Bad input found before any shard: leave no job behind that would refuse the fixed rerun
             # (a failed write keeps the finished blocks for the rerun).
@@ -151,8 +156,8 @@ def _check_counts(output_shards, block_bytes, input_format):
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or not 1 <= block_bytes <= MAX_BLOCK_BYTES:
         raise DataError(f"--block-bytes must be between 1 and {MAX_BLOCK_BYTES} (a block is read whole into one "
                         f"task's memory), got {block_bytes}")
-    if input_format is not None and input_format not in corpus.FORMATS:
-        raise DataError(f"--format must be one of {', '.join(corpus.FORMATS)}, got {input_format!r}")
+    if input_format is not None:
+        formats.get(input_format)
 
 
 def _refuse_output_over_inputs(output_dir, arguments, paths):
@@ -378,8 +383,8 @@ def _tokenise(task, batch_sentences=4096):
         pending.clear()
         owners.clear()
 
-    for document in corpus.read_block(task["path"], task["format"], task["start"], task["stop"],
-                                      task["options"]["text_column"]):
+    for document in formats.read_block(task["path"], task["format"], task["start"], task["stop"],
+                                       task["options"]["text_column"], task["options"]["max_seq_length"]):
         document_sizes.append(0)
         for sentence in document:
             pending.append(sentence)

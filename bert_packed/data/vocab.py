@@ -5,7 +5,8 @@ the id), so Google's and Hugging Face's vocabularies work as they are.
 """
 import os
 
-from ..io import read_utf8, utf8_lines as _utf8_lines, write_text_atomic
+from ..io import read_vocab_tokens, write_text_atomic
+from . import formats
 from .errors import DataError, refuse_output_over_input
 
 # The order matters only for ids: [PAD] = 0 because the packed layout reads token 0 as
@@ -14,9 +15,12 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 def train_vocab(input_paths, vocab_size, output_path, *, lowercase=True, min_frequency=2,
-                limit_alphabet=1000):
+                limit_alphabet=1000, input_format=None, text_column="text"):
     """Train a WordPiece vocabulary with `tokenizers` and write it atomically as vocab.txt.
 
+    The inputs are read as `create` reads them (files, directories, globs; each in its format,
+    detected or ``input_format``: bert_packed.data.formats), so WikiExtractor markup, JSON syntax or
+    Parquet bytes never become words, and every check of the readers applies.
     Normalisation is BertWordPieceTokenizer's (clean text, split Chinese characters, strip
     accents and lower-case when `lowercase`). Returns the number of tokens written (at most
     `vocab_size`; a small corpus may yield fewer).
@@ -25,19 +29,20 @@ def train_vocab(input_paths, vocab_size, output_path, *, lowercase=True, min_fre
 
     if isinstance(input_paths, (str, os.PathLike)):
         input_paths = [input_paths]
-    input_paths = [os.fspath(p) for p in input_paths]
+    input_paths = formats.expand_inputs([os.fspath(p) for p in input_paths])
     refuse_output_over_input(output_path, input_paths)
     if vocab_size < len(SPECIAL_TOKENS) + 1:
         raise DataError(f"--size {vocab_size} is too small: use at least {len(SPECIAL_TOKENS) + 1}")
     for path in input_paths:
         check_corpus_file(path)
-        for _ in utf8_lines(path):  # the same invalid-UTF-8 policy as `create` (see utf8_lines)
-            pass
+    inputs = [(path, formats.detect_format(path, input_format)) for path in input_paths]
+    for _ in _sentences(inputs, text_column):  # every input checked before training starts
+        pass
     tokenizer = BertWordPieceTokenizer(clean_text=True, handle_chinese_chars=True,
                                        strip_accents=None, lowercase=lowercase)
-    tokenizer.train(input_paths, vocab_size=vocab_size, min_frequency=min_frequency,
-                    limit_alphabet=limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
-                    show_progress=False, wordpieces_prefix="##")
+    tokenizer.train_from_iterator(_sentences(inputs, text_column), vocab_size=vocab_size,
+                                  min_frequency=min_frequency, limit_alphabet=limit_alphabet,
+                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False, wordpieces_prefix="##")
     # tokenizers numbers the alphabet and equally frequent merges in its hash maps' order, which
     # changes from process to process: the same corpus gave the same tokens under different ids
     # (three runs, three files). Ids carry no meaning for BERT, so they are made canonical: the
@@ -51,43 +56,31 @@ def train_vocab(input_paths, vocab_size, output_path, *, lowercase=True, min_fre
     return len(tokens)
 
 
-def utf8_lines(path):
-    """The lines of corpus file `path`, decoded as UTF-8 (line ends kept).
+def _sentences(inputs, text_column, batch=1024):
+    """Batches of the inputs' sentences, as `create` reads them."""
+    pending = []
+    for path, fmt in inputs:
+        for document in formats.read_documents(path, fmt, text_column):
+            pending.extend(document)
+            if len(pending) >= batch:
+                yield pending
+                pending = []
+    if pending:
+        yield pending
 
-    The one invalid-UTF-8 policy of `vocab` and `create`: a corpus must be UTF-8, and a byte
-    sequence that is not is refused with one line naming the file, line and byte offset (no
-    silent replacement or dropping: either would train on text that is not in the corpus).
-    The message is bert_packed.io's, as for every user file. Convert a file with
-    `iconv -f <encoding> -t utf-8`, or drop bad bytes with `iconv -c`.
-    """
-    with open(path, "rb") as handle:
-        yield from _utf8_lines(path, handle, DataError)  # the project's one reader of user text (bert_packed.io)
 
-
-def check_corpus_file(path):
-    """Raise DataError unless `path` is a readable, non-empty text file."""
-    if os.path.isdir(path):
-        raise DataError(f"{path}: is a directory; give corpus text files")
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: corpus file not found")
-    with open(path, "rb") as handle:
-        head = handle.read(1 << 16)
-    if not head.strip():
-        raise DataError(f"{path}: the corpus is empty; give one sentence per line, "
-                        "documents separated by blank lines")
+check_corpus_file = formats.check_corpus_file
 
 
 def load_vocab(path):
-    """Read vocab.txt -> dict token -> id; raise DataError if a required special token is missing."""
-    if not os.path.isfile(path):
+    """Read vocab.txt -> dict token -> id; raise DataError if a required special token is missing,
+    or a token is listed twice (its id would be ambiguous)."""
+    if not os.path.lexists(path) or os.path.isdir(path):
         raise DataError(f"{path}: vocabulary file not found (make one with "
                         "`python -m bert_packed.data vocab`)")
-    tokens = [line.rstrip("\r") for line in read_utf8(path, DataError).split("\n")]
-    while tokens and tokens[-1] == "":
-        tokens.pop()
-    vocab = {}
-    for index, token in enumerate(tokens):
-        vocab.setdefault(token, index)
+    formats.base.check_input_file(path, "vocabulary file")
+    tokens = read_vocab_tokens(path, DataError)
+    vocab = {token: index for index, token in enumerate(tokens)}
     missing = [token for token in SPECIAL_TOKENS if token not in vocab]
     if missing:
         raise DataError(f"{path}: the vocabulary lacks {' '.join(missing)}; "

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bert_packed.data import DataError
-from bert_packed.data.create import create_pretraining_file
+from bert_packed.data.create_file import create_pretraining_file
 from bert_packed.data.kjv import kjv_available, kjv_documents, write_kjv_corpus
 from bert_packed.data.vocab import SPECIAL_TOKENS, load_vocab, train_vocab
 from helpers import assert_one_line_error

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bert_packed.data import DataError
-from bert_packed.data import corpus
+from bert_packed.data import formats as corpus
 from bert_packed.data import create_shards as cs
 from bert_packed.data.shards import load_manifest, shard_paths
 from bert_packed.data.vocab import train_vocab

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bert_packed.data.__main__ import main as data_main
-from bert_packed.data.create import create_pretraining_file
+from bert_packed.data.create_file import create_pretraining_file
 from bert_packed.data.hdf5 import HDF5Source
 from bert_packed.data.pack import pack_file
 from bert_packed.data.vocab import train_vocab
