@@ -140,3 +140,52 @@ def test_safetensors_next_to_a_bin_index_are_loaded(checkpoint, tmp_path):
     assert sorted(loaded) == sorted(reference)
     assert all(loaded[name].equal(reference[name]) for name in reference)
     assert_unchanged(before, both)
+
+
+# ----------------------------------------------------------------------------- --output naming a directory
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_predict_output_with_a_trailing_slash_names_what_was_given(capsys, checkpoint, tmp_path, exists):
+    # Was: "error: /cwd/.tmp-host.pid.xyz: Not a directory" (our temporary file, not the user's path).
+    from bert_packed.finetune.__main__ import main as finetune_main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test.csv").write_text(GOOD)
+    output = f"{tmp_path / 'results'}/"
+    if exists:
+        (tmp_path / "results").mkdir()
+    before = snapshot(tmp_path, checkpoint)
+    code, line = main_error(capsys, ["predict", "--model", str(checkpoint), "--input", str(data / "test.csv"),
+                                     "--output", output], entry=finetune_main)
+    expected = (f"--output {output} is a directory; give the path of a file to write" if exists else
+                f"--output {output} ends in '/', so it names a directory; give the path of a file to write "
+                f"(e.g. {output}predictions.jsonl)")
+    assert (code, line) == (2, "error: " + expected)
+    assert_unchanged(before, tmp_path, checkpoint)
+    assert sorted(os.listdir(tmp_path)) == ["data"] + (["results"] if exists else [])
+
+
+@pytest.mark.parametrize("name", ["results/", "."])
+def test_an_atomic_write_to_a_directory_name_names_it_and_writes_nothing(tmp_path, monkeypatch, name):
+    from bert_packed.io import write_text_atomic
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(IsADirectoryError) as caught:
+        write_text_atomic(name, "x")
+    assert caught.value.filename == name
+    assert "names a directory" in caught.value.strerror
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_atomic_write_failing_at_publish_names_the_target_not_the_temporary_file(tmp_path):
+    from bert_packed.io import write_text_atomic
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "inside").write_text("keep")
+    with pytest.raises(OSError) as caught:
+        write_text_atomic(str(tmp_path / "taken"), "x")
+    assert caught.value.filename == str(tmp_path / "taken")
+    assert sorted(os.listdir(tmp_path)) == ["taken"]
+    assert (tmp_path / "taken" / "inside").read_text() == "keep"
