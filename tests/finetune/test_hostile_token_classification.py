@@ -144,8 +144,9 @@ def test_messages_name_the_files_own_rows(checkpoint, tmp_path, capsys):
             "--set", "data.max_sequence_length=64"]
     code, line = main_error(capsys, argv + ["--output-dir", str(tmp_path / "run"), "--set", f"finetune.train_file={train}",
                                             "--set", "finetune.validation_fraction=0.1"])
-    assert (code, line) == (2, f"error: {train}: row {held + 1}, column 'ner_tags', word 2: tag 'B-ORG' is not among "
-                               f"the training tags (B-LOC, O)")
+    assert (code, line) == (2, f"error: {train}: row {held + 1}, column 'ner_tags', word 2: tag 'B-ORG' appears only "
+                               f"in the held-out validation split (finetune.validation_fraction=0.1 of {train}), not "
+                               f"in the sentences trained on, so the model cannot learn it (training tags: B-LOC, O)")
     sentences = ner_sentences(10, 0)
     bad = write_dataset(tmp_path / "ds", sentences[:9] + [(["in", "acme"], ["O", "I-ORG"])])
     dev = write_conll(tmp_path / "dev.conll", sentences)
