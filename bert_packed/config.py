@@ -410,7 +410,7 @@ def _section(name: str, source: str) -> Section:
     if name == "finetune":
         return _finetune_section()
     if name not in _SECTIONS:
-        raise ConfigError(f"{source}: unknown section {name!r}; sections are: {', '.join(section_names())} (a "
+        raise ConfigError(f"{source}: unknown section {excerpt(name)}; sections are: {', '.join(section_names())} (a "
                           f"backend's section is known once the backend registry registers it: "
                           f"backends.register_config_sections(), as run.py does)")
     return _SECTIONS[name]
@@ -478,6 +478,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+MAX_TEXT_SETTING = 4096  # PATH_MAX on Linux: no path or name a setting takes is longer
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
@@ -508,6 +509,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a finite number, got {excerpt(value)}")
     elif tp is str:
         ok = isinstance(value, str)
+        if ok and len(value) > MAX_TEXT_SETTING:
+            # Every text setting is a name or a path: refused here, naming its key, rather than
+            # echoed whole by whatever opens it later ("init checkpoint xxxx...: no such file").
+            raise ConfigError(f"{where}: {value[:40]!r}... is {len(value):,} characters long; a name or path setting "
+                              f"takes at most {MAX_TEXT_SETTING:,}")
     if not ok:
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {excerpt(value)} ({type(value).__name__})")
     return value
@@ -523,11 +529,10 @@ def _set_value(config: Config, section: str, key: str, value: Any, source: str) 
     obj = config.sections[section]
     types = _section_types(type(obj))
     if key not in types:
-        close = difflib.get_close_matches(key, list(types), n=1)
+        close = difflib.get_close_matches(key[:200], list(types), n=1)
         hint = f"did you mean {section}.{close[0]}? " if close else ""
-        raise ConfigError(
-            f"{source}: unknown key {section}.{key}; {hint}keys of {section}: {', '.join(sorted(types))}"
-        )
+        shown = f"{section}.{key}" if len(key) <= 100 else f"{section}.{excerpt(key, 60)}"
+        raise ConfigError(f"{source}: unknown key {shown}; {hint}keys of {section}: {', '.join(sorted(types))}")
     tp, choices = types[key]
     value = _coerce(value, tp, f"{source}: {section}.{key}")
     optional = typing.get_origin(tp) is typing.Union

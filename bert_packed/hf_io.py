@@ -245,19 +245,43 @@ def _load_tensor_file(path: str) -> Dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: cannot read the weights ({type(exc).__name__}: {_first_line(exc)})") from None
 
 
+def _index_shards(directory: str, index_path: str) -> List[str]:
+    """The shard files a sharded checkpoint's index names (its ``weight_map`` values), checked:
+    a JSON object of parameter name -> a file next to the index."""
+    weight_map = _read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        got = "an empty object" if weight_map == {} else _kind_name(weight_map)
+        raise CheckpointError(f"{index_path}: \"weight_map\" must be a JSON object of parameter name -> shard file, "
+                              f"got {got}")
+    shards = set()
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or os.path.basename(shard) != shard or shard in (".", ".."):
+            raise CheckpointError(f"{index_path}: weight_map[{_short(name)}] must be the name of a shard file in "
+                                  f"{directory}, got {_short(shard)}")
+        if not os.path.isfile(os.path.join(directory, shard)):
+            raise CheckpointError(f"{index_path}: shard {_short(shard)} (of {_short(name)}) is not a file in {directory}")
+        shards.add(shard)
+    return sorted(shards)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def _hf_weights(directory: str) -> Dict[str, torch.Tensor]:
-    for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
-        index_path = os.path.join(directory, index_name)
-        if os.path.isfile(index_path):
-            weight_map = _read_json(index_path).get("weight_map", {})
+    # transformers' order: safetensors before pickles, a single file before a sharded index (a
+    # directory may hold both kinds, e.g. a converted model that kept its .bin index).
+    for name in (SAFETENSORS_NAME, SAFETENSORS_INDEX, BIN_NAME, BIN_INDEX):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        if name.endswith(".index.json"):
             state: Dict[str, torch.Tensor] = {}
-            for shard in sorted(set(weight_map.values())):
+            for shard in _index_shards(directory, path):
                 state.update(_load_tensor_file(os.path.join(directory, shard)))
             return state
-    for name in (SAFETENSORS_NAME, BIN_NAME):
-        path = os.path.join(directory, name)
-        if os.path.isfile(path):
-            return _load_tensor_file(path)
+        return _load_tensor_file(path)
     raise CheckpointError(f"{directory}: no weights ({SAFETENSORS_NAME}, {BIN_NAME} or a sharded index) next to "
                           f"{CONFIG_NAME}")
 

@@ -195,6 +195,9 @@ class atomic_path:
         self.suffix = os.path.basename(self.path) if suffix is None else suffix
 
     def __enter__(self):
+        if _names_a_directory(self.path):  # before anything is written: abspath would drop the slash
+            raise IsADirectoryError(errno.EISDIR, "ends in a path separator, so it names a directory; give the "
+                                    "path of a file to write", self.path)
         folder = os.path.dirname(os.path.abspath(self.path))
         make_folder(folder)
         fd, self.tmp = make_temp(folder, prefix=self.prefix, suffix=self.suffix)
@@ -213,6 +216,10 @@ class atomic_path:
         return False
 
 
+def _names_a_directory(path) -> bool:
+    return path.endswith((os.sep, os.altsep or os.sep)) or os.path.basename(path) in ("", ".", "..")
+
+
 def _remove(path):
     try:
         os.unlink(path)
@@ -225,7 +232,10 @@ def publish(tmp, path):
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError as exc:  # the error names what the user gave, not our temporary file
+        raise type(exc)(exc.errno, exc.strerror, os.fspath(path)) from None
 
 
 class OutputInUseError(ValueError):

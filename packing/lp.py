@@ -38,7 +38,9 @@ Integer plan: floor the LP solution, fill its slots with sequences (longest sequ
 into the shortest slot that holds them), re-solve the LP on what is left a few times,
 and pack the last few hundred sequences with the best heuristic. On small datasets
 (<= 10,000 sequences, where a few packs matter), a time-limited MILP over the columns in
-use is tried too, and the better plan is kept.
+use comes first: it keeps the floor of the LP solution and decides only the sequences the
+floor leaves (a few per column, so HiGHS settles it in a fraction of a second); when its
+plan meets the bound, the repair rounds are skipped, else the better plan is kept.
 """
 import math
 import time
@@ -701,13 +703,14 @@ def _ceil_bound(bound):
     return int(math.ceil(bound * (1.0 - 1e-12) - 1e-6))
 
 
-def _milp(columns, demand, time_limit, lower_bound=0, node_limit=None):
+def _milp(columns, demand, time_limit, lower_bound=0, node_limit=None, cutoff=None):
     """Integer program over the given columns (transfers stay continuous: an integral x
     always admits integral transfers), solved by HiGHS through highspy (no scipy import).
     Returns (columns, integer repeats) or None. It stops as soon as its plan is less than
     one pack above ``lower_bound`` (then it is optimal), at ``time_limit`` seconds (None: no
     clock) or after ``node_limit`` branch-and-bound nodes (None: no limit). HiGHS's search is
-    deterministic, so only a clock can make two runs differ."""
+    deterministic, so only a clock can make two runs differ. ``cutoff`` (packs): only plans of
+    at most that many are looked for (None when it proves there is none)."""
     model = _HighsMaster(demand, columns)
     highs, highspy = model.highs, _HIGHSPY[0]
     count = len(model.columns.items)
@@ -718,6 +721,8 @@ def _milp(columns, demand, time_limit, lower_bound=0, node_limit=None):
     if node_limit is not None:
         highs.setOptionValue("mip_max_nodes", int(node_limit))
     highs.setOptionValue("mip_rel_gap", 0.999 / max(1.0, float(lower_bound) + 1.0))
+    if cutoff is not None:
+        highs.setOptionValue("objective_bound", float(cutoff) + 0.5)
     highs.run()
     solution = highs.getSolution()
     if not solution.value_valid:
@@ -862,14 +867,27 @@ def _round_solution(solution, group, top_item, weights, demand, max_sequence_len
 def _milp_plan(solution, weights, demand, num_groups, bound, best_packs, *, milp_time_limit, milp_node_limit,
                max_milp_sequences, max_milp_columns, deadline):
     """The MILP's plan (strategies, repeats) on the LP's support, where it pays (see
-    :func:`pack_lp`) and beats ``best_packs`` with every sequence placed; else None."""
+    :func:`pack_lp`) and beats ``best_packs`` with every sequence placed; else None.
+
+    The MILP decides only the LP's fractional part: the floor of the LP solution is fixed (its
+    slots filled as in rounding) and the integer program covers the sequences left over, with
+    the same columns. Its integers are then a few per column instead of up to the demand, and
+    HiGHS settles it within a fraction of a second where the whole MILP spent its time limit at
+    the root (2,000 SQuAD-shaped sequences at depth 3: 988 packs after 2 s -> 986, the bound,
+    in 0.5 s). It looks only for plans better than ``best_packs``."""
     gap = best_packs - bound
-    support = [solution.columns.items[s] for s in np.flatnonzero(solution.x > 1e-9)]
+    used = np.flatnonzero(solution.x > 1e-9)
+    support = [solution.columns.items[s] for s in used]
     remaining_time = None if deadline is None else deadline - time.perf_counter()
     if not (gap > 0 and (milp_time_limit or milp_node_limit is not None) and demand.sum() <= max_milp_sequences
             and num_groups == weights.size
             and 0 < len(support) <= max_milp_columns and (remaining_time is None or remaining_time > 0.05)):
         return None
+    floor = np.floor(solution.x[used] + 1e-9).astype(np.int64)
+    placed, placed_counts, left = _fill_slots(support, floor, weights, demand)
+    fixed = _plan_packs(placed_counts)
+    if not left.any():
+        return (placed, placed_counts) if fixed < best_packs else None
     milp_columns = _Columns()
     for items in support:
         milp_columns.add(items)
@@ -878,11 +896,11 @@ def _milp_plan(solution, weights, demand, num_groups, bound, best_packs, *, milp
     limit = None if milp_node_limit is not None else milp_time_limit
     if remaining_time is not None:
         limit = remaining_time if limit is None else min(limit, remaining_time)
-    found = _milp(milp_columns, demand, limit, bound, milp_node_limit)
-    if found is not None and found[1].sum() < best_packs:
-        placed, placed_counts, left = _fill_slots(found[0].items, found[1], weights, demand)
-        if not left.any():
-            return placed, placed_counts
+    found = _milp(milp_columns, left, limit, bound - fixed, milp_node_limit, cutoff=best_packs - fixed - 1)
+    if found is not None and fixed + found[1].sum() < best_packs:
+        extra, extra_counts, unplaced = _fill_slots(found[0].items, found[1], weights, left)
+        if not unplaced.any():
+            return placed + extra, placed_counts + extra_counts
     return None
 
 
@@ -965,17 +983,21 @@ def pack_lp(counts, max_sequence_length, depth, max_repair_rounds=3, milp_time_l
         details["lp_bound_packs"] = lp_bound
 
     if solution.x is not None:
-        strategies, repeats, rounding_timed_out = _round_solution(
-            solution, group, top_item, weights, demand, max_sequence_length, depth,
-            max_repair_rounds=max_repair_rounds, deadline=deadline, master=master, quantum=quantum)
-        timed_out = timed_out or rounding_timed_out
-        if _plan_packs(repeats) < _plan_packs(best_repeats):
-            best_strategies, best_repeats, details["rounding"] = strategies, repeats, "floor+repair"
-        found = _milp_plan(solution, weights, demand, num_groups, max(lp_bound, simple_bound),
-                           _plan_packs(best_repeats), milp_time_limit=milp_time_limit,
-                           milp_node_limit=milp_node_limit, max_milp_sequences=max_milp_sequences,
-                           max_milp_columns=max_milp_columns, deadline=deadline)
+        # The MILP first (on small inputs it usually reaches the bound, and then the repair
+        # rounds' LP re-solves are not needed), then floor + repair where it did not.
+        bound = max(lp_bound, simple_bound)
+        found = _milp_plan(solution, weights, demand, num_groups, bound, _plan_packs(best_repeats),
+                           milp_time_limit=milp_time_limit, milp_node_limit=milp_node_limit,
+                           max_milp_sequences=max_milp_sequences, max_milp_columns=max_milp_columns,
+                           deadline=deadline)
         if found is not None:
             best_strategies, best_repeats, details["rounding"] = found[0], found[1], "milp"
+        if _plan_packs(best_repeats) > bound:
+            strategies, repeats, rounding_timed_out = _round_solution(
+                solution, group, top_item, weights, demand, max_sequence_length, depth,
+                max_repair_rounds=max_repair_rounds, deadline=deadline, master=master, quantum=quantum)
+            timed_out = timed_out or rounding_timed_out
+            if _plan_packs(repeats) < _plan_packs(best_repeats):
+                best_strategies, best_repeats, details["rounding"] = strategies, repeats, "floor+repair"
     details["time_limit_reached"] = bool(timed_out)
     return best_strategies, best_repeats, details

@@ -77,6 +77,9 @@ def refuse_output(output: str, option: str, *, inputs=(), input_dirs=(), kind: s
                           f"directory is for that run's own outputs: choose a path outside it")
     if kind == "file" and os.path.isdir(output):
         raise OutputError(f"{option} {output} is a directory; give the path of a file to write")
+    if kind == "file" and output.endswith((os.sep, os.altsep or os.sep)):  # a folder to be, not a file
+        raise OutputError(f"{option} {output} ends in {output[-1]!r}, so it names a directory; give the path of a "
+                          f"file to write (e.g. {os.path.join(output, 'predictions.jsonl')})")
     if kind == "directory" and os.path.exists(output) and not os.path.isdir(output):
         raise OutputError(f"{option} {output} is a file; give a directory to write the export into")
 

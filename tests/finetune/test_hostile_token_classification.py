@@ -57,7 +57,8 @@ CASES = [
      [], "{train}:2: tag 'I-ORG' follows 'B-PER': in IOB2 an entity starts with B-ORG (IOB1 data? convert it to IOB2)"),
     ("unseen_validation_tag", lambda d: {"train": _jsonl(d / "t.jsonl", GOOD),
                                          "dev": _text(d / "dev.conll", "-DOCSTART- -X- O\n\nin O\nacme B-ORG\n")},
-     [], "{dev}:4: tag 'B-ORG' is not among the training tags (B-LOC, B-PER, I-PER, O)"),
+     [], "{dev}:4: tag 'B-ORG' appears only in the validation file, not in the training file {train}, so the model "
+         "cannot learn it (training tags: B-LOC, B-PER, I-PER, O)"),
     ("conll_one_column", lambda d: {"train": _text(d / "t.conll", "met O\nalice\n")},
      [], "{train}:2: expected a word and its tag separated by whitespace (CoNLL), got 'alice'"),
     ("conll_empty", lambda d: {"train": _text(d / "t.conll", "-DOCSTART- -X- O\n\n\n")},
@@ -143,8 +144,9 @@ def test_messages_name_the_files_own_rows(checkpoint, tmp_path, capsys):
             "--set", "data.max_sequence_length=64"]
     code, line = main_error(capsys, argv + ["--output-dir", str(tmp_path / "run"), "--set", f"finetune.train_file={train}",
                                             "--set", "finetune.validation_fraction=0.1"])
-    assert (code, line) == (2, f"error: {train}: row {held + 1}, column 'ner_tags', word 2: tag 'B-ORG' is not among "
-                               f"the training tags (B-LOC, O)")
+    assert (code, line) == (2, f"error: {train}: row {held + 1}, column 'ner_tags', word 2: tag 'B-ORG' appears only "
+                               f"in the held-out validation split (finetune.validation_fraction=0.1 of {train}), not "
+                               f"in the sentences trained on, so the model cannot learn it (training tags: B-LOC, O)")
     sentences = ner_sentences(10, 0)
     bad = write_dataset(tmp_path / "ds", sentences[:9] + [(["in", "acme"], ["O", "I-ORG"])])
     dev = write_conll(tmp_path / "dev.conll", sentences)
@@ -187,3 +189,29 @@ def test_validating_on_the_training_file_is_warned(checkpoint, tmp_path):
         f"them, measure the training data"]
     config.finetune.validation_file = None
     assert validate(config, get_backend_class("cpu")) == []
+
+
+def test_a_tag_only_in_the_held_out_split_is_said_to_be_there(checkpoint, tmp_path, capsys):
+    # Was: "tag 'B-ORG' is not among the training tags" while the place named the training file
+    # itself (the tag is in it, but only in the sentence validation_fraction held out).
+    from bert_packed.finetune.data import held_out
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [GOOD[i % 2] for i in range(10)]
+    held = held_out(10, 0.1, 7, what="sentences", where="")[1]
+    assert len(held) == 1
+    rows[held[0]] = {"tokens": ["at", "acme"], "ner_tags": ["O", "B-ORG"]}
+    train = _jsonl(data / "t.jsonl", rows)
+    before = snapshot(data, checkpoint)
+    out = tmp_path / "run"
+    code, line = main_error(capsys, ["--config", "finetune_token_classification", "--init-checkpoint", checkpoint,
+                                     "--output-dir", str(out), "--no-progress", "--set", "data.max_sequence_length=64",
+                                     "--set", f"finetune.train_file={train}", "--set", "finetune.validation_fraction=0.1",
+                                     "--set", "train.seed=7"])
+    assert (code, line) == (2, f"error: {train}: row {held[0] + 1}, column 'ner_tags', word 2: tag 'B-ORG' appears only "
+                               f"in the held-out validation split (finetune.validation_fraction=0.1 of {train}), not "
+                               f"in the sentences trained on, so the model cannot learn it (training tags: B-LOC, "
+                               f"B-PER, I-PER, O)")
+    assert_unchanged(before, data, checkpoint)
+    assert not out.exists() or os.listdir(out) == [".lock"], os.listdir(out)

@@ -253,3 +253,43 @@ def test_lp_skips_the_search_for_a_last_pack_on_small_inputs():
     searched = pack(histogram, "lp", None, time_limit=1, target_gap=0)
     assert searched.details["lp_skipped"] is None and searched.details["num_rounds"] > 0
     assert searched.lp_bound_packs <= searched.num_packs <= heuristic.num_packs
+
+
+def _squad_like(n, seed):
+    """SQuAD-shaped lengths (question + context, L = 384): many distinct lengths, few of each."""
+    lengths = np.random.default_rng(seed).gamma(4.0, 170 / 4.0, n) + 20
+    return Histogram.from_lengths(np.clip(np.ceil(lengths), 1, 384).astype(np.int64), 384)
+
+
+@pytest.mark.parametrize("depth", [3, None])
+def test_lp_milp_on_the_fractional_part_closes_a_small_inputs_gap(monkeypatch, depth):
+    # 2,000 SQuAD-shaped sequences: rounding leaves the plan above the LP bound; the MILP (by
+    # nodes, so no clock decides) closes it. It decides only what the floor of the LP left:
+    # the integer program gets those sequences, not all of them (the whole MILP spent its
+    # time limit at the root on inputs like this one).
+    import packing.lp as lp
+
+    histogram = _squad_like(2000, seed=0)
+    rounded = pack(histogram, "lp", depth, max_milp_sequences=0)
+    assert rounded.num_packs > rounded.lp_bound_packs  # the MILP has a gap to close
+    given = []
+    original = lp._milp
+    monkeypatch.setattr(lp, "_milp", lambda columns, demand, *args, **kwargs: (
+        given.append(int(demand.sum())), original(columns, demand, *args, **kwargs))[1])
+    result = pack(histogram, "lp", depth, milp_time_limit=None, milp_node_limit=1000)
+    assert result.details["rounding"] == "milp"
+    assert result.num_packs == result.lp_bound_packs == rounded.lp_bound_packs  # optimal, certified
+    result.plan.validate(histogram.counts, depth)
+    assert len(given) == 1 and 0 < given[0] < 2000 // 5, given
+
+
+def test_lp_milp_plans_place_every_sequence_once():
+    # The fixed floor and the MILP's plan of the rest together: every sequence exactly once,
+    # never more packs than rounding alone, whatever the depth and data.
+    for seed in range(3):
+        histogram = _squad_like(600, seed=seed)
+        for depth in (2, 3, 8):
+            rounded = pack(histogram, "lp", depth, max_milp_sequences=0)
+            result = pack(histogram, "lp", depth, milp_time_limit=None, milp_node_limit=200)
+            result.plan.validate(histogram.counts, depth)
+            assert result.lp_bound_packs <= result.num_packs <= rounded.num_packs

@@ -218,13 +218,14 @@ class TagSet:
             return cls(dict(enumerate(label_names)))
         return cls(dict(enumerate(seen)))
 
-    def check(self, sentences: Sentences, tags: List[List[str]]) -> None:
-        """Every tag of ``sentences`` (e.g. the validation file) is one the model has."""
+    def check(self, sentences: Sentences, tags: List[List[str]], only_in: str = "the validation sentences") -> None:
+        """Every tag of ``sentences`` (the validation file or the held-out split, which ``only_in``
+        describes) is one the model has."""
         for i, sentence in enumerate(tags):
             for j, tag in enumerate(sentence):
                 if tag not in self.label2id:
-                    raise DataError(f"{sentences.place(i, j, 1)}: tag {tag!r} is not among the training tags "
-                                    f"({_preview(sorted(self.label2id))})")
+                    raise DataError(f"{sentences.place(i, j, 1)}: tag {tag!r} appears only in {only_in}, so the "
+                                    f"model cannot learn it (training tags: {_preview(sorted(self.label2id))})")
 
     def continuation(self, label: int) -> int:
         """The label of a word's later sub-tokens with label_all_tokens: B-X -> I-X (if the model has it)."""

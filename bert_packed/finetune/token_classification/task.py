@@ -105,11 +105,14 @@ class TokenClassificationTask(PackedTask):
         if f.validation_file:
             validation = read_sentences(f.validation_file, f.tokens_column, f.tags_column)
             validation_tags = check_sentences(validation)
+            only_in = f"the validation file, not in the training file {train.path}"
         else:
             train, train_tags, validation, validation_tags = split_sentences(train, train_tags, f.validation_fraction,
                                                                     c.train.seed)
+            only_in = (f"the held-out validation split (finetune.validation_fraction={f.validation_fraction} of "
+                       f"{train.path}), not in the sentences trained on")
         self.tags = TagSet.from_training(train_tags, train.label_names, self._checkpoint_labels(), train.path)
-        self.tags.check(validation, validation_tags)
+        self.tags.check(validation, validation_tags, only_in)
         self.eval_words, self.eval_tags = validation.words, validation_tags
         encode = dict(max_length=d.max_sequence_length, truncation=f.truncation, label_all_tokens=f.label_all_tokens)
         train_encoded = encode_sentences(tokenizer, train.words, train_tags, self.tags, place=train.place, **encode)
