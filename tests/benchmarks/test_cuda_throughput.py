@@ -1,18 +1,13 @@
-"""benchmarks/cuda_throughput.py: the parts that run without a GPU (tile counting, errors)."""
+"""benchmarks/cuda_throughput.py (and cuda_setups.py): the parts that run without a GPU."""
 import copy
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
 pytest.importorskip("torch.nn.attention.flex_attention", reason="needs torch >= 2.5 (FlexAttention)")
-import cuda_throughput  # noqa: E402
+from benchmarks import cuda_setups, cuda_throughput  # noqa: E402
 
 
 def test_tiles_only_reports_fractions_for_padded_and_packed(tmp_path, capsys):
@@ -46,7 +41,7 @@ def test_throughput_without_gpu_is_one_line_error(capsys):
 
 # ----------------------------------------------------------------------------- the throughput rows on CPU
 
-SMALL = ["--device", "cpu", "--models", "tiny", "--steps", "1", "--repeats", "2", "--warmup-steps", "1",
+SMALL = ["--device", "cpu", "--models", "tiny", "--steps", "1", "--repeats", "2", "--window-seconds", "0", "--warmup-steps", "1",
          "--micro-batch-size", "4", "--gradient-accumulation", "1", "--num-sequences", "300", "--pool-size", "4",
          "--precision", "fp32"]
 
@@ -179,12 +174,12 @@ def test_useful_flops_do_not_depend_on_the_layout():
     count = len(samples["input_ids"])
     padded = collate(samples, one_per_pack(np.arange(count)), max_sequence_length=64, max_sequences_per_pack=1,
                      max_masked_tokens_per_pack=10)
-    a, b = cuda_throughput.batch_counts(packed), cuda_throughput.batch_counts(padded)
+    a, b = cuda_setups.batch_counts(packed), cuda_setups.batch_counts(padded)
     assert a["sequences"] == b["sequences"] == count and a["tokens"] == b["tokens"] and a["masked"] == b["masked"]
     assert sorted(a["lengths"]) == sorted(b["lengths"])
     model = BertConfig(**{k: v for k, v in vars(load_config("tiny").model).items() if k in BertConfig.__dataclass_fields__})
-    assert cuda_throughput.training_flops(model, a["lengths"], a["masked"]) == pytest.approx(
-        cuda_throughput.training_flops(model, b["lengths"], b["masked"]))
+    assert cuda_setups.training_flops(model, a["lengths"], a["masked"]) == pytest.approx(
+        cuda_setups.training_flops(model, b["lengths"], b["masked"]))
     assert a["slots"] < b["slots"]
 
 
@@ -194,11 +189,11 @@ def test_bert_large_flops_per_token_match_its_parameter_count():
     from types import SimpleNamespace
 
     large = SimpleNamespace(hidden_size=1024, num_hidden_layers=24, intermediate_size=4096, vocab_size=30522)
-    per_token = cuda_throughput.training_flops(large, np.array([1]), 0, with_nsp=False)
+    per_token = cuda_setups.training_flops(large, np.array([1]), 0, with_nsp=False)
     assert per_token == pytest.approx(6 * 302e6, rel=0.01)
     # Attention grows with the square of the sequence: 512 tokens in one sequence cost more
     # than 4 sequences of 128.
-    assert cuda_throughput.training_flops(large, np.array([512]), 0) > cuda_throughput.training_flops(
+    assert cuda_setups.training_flops(large, np.array([512]), 0) > cuda_setups.training_flops(
         large, np.array([128] * 4), 0)
 
 
@@ -211,7 +206,7 @@ def test_bert_large_flops_per_token_match_its_parameter_count():
     ("Some Future GPU", "bf16", True, None),
 ])
 def test_peak_table(name, precision, tf32, expected):
-    assert cuda_throughput.peak_tflops(name, precision, tf32) == expected
+    assert cuda_setups.peak_tflops(name, precision, tf32) == expected
 
 
 # ----------------------------------------------------------------------------- the Hugging Face padding-free peer
@@ -233,7 +228,7 @@ def test_hf_padding_free_varlen_peer_attends_within_each_sequence(monkeypatch):
             out[lo:hi] = (probs @ v).transpose(0, 1)
         return out
 
-    cuda_throughput.register_hf_torch_varlen()
+    cuda_setups.register_hf_torch_varlen()
     config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
@@ -277,13 +272,13 @@ def test_padding_free_micro_batches_carry_the_packed_micro_batch_sequences():
             "repeats": 1, "num_sequences": 300, "packing_algorithm": args.packing_algorithm, "precision": "fp32",
             "compile": False, "compile_backend": "inductor", "compile_mode": "default", "set": [], "pool_size": 3,
             "hf_sequences_per_micro_batch": None}
-    per_micro = cuda_throughput.packed_sequences_per_micro_batch(spec)
+    per_micro = cuda_setups.packed_sequences_per_micro_batch(spec)
     assert per_micro > 4, "depth-3 packs of 4 rows hold more than 4 sequences"
-    config = cuda_throughput.load_config("tiny", cuda_throughput._overrides(spec, 1, "sdpa"))
-    pool = cuda_throughput.padding_free_pool(spec, build_data_source(config, split="train", micro_batch_size=4))
+    config = cuda_setups.load_config("tiny", cuda_setups._overrides(spec, 1, "sdpa"))
+    pool = cuda_setups.padding_free_pool(spec, build_data_source(config, split="train", micro_batch_size=4))
     assert len(pool) == 3 and all(b["input_ids"].shape[0] == per_micro for b in pool)
-    flat = cuda_throughput.hf_flattened_inputs([pool[0]], flash_kwargs=True)
-    counts = cuda_throughput.batch_counts(pool[0])
+    flat = cuda_setups.hf_flattened_inputs([pool[0]], flash_kwargs=True)
+    counts = cuda_setups.batch_counts(pool[0])
     assert flat["input_ids"].shape == (1, counts["tokens"])
     assert flat["cu_seq_lens_q"].tolist() == [0, *np.cumsum(counts["lengths"]).tolist()]
     assert int((flat["labels"] != -100).sum()) == counts["masked"]
