@@ -289,6 +289,8 @@ def _ours(spec: Dict[str, Any], setup: Setup, device: torch.device):
     rank, world_size = distributed(device)
     if setup.family == "run.py":
         config = run_py_config(spec, setup, world_size)
+        if spec.get("gradient_accumulation_override"):  # a shorter step of the resolved micro-batch (profiles)
+            config.train.gradient_accumulation = spec["gradient_accumulation_override"]
         micro_batch_size = config.train.micro_batch_size
     else:
         config = load_config(spec["model"], _overrides(spec, setup.depth, setup.attention))

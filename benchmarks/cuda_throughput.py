@@ -62,7 +62,7 @@ from benchmarks.common import (fmt, fmt_spread, markdown_table, rates, read_rows
                                timed_windows, write_rows)
 from benchmarks.cuda_setups import (BASELINE, LAYOUTS, RUN_PY_DEFAULT, SETUPS, _hf, _ours, batch_counts,  # noqa: E402
                                     compile_stats, device_of, distributed, global_sum, gpu_info, peak_tflops,
-                                    sync, training_flops, unavailable_reason)
+                                    run_py_overrides, sync, training_flops, unavailable_reason)
 from bert_packed.config import ConfigError, load_config  # noqa: E402
 
 RESULT_PREFIX = "CUDA_THROUGHPUT_RESULT "
@@ -384,6 +384,17 @@ def _check_args(args) -> None:
         load_config(model_name, list(args.set))  # a bad name or override: one line, before any run
 
 
+def _switch_missing(setup, base: Dict[str, Any], model_name: str) -> Optional[str]:
+    """A lever whose switch this tree's config does not know: "not available" (no process started)."""
+    if setup.family != "run.py":
+        return None
+    try:
+        load_config(model_name, run_py_overrides({**base, "model": model_name}, setup))
+    except ConfigError as exc:
+        return f"not available: {exc}"
+    return None
+
+
 def run_rows(args) -> List[Dict[str, Any]]:
     """Every requested row, each setup in its own process; ``--output`` rewritten after each."""
     device = torch.device(args.device or "cuda")
@@ -409,7 +420,7 @@ def run_rows(args) -> List[Dict[str, Any]]:
         dropout = (m.hidden_dropout_prob, m.attention_probs_dropout_prob)
         for name in args.setups:
             setup = SETUPS[name]
-            reason = unavailable_reason(setup, device, args.precision, dropout)
+            reason = unavailable_reason(setup, device, args.precision, dropout) or _switch_missing(setup, base, model_name)
             for compile_ in (modes if setup.family != "run.py" else [False]):
                 spec = {**base, "model": model_name, "setup": name, "compile": compile_}
                 if reason:
