@@ -12,7 +12,7 @@
 #   GPU_CHECK_PART=2 bash benchmarks/gpu_check.sh OUT_DIR      # then the second, in another command
 #   GPU_CHECK_DRY_RUN=1 bash benchmarks/gpu_check.sh OUT_DIR   # every stage on this CPU, tiny shapes
 #
-# Part 1: env.txt (GPU, clocks, power limit, driver, torch), smoke.log, profile/ (profile.md: top
+# Part 1: env.txt (GPU, clocks, power limit, driver, torch), smoke.log, profile/ and profile.log (profile.md: top
 # kernels, GEMM share, gaps between launches), rows_default.json (run-py-default, the FP8 lever, HF
 # padding-free compiled). Part 2: rows_levers.json, rows_compiled.json, rows_eager.json,
 # overhead/ (run.py --profile), tests.log. Then table.md: one table of every row. log.txt: progress.
@@ -102,7 +102,7 @@ PYEOF
   fi
 
   # 2. The kernel profile of the main command's compiled step: before any lever.
-  stage profile 60 150 "$out/log.txt" "$PY" benchmarks/cuda_profile.py "${profile_args[@]}" --output "$out/profile"
+  stage profile 60 150 "$out/profile.log" "$PY" benchmarks/cuda_profile.py "${profile_args[@]}" --output "$out/profile"
 
   # 3. The headline rows: run.py's default, the FP8 lever, Hugging Face padding-free compiled (and eager).
   stage rows_default 90 400 "$out/log.txt" "${bench[@]}" --compile both --setups run-py-default lever-fp8 \
