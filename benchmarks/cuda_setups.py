@@ -267,6 +267,21 @@ def global_sum(values: List[float]) -> List[float]:
     return tensor.tolist()
 
 
+def shared_clock() -> float:
+    """``time.perf_counter()`` of rank 0 on every rank under torchrun (one tiny gloo broadcast), so
+    that every rank ends a timed window after the same step (DDP's collectives need that)."""
+    import time
+
+    import torch.distributed as dist
+
+    now = time.perf_counter()
+    if not (dist.is_available() and dist.is_initialized()):
+        return now
+    value = torch.tensor([now], dtype=torch.float64)
+    dist.broadcast(value, src=0)  # CPU tensor: the gloo side of the group
+    return float(value.item())
+
+
 def compile_stats() -> Dict[str, int]:
     from torch._dynamo.utils import counters
 

@@ -62,7 +62,7 @@ from benchmarks.common import (fmt, fmt_spread, markdown_table, rates, read_rows
                                timed_windows, write_rows)
 from benchmarks.cuda_setups import (BASELINE, LAYOUTS, RUN_PY_DEFAULT, SETUPS, _hf, _ours, batch_counts,  # noqa: E402
                                     compile_stats, device_of, distributed, global_sum, gpu_info, peak_tflops,
-                                    run_py_overrides, sync, training_flops, unavailable_reason)
+                                    run_py_overrides, shared_clock, sync, training_flops, unavailable_reason)
 from bert_packed.config import ConfigError, load_config  # noqa: E402
 
 RESULT_PREFIX = "CUDA_THROUGHPUT_RESULT "
@@ -104,7 +104,7 @@ def run_setup(spec: Dict[str, Any]) -> Dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     windows = timed_windows(one_step, repeats=spec["repeats"], min_steps=spec["steps"],
-                            min_seconds=spec["window_seconds"], sync=lambda: sync(device))
+                            min_seconds=spec["window_seconds"], sync=lambda: sync(device), clock=shared_clock)
     for w in windows:
         w["sequences"], w["tokens"], w["slots"], w["flops"] = global_sum(
             [w["sequences"], w["tokens"], w["slots"], w["flops"]])
@@ -169,12 +169,29 @@ def _identity(spec, setup, config, compiled: bool) -> Dict[str, Any]:
     return row
 
 
+def measured_row(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """``run_setup``'s row, or a "not available" row when the config refuses the setup (a lever's
+    switch that needs a library the machine lacks)."""
+    try:
+        return run_setup(spec)
+    except ConfigError as exc:
+        return status_row(spec, f"not available: {exc}")
+
+
+def run_in_this_process(spec: Dict[str, Any], timeout: Optional[float] = None) -> Dict[str, Any]:
+    """``--in-process`` (dry runs only: seconds instead of an interpreter per row): the setup in this
+    process after a reset of dynamo's caches and counters. Not for figures: allocator, caches and
+    threads carry over from the rows before."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    return {**measured_row(spec), "in_process": True}
+
+
 def worker_main(spec_json: str) -> int:
     spec = json.loads(spec_json)
-    try:
-        result = run_setup(spec)
-    except ConfigError as exc:  # the config refuses it (a lever's switch this tree lacks, a missing library)
-        result = status_row(spec, f"not available: {exc}")
+    result = measured_row(spec)
     if int(os.environ.get("RANK", "0")) == 0:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
@@ -347,6 +364,8 @@ def parse_args(argv=None):
                    help="kill a setup's process after this long (a 'failed: timeout' row)")
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
                    help="print one table of earlier --output files (rows of several runs, one machine)")
+    p.add_argument("--in-process", action="store_true",
+                   help="dry runs only: every setup in this process (seconds per row; no figures from it)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -375,6 +394,8 @@ def _check_args(args) -> None:
         from backends.cuda import CUDABackend
 
         raise ConfigError(f"no GPU: {CUDABackend.unavailable_reason()} (or --tiles-only / --device cpu)")
+    if args.in_process and args.scaling:
+        raise ConfigError("--in-process runs one process; --scaling needs one per GPU")
     if args.setup_timeout is not None and not args.setup_timeout > 0:
         raise ConfigError(f"--setup-timeout must be a positive number of seconds, got {args.setup_timeout:g}")
     if not args.window_seconds >= 0 or args.repeats < 1 or args.steps < 1 or args.warmup_steps < 0:
@@ -429,7 +450,7 @@ def run_rows(args) -> List[Dict[str, Any]]:
                     row["compiled"] = compile_  # what it would have been
                     add(row)
                     continue
-                add(run_in_subprocess(spec, timeout=args.setup_timeout))
+                add((run_in_this_process if args.in_process else run_in_subprocess)(spec, timeout=args.setup_timeout))
                 if setup.family == "ours" and setup.depth > 1:
                     for gpus in counts:
                         add({**run_in_subprocess(spec, gpus=gpus, timeout=args.setup_timeout), "scaling": True})

@@ -11,6 +11,7 @@
 #   GPU_CHECK_PART=1 bash benchmarks/gpu_check.sh OUT_DIR      # the first part only (under 10 minutes)
 #   GPU_CHECK_PART=2 bash benchmarks/gpu_check.sh OUT_DIR      # then the second, in another command
 #   GPU_CHECK_DRY_RUN=1 bash benchmarks/gpu_check.sh OUT_DIR   # every stage on this CPU, tiny shapes
+#   (GPU_CHECK_IN_PROCESS=1 with it: the rows in one process, as the test suite runs the dry run)
 #
 # Part 1: env.txt (GPU, clocks, power limit, driver, torch), smoke.log, profile/ and profile.log (profile.md: top
 # kernels, GEMM share, gaps between launches), rows_default.json (run-py-default, the FP8 lever, HF
@@ -18,6 +19,8 @@
 # overhead/ (run.py --profile), tests.log. Then table.md: one table of every row. log.txt: progress.
 # GPU_CHECK_BUDGET (seconds, default 570 per part) bounds a part: a stage that would start with too
 # little time left is skipped and says so. GPU_CHECK_SKIP: stage names not to run (e.g. "tests").
+# The whole script is one block, read before it runs: editing the file meanwhile cannot change a run.
+{
 set -u
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -53,6 +56,8 @@ if [ -n "${GPU_CHECK_DRY_RUN:-}" ]; then
   rows=(--models tiny --device cpu --precision fp32 --micro-batch-size 4 --gradient-accumulation 1 --num-sequences 300
         --pool-size 4 --steps 1 --repeats 3 --window-seconds 0 --warmup-steps 1 --setup-timeout 240)
   compile_backend=(--compile-backend aot_eager)
+  # GPU_CHECK_IN_PROCESS=1 (the test suite's dry run): every row in one process, seconds each.
+  [ -n "${GPU_CHECK_IN_PROCESS:-}" ] && rows+=(--in-process)
   profile_args=(--model tiny --device cpu --steps 1 --warmup-steps 1 --gradient-accumulation 1 --num-sequences 300)
   run_args=(--config tiny --set cuda.device=cpu)
   smoke_args=(--set cuda.device=cpu --set cuda.precision=fp32)
@@ -137,3 +142,5 @@ if [ -n "$tables" ]; then
   cat "$out/table.md"
 fi
 log "done"
+exit 0
+}

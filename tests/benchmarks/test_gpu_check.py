@@ -18,8 +18,10 @@ pytest.importorskip("torch.nn.attention.flex_attention", reason="needs torch >= 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
+    # The rows in one process (GPU_CHECK_IN_PROCESS): the per-row processes are checked in
+    # test_cuda_throughput.py; here every row's arguments and fields.
     env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "GPU_CHECK_SKIP": "smoke overhead tests",
-           "GPU_CHECK_BUDGET": "3000", "PYTHON": sys.executable}
+           "GPU_CHECK_IN_PROCESS": "1", "GPU_CHECK_BUDGET": "3000", "PYTHON": sys.executable}
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -45,7 +47,7 @@ def test_every_stage_ran_and_every_setup_has_a_row(dry_run):
 def test_run_py_default_is_measured_with_the_configs_recipe(dry_run):
     _, rows, _ = dry_run
     (row,) = [r for r in rows if r["setup"] == RUN_PY_DEFAULT]
-    assert row["status"] == "ok" and row["family"] == "run.py"
+    assert row["status"] == "ok" and row["family"] == "run.py" and row["in_process"]
     # run.py --backend cuda --config tiny --set cuda.device=cpu: eager dense, tiny's own micro-batch.
     assert (row["attention"], row["compiled"], row["fp8"], row["micro_batch_size"]) == ("dense", False, False, 8)
     assert (row["hidden_dropout_prob"], row["attention_probs_dropout_prob"]) == (0.0, 0.0)
