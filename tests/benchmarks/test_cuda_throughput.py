@@ -282,3 +282,42 @@ def test_padding_free_micro_batches_carry_the_packed_micro_batch_sequences():
     assert flat["input_ids"].shape == (1, counts["tokens"])
     assert flat["cu_seq_lens_q"].tolist() == [0, *np.cumsum(counts["lengths"]).tolist()]
     assert int((flat["labels"] != -100).sum()) == counts["masked"]
+
+
+# ----------------------------------------------------------------------------- issue 47: recipe, windows, levers
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--window-seconds", "-1"], "--window-seconds must be >= 0"),
+    (["--window-seconds", "nan"], "--window-seconds must be >= 0"),
+    (["--repeats", "0"], "--repeats and --steps >= 1"),
+    (["--in-process", "--scaling", "2"], "--in-process runs one process"),
+])
+def test_bad_window_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
+    out = tmp_path / "rows.json"
+    assert cuda_throughput.main(SMALL + argv + ["--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert not out.exists()
+
+
+def test_a_lever_whose_switch_the_config_lacks_is_not_available_without_a_process():
+    lever = cuda_setups.Setup("lever-x", "run.py", 3, "resolved", "x", ("cuda.no_such_switch=true",))
+    base = {"num_sequences": 300, "device": "cpu"}
+    reason = cuda_throughput._switch_missing(lever, base, "tiny")
+    assert reason.startswith("not available: ") and "no_such_switch" in reason
+    assert cuda_throughput._switch_missing(cuda_setups.SETUPS["run-py-default"], base, "tiny") is None
+
+
+def test_rows_keep_the_configs_dropout(tmp_path):
+    """The fixed-micro-batch rows train the config's recipe: phase 2's hidden dropout 0.1 reaches the
+    model (it was forced to 0 in every setup before)."""
+    spec = {"micro_batch_size": 2, "gradient_accumulation": 1, "num_sequences": 300, "packing_algorithm": "lp",
+            "precision": "fp32", "warmup_steps": 1, "compile": False, "compile_backend": "inductor",
+            "compile_mode": "default", "set": []}
+    config = cuda_setups.load_config("phase2", cuda_setups._overrides(spec, 3, "sdpa"))
+    assert (config.model.hidden_dropout_prob, config.model.attention_probs_dropout_prob) == (0.1, 0.0)
+    assert not any("dropout" in o for o in cuda_setups._overrides(spec, 3, "sdpa"))
+    # run.py's rows: nothing but the data's size and the dry run's device.
+    assert cuda_setups.run_py_overrides({**spec, "device": "cpu"}, cuda_setups.SETUPS["run-py-default"]) == [
+        "data.num_sequences=300", "cuda.device=cpu"]
