@@ -278,7 +278,8 @@ def markdown(results: List[Dict[str, Any]]) -> str:
     for r in single:
         identity = [r["model"], r["label"], r["attention"]]
         if r["status"] != "ok":
-            rows.append(identity + ["-", "yes" if r.get("fp8") else "no", _recipe(r), r["status"]])
+            asked = "asked, not run" if r.get("compile_requested") else "-"
+            rows.append(identity + [asked, "yes" if r.get("fp8") else "no", _recipe(r), r["status"]])
             continue
         compiled = (f"yes ({r['graphs_compiled']} graph(s), {r['recompiles_while_timed']} recompiles)"
                     if r["compiled"] else "no")
@@ -447,7 +448,7 @@ def run_rows(args) -> List[Dict[str, Any]]:
                 if reason:
                     row = status_row(spec, reason)
                     row.update(hidden_dropout_prob=dropout[0], attention_probs_dropout_prob=dropout[1])
-                    row["compiled"] = compile_  # what it would have been
+                    row["compile_requested"] = compile_  # nothing compiled: "compiled" stays false
                     add(row)
                     continue
                 add((run_in_this_process if args.in_process else run_in_subprocess)(spec, timeout=args.setup_timeout))
