@@ -176,7 +176,9 @@ def _profile(args, config, warnings) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     output_dir = args.output_dir or os.path.join("runs", config.name, "profile")
     check_output_dir(output_dir, input_paths(config))
-    report = run_profile(config, backend, output_dir, show_progress=not args.no_progress and sys.stderr.isatty())
+    # Fresh backends for the throughput runs built as this one was (cuda.device=cpu: on the CPU).
+    report = run_profile(config, backend, output_dir, show_progress=not args.no_progress and sys.stderr.isatty(),
+                         make_backend=lambda: get_backend(args.backend, config=config))
     backend.memory_report(config, output_dir)
     print(format_markdown(report))
     written = ", ".join(name for name in ("overhead.md", "overhead.json", "overhead.png", "memory.md")

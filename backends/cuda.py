@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from backends import cuda_config
 from backends.cpu import CPUBackend, RecompileError, check_compiled_attention, num_compiled_graphs  # noqa: F401
 from bert_packed.backend import Deferred, StepMetrics
 from bert_packed.config import ConfigError, check_section
@@ -84,19 +85,28 @@ class CUDABackend(CPUBackend):
 
     @classmethod
     def resolve_attention(cls, config) -> str:
-        """``auto`` on CUDA: ``dense``, as before ``auto`` existed (``bucketed`` is not measured on
-        a GPU; docs/cuda.md says which to choose there)."""
-        return "dense"
+        """``auto`` on CUDA: on a GPU the fastest measured (``flex`` compiled, ``sdpa`` when the
+        recipe has attention dropout or the step is eager); ``dense`` with ``cuda.device=cpu``
+        (backends/cuda_config.py)."""
+        return cuda_config.default_attention(config)
 
     @classmethod
     def validate_config(cls, config, world_size: int) -> List[str]:
+        """The section's checks, after the defaults the backend resolves on a GPU are filled in
+        (``cuda.compile: null``; the micro-batch fitted to the GPU's memory): what runs is what
+        the config then says (``--print-config``), each fitted change a returned line."""
+        cuda = config.sections["cuda"]
+        cuda.compile = cuda_config.resolved_compile(config)
+        notes = list(getattr(cuda, "fitted_notes", ()))
+        fresh = cuda_config.fit_micro_batch(config, gpu_memory_bytes(config), world_size)
+        cuda.fitted_notes = notes = notes + [n for n in fresh if n not in notes]
         check_compiled_attention(config, cls.config_section)
         attention = config.model.attention_implementation
         if config.sections["cuda"].device == "cpu" and attention in _GPU_ONLY_TRAINING:
             raise ConfigError(
                 f"cuda.device=cpu cannot train model.attention_implementation={attention}: torch has no "
                 f"{_GPU_ONLY_TRAINING[attention]} on a CPU; use attention 'sdpa' or 'dense' there, or a GPU")
-        return []
+        return notes
 
     @property
     def label(self) -> str:
@@ -304,6 +314,14 @@ class CUDABackend(CPUBackend):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def gpu_memory_bytes(config) -> Optional[int]:
+    """Total memory of the GPU this process trains on (``LOCAL_RANK``'s), or None: no GPU visible,
+    or ``cuda.device=cpu``."""
+    if config.sections["cuda"].device != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
 
 
 def _sum_over_ranks(process_group, bucket):  # no annotations: DDP checks them against the real types

@@ -17,6 +17,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)  # after PYTHONPATH: another version given there wins
 
+from benchmarks.common import markdown_table  # noqa: E402
+
 
 def timed(payload):
     """Run one task and time it on the worker: (result, wall s, thread CPU s)."""
@@ -41,13 +43,14 @@ def main(argv):
 
     engine.Engine.run = run_timed
     status = data_main(argv)
-    print("| phase | wall s | tasks | task wall s (mean) | task CPU s (mean) | wall / CPU |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for name, wall, times in phases:
         task_wall = sum(w for w, _ in times) / max(1, len(times))
         task_cpu = sum(c for _, c in times) / max(1, len(times))
-        print(f"| {name} | {wall:.2f} | {len(times)} | {task_wall:.3f} | {task_cpu:.3f} | "
-              f"{task_wall / task_cpu if task_cpu else float('nan'):.3f} |")
+        rows.append([name, f"{wall:.2f}", len(times), f"{task_wall:.3f}", f"{task_cpu:.3f}",
+                     f"{task_wall / task_cpu if task_cpu else float('nan'):.3f}"])
+    print(markdown_table(["phase", "wall s", "tasks", "task wall s (mean)", "task CPU s (mean)", "wall / CPU"], rows,
+                         align="lrrrrr"))
     return status
 
 

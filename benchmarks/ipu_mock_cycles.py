@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import markdown_table  # noqa: E402
 from backends.mock import MockBackend  # noqa: E402
 from bert_packed.config import ConfigError, load_config  # noqa: E402
 from bert_packed.data import empty_batch  # noqa: E402
@@ -30,18 +31,21 @@ def main(argv=None):
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
+    try:  # a bad name or value: one line (bounds are checked when the model is built)
+        return cycles(load_config(args.config, args.overrides), args.depths)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def cycles(config, depths) -> int:
+    """Print the table of ``depths`` for ``config``."""
     backend = MockBackend()
     d, t, ipu = config.data, config.train, config.ipu
     print(f"config {config.name}: layers_per_ipu {ipu.layers_per_ipu}, micro_batch {t.micro_batch_size}, "
           f"S={d.max_sequence_length}, GA {t.gradient_accumulation}, {'fp16' if ipu.half_precision else 'fp32'}")
-    print("| K | est. cycles / micro-batch | est. cycles / step (x GA) | breakdown |")
-    print("|---|---|---|---|")
-    for depth in args.depths:
+    rows = []
+    for depth in depths:
         config.data.max_sequences_per_pack = depth
         with torch.device("meta"):
             model = build_model(config)
@@ -49,7 +53,8 @@ def main(argv=None):
         batch = empty_batch(t.micro_batch_size, d.max_sequence_length, depth, d.max_masked_tokens_per_pack)
         result = backend.profile(model, batch, config=config)
         parts = ", ".join(f"{k} {v:,}" for k, v in (result["breakdown"] or {}).items())
-        print(f"| {depth} | {result['cost']:,.0f} | {result['cost'] * t.gradient_accumulation:,.0f} | {parts} |")
+        rows.append([depth, f"{result['cost']:,.0f}", f"{result['cost'] * t.gradient_accumulation:,.0f}", parts])
+    print(markdown_table(["K", "est. cycles / micro-batch", "est. cycles / step (x GA)", "breakdown"], rows))
     print(f"unit: {result['unit']} (ipu/cost_model.py; not a hardware measurement)")
     return 0
 

@@ -10,13 +10,14 @@ import os
 import sys
 import time
 
-import numpy as np
+import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):  # run as a script: the project root first, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import spread  # noqa: E402
+from benchmarks.packing_peers import make_histogram  # noqa: E402
 from packing import Histogram, pack  # noqa: E402
-from packing_peers import make_histogram  # noqa: E402
 
 
 def cases():
@@ -29,19 +30,23 @@ def cases():
     yield "geometric-4096 (256 lengths)", Histogram.from_lengths(lengths, 4096), 8
 
 
-def main():
+def main(selected=None):
+    """Every case, or the ``selected`` (name, depth) pairs."""
     print(f"{'case':30} {'depth':>5} {'master':>6} {'rounds':>6} {'packs':>10} {'bound':>10} {'seconds':>8}")
     for name, histogram, depth in cases():
+        if selected is not None and (name, depth) not in selected:
+            continue
         seconds = {}
         for master in ("highs", "scipy", "highs", "scipy"):  # alternate; keep the faster of two runs
             started = time.perf_counter()
             result = pack(histogram, "lp", depth, master=master, target_gap=0.0)
             elapsed = time.perf_counter() - started
-            seconds[master] = min(seconds.get(master, elapsed), elapsed)
+            seconds.setdefault(master, []).append(elapsed)
             last = result
             print(f"{name:30} {('max' if depth is None else depth):>5} {master:>6} {last.details['num_rounds']:>6} "
                   f"{last.num_packs:>10,} {last.lp_bound_packs:>10,} {elapsed:>8.2f}", flush=True)
-        print(f"{'':30} {'':>5} scipy / highs (best of 2 each): {seconds['scipy'] / seconds['highs']:.2f}x")
+        best = {master: spread(times)["min"] for master, times in seconds.items()}
+        print(f"{'':30} {'':>5} scipy / highs (best of 2 each): {best['scipy'] / best['highs']:.2f}x")
 
 
 if __name__ == "__main__":

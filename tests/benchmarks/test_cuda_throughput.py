@@ -1,18 +1,13 @@
-"""benchmarks/cuda_throughput.py: the parts that run without a GPU (tile counting, errors)."""
+"""benchmarks/cuda_throughput.py (and cuda_setups.py): the parts that run without a GPU."""
 import copy
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
 pytest.importorskip("torch.nn.attention.flex_attention", reason="needs torch >= 2.5 (FlexAttention)")
-import cuda_throughput  # noqa: E402
+from benchmarks import cuda_setups, cuda_throughput  # noqa: E402
 
 
 def test_tiles_only_reports_fractions_for_padded_and_packed(tmp_path, capsys):
@@ -46,7 +41,7 @@ def test_throughput_without_gpu_is_one_line_error(capsys):
 
 # ----------------------------------------------------------------------------- the throughput rows on CPU
 
-SMALL = ["--device", "cpu", "--models", "tiny", "--steps", "1", "--repeats", "2", "--warmup-steps", "1",
+SMALL = ["--device", "cpu", "--models", "tiny", "--steps", "1", "--repeats", "2", "--window-seconds", "0", "--warmup-steps", "1",
          "--micro-batch-size", "4", "--gradient-accumulation", "1", "--num-sequences", "300", "--pool-size", "4",
          "--precision", "fp32"]
 
@@ -179,12 +174,12 @@ def test_useful_flops_do_not_depend_on_the_layout():
     count = len(samples["input_ids"])
     padded = collate(samples, one_per_pack(np.arange(count)), max_sequence_length=64, max_sequences_per_pack=1,
                      max_masked_tokens_per_pack=10)
-    a, b = cuda_throughput.batch_counts(packed), cuda_throughput.batch_counts(padded)
+    a, b = cuda_setups.batch_counts(packed), cuda_setups.batch_counts(padded)
     assert a["sequences"] == b["sequences"] == count and a["tokens"] == b["tokens"] and a["masked"] == b["masked"]
     assert sorted(a["lengths"]) == sorted(b["lengths"])
     model = BertConfig(**{k: v for k, v in vars(load_config("tiny").model).items() if k in BertConfig.__dataclass_fields__})
-    assert cuda_throughput.training_flops(model, a["lengths"], a["masked"]) == pytest.approx(
-        cuda_throughput.training_flops(model, b["lengths"], b["masked"]))
+    assert cuda_setups.training_flops(model, a["lengths"], a["masked"]) == pytest.approx(
+        cuda_setups.training_flops(model, b["lengths"], b["masked"]))
     assert a["slots"] < b["slots"]
 
 
@@ -194,11 +189,11 @@ def test_bert_large_flops_per_token_match_its_parameter_count():
     from types import SimpleNamespace
 
     large = SimpleNamespace(hidden_size=1024, num_hidden_layers=24, intermediate_size=4096, vocab_size=30522)
-    per_token = cuda_throughput.training_flops(large, np.array([1]), 0, with_nsp=False)
+    per_token = cuda_setups.training_flops(large, np.array([1]), 0, with_nsp=False)
     assert per_token == pytest.approx(6 * 302e6, rel=0.01)
     # Attention grows with the square of the sequence: 512 tokens in one sequence cost more
     # than 4 sequences of 128.
-    assert cuda_throughput.training_flops(large, np.array([512]), 0) > cuda_throughput.training_flops(
+    assert cuda_setups.training_flops(large, np.array([512]), 0) > cuda_setups.training_flops(
         large, np.array([128] * 4), 0)
 
 
@@ -211,7 +206,7 @@ def test_bert_large_flops_per_token_match_its_parameter_count():
     ("Some Future GPU", "bf16", True, None),
 ])
 def test_peak_table(name, precision, tf32, expected):
-    assert cuda_throughput.peak_tflops(name, precision, tf32) == expected
+    assert cuda_setups.peak_tflops(name, precision, tf32) == expected
 
 
 # ----------------------------------------------------------------------------- the Hugging Face padding-free peer
@@ -233,7 +228,7 @@ def test_hf_padding_free_varlen_peer_attends_within_each_sequence(monkeypatch):
             out[lo:hi] = (probs @ v).transpose(0, 1)
         return out
 
-    cuda_throughput.register_hf_torch_varlen()
+    cuda_setups.register_hf_torch_varlen()
     config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
@@ -261,8 +256,10 @@ def test_compile_both_gives_an_eager_and_a_compiled_row_per_compilable_setup(tmp
     code, rows = _rows(tmp_path, ["--compile", "both", "--compile-backend", "aot_eager",
                                   "--setups", "packed-dense", "hf-padding-free-varlen"])
     assert code == 0
-    assert [(r["setup"], r["compiled"]) for r in rows] == [
-        ("packed-dense", False), ("packed-dense", True), ("hf-padding-free-varlen", False)]
+    # HF padding-free compiles too now (dynamic shapes); on a CPU both its rows say "GPU only".
+    assert [(r["setup"], r["compiled"], r.get("compile_requested")) for r in rows] == [
+        ("packed-dense", False, None), ("packed-dense", True, None), ("hf-padding-free-varlen", False, False),
+        ("hf-padding-free-varlen", False, True)]
     eager, compiled = rows[0], rows[1]
     assert eager["graphs_compiled"] is None and compiled["graphs_compiled"] >= 1
     table = capsys.readouterr().out
@@ -277,13 +274,52 @@ def test_padding_free_micro_batches_carry_the_packed_micro_batch_sequences():
             "repeats": 1, "num_sequences": 300, "packing_algorithm": args.packing_algorithm, "precision": "fp32",
             "compile": False, "compile_backend": "inductor", "compile_mode": "default", "set": [], "pool_size": 3,
             "hf_sequences_per_micro_batch": None}
-    per_micro = cuda_throughput.packed_sequences_per_micro_batch(spec)
+    per_micro = cuda_setups.packed_sequences_per_micro_batch(spec)
     assert per_micro > 4, "depth-3 packs of 4 rows hold more than 4 sequences"
-    config = cuda_throughput.load_config("tiny", cuda_throughput._overrides(spec, 1, "sdpa"))
-    pool = cuda_throughput.padding_free_pool(spec, build_data_source(config, split="train", micro_batch_size=4))
+    config = cuda_setups.load_config("tiny", cuda_setups._overrides(spec, 1, "sdpa"))
+    pool = cuda_setups.padding_free_pool(spec, build_data_source(config, split="train", micro_batch_size=4))
     assert len(pool) == 3 and all(b["input_ids"].shape[0] == per_micro for b in pool)
-    flat = cuda_throughput.hf_flattened_inputs([pool[0]], flash_kwargs=True)
-    counts = cuda_throughput.batch_counts(pool[0])
+    flat = cuda_setups.hf_flattened_inputs([pool[0]], flash_kwargs=True)
+    counts = cuda_setups.batch_counts(pool[0])
     assert flat["input_ids"].shape == (1, counts["tokens"])
     assert flat["cu_seq_lens_q"].tolist() == [0, *np.cumsum(counts["lengths"]).tolist()]
     assert int((flat["labels"] != -100).sum()) == counts["masked"]
+
+
+# ----------------------------------------------------------------------------- issue 47: recipe, windows, levers
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--window-seconds", "-1"], "--window-seconds must be >= 0"),
+    (["--window-seconds", "nan"], "--window-seconds must be >= 0"),
+    (["--repeats", "0"], "--repeats and --steps >= 1"),
+    (["--in-process", "--scaling", "2"], "--in-process runs one process"),
+])
+def test_bad_window_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
+    out = tmp_path / "rows.json"
+    assert cuda_throughput.main(SMALL + argv + ["--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert not out.exists()
+
+
+def test_a_lever_whose_switch_the_config_lacks_is_not_available_without_a_process():
+    lever = cuda_setups.Setup("lever-x", "run.py", 3, "resolved", "x", ("cuda.no_such_switch=true",))
+    base = {"num_sequences": 300, "device": "cpu"}
+    reason = cuda_throughput._switch_missing(lever, base, "tiny")
+    assert reason.startswith("not available: ") and "no_such_switch" in reason
+    assert cuda_throughput._switch_missing(cuda_setups.SETUPS["run-py-default"], base, "tiny") is None
+
+
+def test_rows_keep_the_configs_dropout(tmp_path):
+    """The fixed-micro-batch rows train the config's recipe: phase 2's hidden dropout 0.1 reaches the
+    model (it was forced to 0 in every setup before)."""
+    spec = {"micro_batch_size": 2, "gradient_accumulation": 1, "num_sequences": 300, "packing_algorithm": "lp",
+            "precision": "fp32", "warmup_steps": 1, "compile": False, "compile_backend": "inductor",
+            "compile_mode": "default", "set": []}
+    config = cuda_setups.load_config("phase2", cuda_setups._overrides(spec, 3, "sdpa"))
+    assert (config.model.hidden_dropout_prob, config.model.attention_probs_dropout_prob) == (0.1, 0.0)
+    assert not any("dropout" in o for o in cuda_setups._overrides(spec, 3, "sdpa"))
+    # run.py's rows: nothing but the data's size and the dry run's device.
+    assert cuda_setups.run_py_overrides({**spec, "device": "cpu"}, cuda_setups.SETUPS["run-py-default"]) == [
+        "data.num_sequences=300", "cuda.device=cpu"]
