@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List
@@ -67,6 +68,20 @@ def default_lanes(num_shards: int) -> int:
     """The largest divisor of ``num_shards`` up to 64: every lane holds the same number of shards
     and a single process holds a bounded number of windows however many shards there are."""
     return max(d for d in range(1, min(num_shards, MAX_DEFAULT_LANES) + 1) if num_shards % d == 0)
+
+
+def uneven_lanes_message(directory, lane_shards, lane_items, micro_batch_size) -> str:
+    """What lanes that do not divide the shards cost: every lane serves as many micro-batches as
+    the smallest lane has, so each epoch skips the longer lanes' surplus (the items no lane's
+    epoch reaches: a different set each epoch)."""
+    num_shards, lanes = sum(len(s) for s in lane_shards), len(lane_shards)
+    served = lanes * (min(lane_items) // micro_batch_size) * micro_batch_size
+    total = sum(lane_items)
+    counts = sorted({len(s) for s in lane_shards})
+    return (f"{directory}: data.lanes={lanes} does not divide its {num_shards} shards: lanes hold "
+            f"{counts[0]} to {counts[-1]} shards and each serves only as many micro-batches as the smallest, so every "
+            f"epoch skips {100.0 * (total - served) / total:.1f} % of the data ({total - served} of {total} items); "
+            f"set data.lanes to a divisor of {num_shards}, such as {default_lanes(num_shards)} (the default when unset)")
 
 
 def dataset_identity(manifest: Dict[str, Any]) -> Dict[str, Any]:
@@ -177,6 +192,9 @@ class ShardedSource(RankStream):
         if min(self.lane_items) < self.micro_batch_size:
             raise DataError(f"{self.directory}: its smallest lane holds {min(self.lane_items)} items, fewer than one "
                             f"micro-batch of {self.micro_batch_size}; use a smaller micro-batch or more data")
+        if self.rank == 0 and len(paths) % self.lanes:
+            print(f"warning: {uneven_lanes_message(self.directory, self.lane_shards, self.lane_items, self.micro_batch_size)}",
+                  file=sys.stderr, flush=True)
         self.packing_factor = float(manifest.get("num_sequences", manifest["num_items"])) / max(1, manifest["num_items"])
         if not self.packed:
             self.packing_factor = 1.0
@@ -271,13 +289,27 @@ class ShardedSource(RankStream):
             check_rows(raw, np.arange(start, stop), shard.path, packed=self.packed, vocab_size=self.vocab_size,
                        type_vocab_size=self.type_vocab_size, max_sequence_length=self.dims[0],
                        max_sequences_per_pack=self.dims[1], max_masked_tokens_per_pack=self.dims[2])
-            parts.append(raw)
+            parts.append(self._dataset_layout(raw))
         size = int(offsets[last] - offsets[first])
         arrays = {name: _concatenate([part[name] for part in parts]) for name in parts[0]}
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch, lane, k, 0x5A4E]).permutation(size)
             arrays = {name: array[order] for name, array in arrays.items()}
         return int(offsets[first]), int(offsets[last]), arrays
+
+    def _dataset_layout(self, raw):
+        """A block's fields zero-padded to the configured widths (S, K, M; P = M for unpacked
+        rows): shards of one dataset may each have their own masked-slot width (``pack`` gives
+        every shard the M it needs), and every block of a window, every window of a
+        micro-batch, has the one layout of the dataset."""
+        seq_len, depth, slots = self.dims
+        widths = {"S": seq_len, "K": depth, "M": slots, "P": slots}
+        dims = h5io.PACKED_FIELDS if self.packed else {name: dim for name, (dim, _) in h5io.UNPACKED_LAYOUT.items()}
+        out = {}
+        for name, array in raw.items():
+            missing = widths[dims[name]] - array.shape[1] if array.ndim == 2 and dims.get(name) else 0
+            out[name] = np.pad(array, ((0, 0), (0, missing))) if missing > 0 else array
+        return out
 
     def _next_key(self, epoch, lane, k):
         """The window that lane ``lane`` serves after window k of ``epoch``."""
