@@ -150,6 +150,13 @@ class _Shard:
             self.handle.close()
             raise
 
+    def close(self):
+        """Drop the dataset objects, then close the file: h5py's ``close`` looks through every open
+        HDF5 object for the file's own, so closing n shards whose datasets are still open takes
+        time quadratic in n (2.8 s of CPU for 256 shards; 0.25 s this way)."""
+        self.datasets = {}
+        self.handle.close()
+
     def read(self, start, stop):
         with h5io.read_errors(self.path):
             raw = {name: dataset[start:stop] for name, dataset in self.datasets.items()}
@@ -433,7 +440,7 @@ class ShardedSource(RankStream):
         if pool is not None:
             pool.shutdown(wait=True)
         for shard in getattr(self, "_shards", {}).values():
-            shard.handle.close()
+            shard.close()
         self._shards = {}
 
     def __del__(self):
