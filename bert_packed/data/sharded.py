@@ -28,9 +28,11 @@ The stream (contract of `bert_packed.data`):
   num_items - L * m * B items, at most (B - 1) per lane plus the lanes' size differences.
 - **Resume.** The state is the next global micro-batch plus a cursor (an epoch start and the
   item each lane has reached: L integers), so a resumed run yields exactly the micro-batch
-  that would have come. With another micro-batch size (``--resume-force``) each lane
-  continues at the item it had reached; that epoch then ends when its shortest remainder
-  runs out. The state names the dataset (shards' names, sizes and rows, digested); a changed
+  that would have come. With another micro-batch size (``--resume-force``) the packs come in
+  the same order: the original micro-batches' items, in their order, re-cut to the new size
+  (``RecutCursor``), so a step of the same global batch reads the packs the uninterrupted run
+  would have read. A process reads only its own lanes, so with several processes that is
+  refused (resume with the old size, or on one process). The state names the dataset (shards' names, sizes and rows, digested); a changed
   dataset is refused unless the resume is forced (then a new epoch starts where it stopped).
 
 Memory per rank: for each of its L / W lanes, the window being served and the next one
@@ -130,6 +132,69 @@ class LaneCursor:
         if epoch == self.base_epoch:
             return self.base_offsets[lane] + self.first_epoch * self.micro_batch_size
         return self.batches_per_lane * self.micro_batch_size
+
+    def pieces(self, global_batch: int) -> List[tuple]:
+        """The items of micro-batch ``global_batch``: [(epoch, lane, first item, stop item)]."""
+        epoch, lane, start = self.locate(global_batch)
+        return [(epoch, lane, start, start + self.micro_batch_size)]
+
+    def recut(self, first: int, micro_batch_size: int) -> "RecutCursor":
+        """This stream from micro-batch ``first`` on, cut into micro-batches of another size."""
+        return RecutCursor(self, micro_batch_size, base_global=first, base_unit=first, base_item=0)
+
+
+class RecutCursor:
+    """A stream resumed (``--resume-force``) with another micro-batch size B: the items of the
+    original stream's micro-batches (its *units*: ``units``, a ``LaneCursor`` of their size u),
+    in their order, cut into micro-batches of B. Micro-batch g >= ``base_global`` holds items
+    [p, p + B) of that item sequence, p = ``base_item`` + (g - ``base_global``) * B, counted from
+    the start of unit ``base_unit``. So the packs come in the order of the uninterrupted run
+    whatever B; a micro-batch may join the end of one lane's unit and the start of the next
+    lane's. Resumed again with yet another size, the units stay those of the original stream."""
+
+    def __init__(self, units: LaneCursor, micro_batch_size: int, *, base_global: int, base_unit: int,
+                 base_item: int):
+        self.units, self.micro_batch_size = units, int(micro_batch_size)
+        self.base_global, self.base_unit, self.base_item = int(base_global), int(base_unit), int(base_item)
+
+    @classmethod
+    def from_state(cls, lane_items: List[int], state: Dict[str, Any]) -> "RecutCursor":
+        units = LaneCursor(lane_items, int(state["unit_size"]), state["units"])
+        return cls(units, int(state["micro_batch_size"]), base_global=state["base_global"],
+                   base_unit=state["base_unit"], base_item=state["base_item"])
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"recut": True, "unit_size": self.units.micro_batch_size, "units": self.units.state_dict(),
+                "micro_batch_size": self.micro_batch_size, "base_global": self.base_global,
+                "base_unit": self.base_unit, "base_item": self.base_item}
+
+    def position(self, global_batch: int) -> tuple:
+        """(unit, item within it) where micro-batch ``global_batch`` starts."""
+        k = int(global_batch) - self.base_global
+        if k < 0:
+            raise DataError(f"micro-batch {global_batch} lies before the resumed position {self.base_global}")
+        unit, item = divmod(self.base_item + k * self.micro_batch_size, self.units.micro_batch_size)
+        return self.base_unit + unit, item
+
+    def pieces(self, global_batch: int) -> List[tuple]:
+        unit, item = self.position(global_batch)
+        size, left, out = self.units.micro_batch_size, self.micro_batch_size, []
+        while left:
+            epoch, lane, start = self.units.locate(unit)
+            take = min(size - item, left)
+            out.append((epoch, lane, start + item, start + item + take))
+            unit, item, left = unit + 1, 0, left - take
+        return out
+
+    def locate(self, global_batch: int) -> tuple:
+        return self.pieces(global_batch)[0][:3]
+
+    def epoch_end(self, epoch: int, lane: int) -> int:
+        return self.units.epoch_end(epoch, lane)
+
+    def recut(self, first: int, micro_batch_size: int) -> "RecutCursor":
+        unit, item = self.position(first)
+        return RecutCursor(self.units, micro_batch_size, base_global=first, base_unit=unit, base_item=item)
 
 
 class _Shard:
@@ -350,16 +415,16 @@ class ShardedSource(RankStream):
 
     def batch(self, global_batch):
         """Global micro-batch ``global_batch`` (it must come from one of this rank's lanes)."""
-        epoch, lane, start = self._cursor.locate(global_batch)
-        if lane not in self._windows:
-            raise DataError(f"micro-batch {global_batch} comes from lane {lane}, not one of rank {self.rank}'s")
-        stop, pieces = start + self.micro_batch_size, []
-        position = start
-        while position < stop:
-            first, end, arrays = self._window(epoch, lane, self._window_of(epoch, lane, position))
-            upto = min(stop, end)
-            pieces.append({name: array[position - first:upto - first] for name, array in arrays.items()})
-            position = upto
+        pieces = []
+        for epoch, lane, start, stop in self._cursor.pieces(global_batch):
+            if lane not in self._windows:
+                raise DataError(f"micro-batch {global_batch} comes from lane {lane}, not one of rank {self.rank}'s")
+            position = start
+            while position < stop:
+                first, end, arrays = self._window(epoch, lane, self._window_of(epoch, lane, position))
+                upto = min(stop, end)
+                pieces.append({name: array[position - first:upto - first] for name, array in arrays.items()})
+                position = upto
         raw = pieces[0] if len(pieces) == 1 else {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
         return to_batch(raw, packed=self.packed, max_sequence_length=self.dims[0],
                         max_sequences_per_pack=self.dims[1], max_masked_tokens_per_pack=self.dims[2])
@@ -378,7 +443,8 @@ class ShardedSource(RankStream):
 
     def load_state_dict(self, state, force=False):
         """Continue exactly after the checkpoint's last micro-batch; with another micro-batch
-        size each lane continues at the item it had reached. A checkpoint of another dataset
+        size the packs continue in the same order, re-cut (``RecutCursor``; one process, or one
+        lane). A checkpoint of another dataset
         (or lane count) is refused unless ``force`` (then a new epoch starts here)."""
         next_global = int(state["next_global_batch"])
         if next_global % self.world_size != self.rank:
@@ -394,9 +460,19 @@ class ShardedSource(RankStream):
                                                 {"base_global": first, "base_epoch": int(state.get("epoch", 0)) + 1}))
             return
         old_size = int(state.get("micro_batch_size", self.micro_batch_size))
-        cursor = LaneCursor(self.lane_items, old_size, state.get("cursor"))
+        saved_cursor = state.get("cursor") or {}
+        if saved_cursor.get("recut"):
+            cursor = RecutCursor.from_state(self.lane_items, saved_cursor)
+        else:
+            cursor = LaneCursor(self.lane_items, old_size, saved_cursor)
         if old_size != self.micro_batch_size:
-            cursor = self._rebased(cursor, first)
+            if self.world_size > 1:
+                raise DataError(f"{self.directory}: a resume with micro-batch size {self.micro_batch_size} where the "
+                                f"checkpoint used {old_size} cannot keep the order of the packs on {self.world_size} "
+                                f"processes (each reads its own shards, a micro-batch of another size would join "
+                                f"several processes' lanes); resume with train.micro_batch_size={old_size}, or on "
+                                f"one process")
+            cursor = cursor.recut(first, self.micro_batch_size)
         self._reset(next_global, cursor)
 
     def _changed_message(self, saved, state):
@@ -406,17 +482,6 @@ class ShardedSource(RankStream):
                 f"{self.identity['num_shards']} shards, {self.identity['num_items']} items ({self.lanes} lanes)"
                 f"{' with other shard files' if saved.get('num_items') == self.identity['num_items'] else ''}; "
                 "resume with the same dataset (or --resume-force to start a new epoch of this one there)")
-
-    def _rebased(self, cursor, first):
-        """A cursor for this micro-batch size whose micro-batch ``first`` starts, in every lane, at
-        the item the old cursor had reached there (a lane already done with the epoch adds none)."""
-        epoch = cursor.locate(first)[0]
-        offsets = []
-        for lane in range(self.lanes):
-            lane_epoch, _, item = cursor.locate(first + (lane - first) % self.lanes)
-            offsets.append(item if lane_epoch == epoch else self.lane_items[lane])
-        return LaneCursor(self.lane_items, self.micro_batch_size,
-                          {"base_global": first, "base_epoch": epoch, "base_offsets": offsets})
 
     def _reset(self, next_global, cursor):
         self._drain()

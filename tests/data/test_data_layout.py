@@ -141,3 +141,39 @@ def test_lanes_that_do_not_divide_the_shards_warn_with_the_share_each_epoch_skip
     if lanes % 2 == 0:  # only the first rank says it (every rank would say the same)
         _source(data["packed"]["dir"], lanes=lanes, rank=1, world_size=2).close()
         assert capsys.readouterr().err == ""
+
+
+# -- a forced resume with another micro-batch size (issue 46, from the previous held-out round) ------
+
+
+def test_a_forced_resume_with_another_micro_batch_size_trains_each_step_on_the_uninterrupted_packs(data, tmp_path):
+    """2 x 2 packs a step, then --resume-force at 4 x 1: each step after the resume reads exactly
+    the packs of the uninterrupted run's step, in its order (was: other lanes' packs, e.g. packs
+    8-11 of the stream where the uninterrupted run read 4-7)."""
+    from backends.cpu import CPUBackend
+    from bert_packed.config import load_config
+    from bert_packed.train import train
+
+    steps = []
+
+    class Recording(CPUBackend):
+        def train_step(self, micro_batches):
+            steps.append(np.concatenate([batch["input_ids"] for batch in micro_batches]))
+            return super().train_step(micro_batches)
+
+    def run(output, total, size, accumulation, **resume):
+        config = load_config("tiny", [f"data.path={data['packed']['dir']}", "data.max_sequence_length=128",
+                                      "model.max_position_embeddings=128", "model.vocab_size=1000",
+                                      "data.max_masked_tokens=20", f"train.micro_batch_size={size}",
+                                      f"train.gradient_accumulation={accumulation}", "train.checkpoint_every=1",
+                                      f"train.steps={total}"])
+        steps.clear()
+        train(config, Recording(), output_dir=str(output), show_progress=False, **resume)
+        return list(steps)
+
+    straight = run(tmp_path / "straight", 5, 2, 2)
+    run(tmp_path / "forced", 2, 2, 2)
+    resumed = run(tmp_path / "forced", 5, 4, 1, resume=True, resume_force=True)
+    assert len(straight) == 5 and len(resumed) == 3
+    for want, got in zip(straight[2:], resumed):
+        np.testing.assert_array_equal(want, got)
