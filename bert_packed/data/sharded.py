@@ -15,7 +15,11 @@ The stream (contract of `bert_packed.data`):
   yields the g with g % W == r; when W divides L those all come from the lanes l with
   l % W == r, so a rank opens and reads only its own shards, and the global stream does not
   depend on W (1 process x N accumulation == N processes, for every N dividing L). A W that
-  does not divide L is refused (re-shard with ``--output-shards`` a multiple of W).
+  does not divide L is refused (re-shard with ``--output-shards`` a multiple of W). An L that
+  does not divide n is served with a warning naming the share of the data each epoch skips
+  (``uneven_lanes_message``).
+- **Layout.** Shards may differ in their masked-slot width (M, or P unpacked): every block
+  is zero-padded to the configured S, K, M as it is read, so rows of two shards join.
 - **Epoch e of lane l** is an order of its items: the lane's shards in an order permuted by
   (seed, e, l); each shard cut into blocks of its HDF5 chunk (1,024 rows; the last block may
   be shorter), the blocks permuted by the same generator; that block sequence cut into
@@ -32,8 +36,9 @@ The stream (contract of `bert_packed.data`):
   the same order: the original micro-batches' items, in their order, re-cut to the new size
   (``RecutCursor``), so a step of the same global batch reads the packs the uninterrupted run
   would have read. A process reads only its own lanes, so with several processes that is
-  refused (resume with the old size, or on one process). The state names the dataset (shards' names, sizes and rows, digested); a changed
-  dataset is refused unless the resume is forced (then a new epoch starts where it stopped).
+  refused (resume with the old size, or on one process). The state names the dataset
+  (shards' names, sizes and rows, digested); a changed dataset is refused unless the resume
+  is forced (then a new epoch starts where it stopped).
 
 Memory per rank: for each of its L / W lanes, the window being served and the next one
 (prefetched by one background thread while the current one trains; what a window holds is a
