@@ -219,6 +219,9 @@ class _Run:
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM after the last step: say what is left
             self._interrupted_finishing(step, getattr(exc, "signum", signal.SIGINT))
         result = self.summary("completed", step)
+        line = self.data_wait.warning() if self.is_main else None
+        if line:  # a completed run only: a stopped one says one line, why it stopped
+            print(f"warning: {line}", file=sys.stderr, flush=True)
         self._closing_line(result)
         return result
 
@@ -520,9 +523,6 @@ class _Run:
         }
         if self.is_main:
             write_text_atomic(self.summary_path, json.dumps(out, indent=2) + "\n")
-            line = self.data_wait.warning()
-            if line:
-                print(f"warning: {line}", file=sys.stderr, flush=True)
         return out
 
     def _closing_line(self, result: Dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ import time
 from typing import Callable, Optional
 
 WARN_ABOVE = 0.05  # the loop waits for data more than this share of its time: warn
-MIN_LOOP_SECONDS = 5.0  # a shorter loop's share is mostly start-up (the first window read): not warned
+MIN_LOOP_SECONDS = 30.0  # a shorter loop is a smoke test (a tiny model's steps of milliseconds): not warned
 
 
 class DataWait:

@@ -33,15 +33,15 @@ def test_the_share_is_the_waited_part_of_the_loops_wall_time():
     clock.now += 1000.0  # after the loop (final evaluation, export): not the loop's time
     assert wait.wall_seconds() == pytest.approx(50.0) and wait.fraction() == pytest.approx(0.04)
     wait.start()  # a second loop (another invocation) counts on its own
-    clock.now += 10.0
-    wait.add(3.0)
+    clock.now += 40.0
+    wait.add(12.0)
     assert wait.fraction() == pytest.approx(0.3)
-    assert wait.warning().startswith("the training loop waited for data 30.0 % of its time (3.0 s of 10.0 s; "
+    assert wait.warning().startswith("the training loop waited for data 30.0 % of its time (12.0 s of 40.0 s; "
                                      "summary.json data_wait_fraction)")
     wait.start()
-    clock.now += 2.0
-    wait.add(1.0)
-    assert wait.fraction() == pytest.approx(0.5) and wait.warning() is None  # a 2 s loop is start-up, not a trend
+    clock.now += 20.0
+    wait.add(10.0)
+    assert wait.fraction() == pytest.approx(0.5) and wait.warning() is None  # a 20 s loop is a smoke test
 
 
 class _SlowData(CPUBackend):
