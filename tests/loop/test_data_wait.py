@@ -53,10 +53,10 @@ class _SlowData(CPUBackend):
 
 
 class _SlowStep(CPUBackend):
-    """Each step takes 100 ms more than its compute; the data keeps ahead."""
+    """Each step takes 200 ms more than its compute; the data keeps ahead."""
 
     def train_step(self, micro_batches):
-        time.sleep(0.1)
+        time.sleep(0.2)
         return super().train_step(micro_batches)
 
 
@@ -86,7 +86,8 @@ def test_a_slow_input_pipeline_is_measured_and_warned_about(tmp_path, capsys, sh
 
 
 def test_data_that_keeps_ahead_is_a_small_share_and_no_warning(tmp_path, capsys, short_loops_warn):
-    config = load_config("tiny", ["train.steps=8", "train.gradient_accumulation=2"])
+    # 20 steps of 200 ms: only the first micro-batch is waited for (tens of ms on a loaded host).
+    config = load_config("tiny", ["train.steps=20", "train.gradient_accumulation=2"])
     summary = train(config, _SlowStep(), output_dir=str(tmp_path), show_progress=False)
     assert 0.0 <= summary["data_wait_fraction"] < 0.05
     assert _warnings(capsys.readouterr().err) == []
