@@ -79,12 +79,16 @@ def mapped_histogram_counts(counts: np.ndarray, source_length: int, max_sequence
 
 
 def data_lengths(config) -> Optional[np.ndarray]:
-    """Sequence lengths of the run's HDF5 data (``data.path``), or None for generated data.
+    """Sequence lengths of the run's data: a fine-tuning task's training file as tokenized, the
+    HDF5 data (``data.path``), or None for generated data (``data.histogram``).
 
-    Read block by block through the stats reader, not a data source, which would load the
-    token arrays only to throw them away."""
+    HDF5 data is read block by block through the stats reader, not a data source, which would
+    load the token arrays only to throw them away."""
     if config.data.path is None:
-        return None
+        from bert_packed.task import get_task
+
+        # Fine-tuning trains on its own file: its lengths, never the pre-training histogram.
+        return get_task(copy.deepcopy(config)).training_lengths()
     from bert_packed.data.stats import dataset_stats
 
     counts = dataset_stats(config.data.path)["length_counts"]
@@ -107,7 +111,7 @@ def packing_statistics(config, depths: Sequence[int] = DEPTHS, lengths: Optional
         raise ProfilingError(f"data.packing_algorithm: {error}") from None
     if lengths is not None:
         hist = Histogram.from_lengths(np.asarray(lengths), max_sequence_length=d.max_sequence_length)
-        source = "lengths of the run's data"
+        source = "lengths of the run's data" if d.path else "lengths of the fine-tuning training data"
     else:
         base = Histogram.load(d.histogram)
         counts = mapped_histogram_counts(base.counts, base.max_sequence_length, d.max_sequence_length,

@@ -213,6 +213,11 @@ class Task:
     def evaluate(self, backend) -> Dict[str, float]:
         return {}
 
+    def training_lengths(self):
+        """The token lengths of the task's own training sequences (what ``--profile`` packs), or None
+        when the run's data is ``data.path`` or generated from ``data.histogram``."""
+        return None
+
     def progress_text(self, line: Dict[str, Any], short: bool = False) -> str:
         text = " ".join(f"{k.replace('_accuracy', '_acc')} {line[k]:.3f}" for k in self.metric_names)
         return text if short else f"{text} {line['sequences_per_second']:.0f} seq/s"

@@ -38,6 +38,7 @@ from bert_packed.checkpoint import set_rng_state
 from bert_packed.config import Config, ConfigError, input_paths, validate
 from bert_packed.io import DirectoryLock, check_output_dir, remove_orphans, write_text_atomic
 from bert_packed.loop.checkpointer import Checkpointer
+from bert_packed.loop.data_wait import DataWait
 from bert_packed.loop.distributed import all_reduce_sum, planned_world_size, setup_distributed
 from bert_packed.loop.estimate import slow_step_warning
 from bert_packed.loop.guard import DivergenceGuard
@@ -175,6 +176,7 @@ class _Run:
         self.output_dir = output_dir or t.output_dir or os.path.join("runs", config.name)
         check_output_dir(self.output_dir, input_paths(config))  # not a file, not where an input is
         self.summary_path = os.path.join(self.output_dir, SUMMARY_NAME)
+        self.data_wait = DataWait()
         self.logger: Optional[MetricsLogger] = None
         self.pending: List[_Pending] = []  # steps launched whose numbers are not read yet
         self.task_summary: Dict[str, Any] = {}  # the task's end-of-run results (eval, labels, hf_export)
@@ -217,6 +219,9 @@ class _Run:
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM after the last step: say what is left
             self._interrupted_finishing(step, getattr(exc, "signum", signal.SIGINT))
         result = self.summary("completed", step)
+        line = self.data_wait.warning() if self.is_main else None
+        if line:  # a completed run only: a stopped one says one line, why it stopped
+            print(f"warning: {line}", file=sys.stderr, flush=True)
         self._closing_line(result)
         return result
 
@@ -324,6 +329,7 @@ class _Run:
         plan, launched = self.plan, self.start_step
         self.feed = feed = Prefetcher(self.source, self.config.train.prefetch_micro_batches,
                                       transform=self.backend.stage_batch)
+        self.data_wait.start()
         # One process may end a long step early on a stop signal; with several, a rank that left
         # mid-step would leave the others waiting in the step's gradient reduction.
         can_abandon = self.world_size == 1
@@ -338,6 +344,7 @@ class _Run:
                     data_start = time.perf_counter()
                     micro_batches = [next(feed) for _ in range(plan.micro_batches_per_step * calls)]
                     data_seconds = time.perf_counter() - data_start
+                    self.data_wait.add(data_seconds)
                     start = time.perf_counter()
                     watch.start(launched + 1, calls)
                     try:
@@ -359,6 +366,7 @@ class _Run:
                     if stopping:
                         self._interrupt(launched, stop.signum or signal.SIGTERM)
         finally:
+            self.data_wait.stop()
             self.backend.micro_batch_hook = None
             feed.close()
         return launched
@@ -502,6 +510,7 @@ class _Run:
             "total_sequences": totals["sequences"], "total_tokens": totals["tokens"],
             "total_packs": totals["packs"],
             "train_seconds": totals["seconds"], "data_seconds": totals["data_seconds"],
+            "data_wait_fraction": self.data_wait.fraction(),  # of this invocation's loop (loop.data_wait)
             # Throughput of this invocation without its first (warm-up) step.
             "sequences_per_second": self.throughput.rate("sequences"),
             "tokens_per_second": self.throughput.rate("tokens"),

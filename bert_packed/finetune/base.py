@@ -88,6 +88,12 @@ class PackedTask(Task):
                               f"maximum {STEPS['le']} ({STEPS['why']}); lower finetune.epochs")
         return steps
 
+    def training_lengths(self):
+        """The lengths of the training file's sequences as tokenized (reads it when not set up yet)."""
+        if self.train_data is None:
+            self.setup(show_progress=False)
+        return np.asarray(self.train_data.lengths)
+
     def data_source(self, split: str, *, micro_batch_size: int, rank: int, world_size: int):
         if split != "train":
             raise ValueError(f"{self.name} evaluates the whole validation set (evaluate), not a stream")

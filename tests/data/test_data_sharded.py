@@ -166,22 +166,51 @@ def test_resume_gives_exactly_the_next_batch(data, prefetch):
 
 
 def test_resume_with_another_micro_batch_size_continues_at_the_same_items(data):
-    """Mid-epoch, B 8 -> 5: each lane continues at the item it had reached; the epoch serves no
-    item twice and then ends when the shortest lane remainder runs out."""
+    """Mid-epoch, B 8 -> 5 -> 3 -> 8 (each a forced resume from the last one's state): the packs
+    come in exactly the order of the uninterrupted stream at B=8, across the epoch's end (was:
+    each lane continued at its own item, so the steps after the resume read other packs than the
+    uninterrupted run's)."""
     straight = source(data["dir"])
+    per_epoch = epoch_batches(straight)
     done = 13  # not a multiple of the 4 lanes: lanes stand at different items
-    before = take(straight, done)
-    state = straight.state_dict()
-    following = take(straight, 4)  # the next micro-batch of every lane at B=8
-    resumed = source(data["dir"], micro_batch_size=5)
-    resumed.load_state_dict(state)
-    cursor = resumed._cursor
-    after = take(resumed, cursor.lanes * cursor.first_epoch)
-    for i, batch in enumerate(following):  # micro-batch done + i: lane (done + i) % 4 in both streams
-        assert fingerprint(batch)[:5] == fingerprint(after[i])  # that lane continues at its next item
-    served = sum((fingerprint(b) for b in before + after), [])
-    assert len(served) == len(set(served))
-    assert resumed.epoch == 1 and fingerprint(take(resumed, 1)[0]) != fingerprint(after[0])
+    take(straight, done)
+    state = json.loads(json.dumps(straight.state_dict()))  # as a checkpoint stores it
+    expected = sum((fingerprint(b) for b in take(straight, 80)), [])  # 640 items: more than served below
+    served = []
+    for size, count in ((5, 40), (3, 50), (8, 30)):
+        resumed = source(data["dir"], micro_batch_size=size)
+        resumed.load_state_dict(state)
+        batches = take(resumed, count)
+        assert all(len(b["input_ids"]) == size for b in batches)
+        served += sum((fingerprint(b) for b in batches), [])
+        state = json.loads(json.dumps(resumed.state_dict()))
+        resumed.close()
+    assert len(served) > (per_epoch - done) * 8  # into the next epoch
+    assert served == expected[:len(served)]
+
+
+def test_cursor_recut_joins_the_units_of_two_lanes():
+    units = LaneCursor([40, 33], 8)
+    recut = units.recut(3, 5)
+    assert recut.pieces(3) == [(0, 1, 8, 13)]
+    assert recut.pieces(4) == [(0, 1, 13, 16), (0, 0, 16, 18)]  # the end of unit 3, the start of unit 4
+    again = recut.recut(5, 3)  # micro-batch 5 of size 5 starts at item 2 of unit 4
+    assert again.pieces(5) == [(0, 0, 18, 21)] and again.state_dict()["unit_size"] == 8
+
+
+def test_another_micro_batch_size_on_several_processes_is_refused(data):
+    first = source(data["dir"], rank=1, world_size=2)
+    take(first, 3)
+    state = first.state_dict()
+    resumed = source(data["dir"], rank=1, world_size=2, micro_batch_size=5)
+    with pytest.raises(DataError) as error:
+        resumed.load_state_dict(state, force=True)
+    assert str(error.value) == (f"{data['dir']}: a resume with micro-batch size 5 where the checkpoint used 8 cannot "
+                                f"keep the order of the packs on 2 processes (each reads its own shards, a micro-batch "
+                                f"of another size would join several processes' lanes); resume with "
+                                f"train.micro_batch_size=8, or on one process")
+    first.close()
+    resumed.close()
 
 
 def test_memory_stays_within_two_windows_per_lane(data):
