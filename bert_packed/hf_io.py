@@ -191,8 +191,11 @@ def check_layers(num_hidden_layers: int, state: Mapping[str, Any], where: str) -
         for key in state:
             match = _BODY.search(key)
             if match:
-                held.add(match.group(1).replace("LayerNorm.gamma", "LayerNorm.weight")
-                         .replace("LayerNorm.beta", "LayerNorm.bias"))
+                name = match.group(1).replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta",
+                                                                                              "LayerNorm.bias")
+                held.add(name)
+                if ".attention.self.qkv." in name:  # model.fused_qkv: this project's checkpoint holds Q, K, V as one
+                    held.update(name.replace(".qkv.", f".{part}.") for part in ("query", "key", "value"))
         needed = [f"embeddings.{t}" for t in _EMBEDDING_TENSORS] + [
             f"encoder.layer.{i}.{t}" for i in expected for t in _LAYER_TENSORS]
         missing = [name for name in needed if name not in held]
@@ -372,20 +375,26 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     A classifier whose number of labels differs is re-initialised (a new label set); any
     other shape difference is a ``CheckpointError``.
     """
-    from bert_packed.modeling import hf_parameter_name, load_hf_state_dict
+    from bert_packed.modeling import hf_parameter_name, hf_shapes, load_hf_state_dict
 
     state = _normalise_keys(model, state_dict)
     own = model.state_dict()
+    # A tensor may come in the model's layout (this project's checkpoint) or in Hugging Face's (three
+    # Q/K/V tensors, an unpadded vocabulary: converted on load whatever model.fused_qkv and
+    # model.vocab_padding_multiple say).
+    shapes = {name: {tuple(tensor.shape)} for name, tensor in own.items()}
+    for name, shape in hf_shapes(model).items():
+        shapes.setdefault(name, set()).add(shape)
     reinitialised = []
     for key in list(state):
         target = hf_parameter_name(key)  # as load_hf_state_dict will rename it
-        if target in own and tuple(own[target].shape) != tuple(state[key].shape):
+        if target in shapes and tuple(state[key].shape) not in shapes[target]:
             if target.startswith("classifier."):
                 reinitialised.append(target)
                 del state[key]
                 continue
             raise CheckpointError(f"{source}: tensor {key} has shape {list(state[key].shape)}, the model's is "
-                                  f"{list(own[target].shape)}; the checkpoint's config.json does not match its weights")
+                                  f"{list(min(shapes[target]))}; the checkpoint's config.json does not match its weights")
     result = load_hf_state_dict(model, state, strict=False)
     buffers = {name for name, _ in model.named_buffers()}
     missing = [k for k in result.missing_keys if k not in buffers]
