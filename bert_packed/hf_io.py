@@ -191,11 +191,8 @@ def check_layers(num_hidden_layers: int, state: Mapping[str, Any], where: str) -
         for key in state:
             match = _BODY.search(key)
             if match:
-                name = match.group(1).replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta",
-                                                                                              "LayerNorm.bias")
-                held.add(name)
-                if ".attention.self.qkv." in name:  # model.fused_qkv: this project's checkpoint holds Q, K, V as one
-                    held.update(name.replace(".qkv.", f".{part}.") for part in ("query", "key", "value"))
+                held.add(match.group(1).replace("LayerNorm.gamma", "LayerNorm.weight")
+                         .replace("LayerNorm.beta", "LayerNorm.bias"))
         needed = [f"embeddings.{t}" for t in _EMBEDDING_TENSORS] + [
             f"encoder.layer.{i}.{t}" for i in expected for t in _LAYER_TENSORS]
         missing = [name for name in needed if name not in held]
@@ -379,9 +376,8 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
 
     state = _normalise_keys(model, state_dict)
     own = model.state_dict()
-    # A tensor may come in the model's layout (this project's checkpoint) or in Hugging Face's (three
-    # Q/K/V tensors, an unpadded vocabulary: converted on load whatever model.fused_qkv and
-    # model.vocab_padding_multiple say).
+    # A vocabulary tensor may come padded (this project's checkpoint with model.vocab_padding_multiple)
+    # or not (Hugging Face's): either loads into either (modeling.fit_vocab_rows).
     shapes = {name: {tuple(tensor.shape)} for name, tensor in own.items()}
     for name, shape in hf_shapes(model).items():
         shapes.setdefault(name, set()).add(shape)

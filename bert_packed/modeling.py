@@ -126,8 +126,8 @@ class BertConfig:
     mlm_loss_normalization: str = "token"  # "token" (canonical BERT) | "sequence" (paper Listing 1)
     attention_implementation: str = "dense"  # name in bert_packed.attention's registry
     # GPU levers, off by default (docs/cuda.md, "Levers"); neither changes what the model computes
-    # nor its Hugging Face names and shapes (``hf_state_dict``), and checkpoints of either layout load.
-    fused_qkv: bool = False  # one Linear(H, 3H) for query, key and value instead of three Linear(H, H)
+    # nor its Hugging Face names and shapes (``hf_state_dict``), and checkpoints of either kind load.
+    fused_qkv: bool = False  # query, key and value projected by one GEMM (the parameters stay three)
     vocab_padding_multiple: int = 1  # word embeddings and MLM decoder get V rounded up to this; 1 = none
 
     def __post_init__(self) -> None:
@@ -289,38 +289,36 @@ class BertEmbeddings(nn.Module):
 class BertSelfAttention(nn.Module):
     """Q/K/V projections; the attention itself is a registered function (``attention.py``).
 
-    ``config.fused_qkv``: one ``qkv`` Linear(H, 3H) whose weight is Hugging Face's query, key and
-    value weights stacked in that order (rows 0..H-1 the query's), so one GEMM reads the input
-    once; otherwise three Linear(H, H) under Hugging Face's names. A state dict of either layout
-    loads into either (``fuse_qkv_state``), and ``hf_state_dict`` exports the three."""
+    ``config.fused_qkv``: the three projections as one GEMM of the input with the query, key and
+    value weights stacked ([3H, H], concatenated in every forward: a copy of 3 H^2 numbers, small
+    beside the GEMM, and fused into it under ``torch.compile``). The parameters stay the three
+    Linear(H, H) of Hugging Face's names: checkpoints and the export are unchanged, and LAMB keeps
+    one trust ratio per projection (a single [3H, H] parameter would share one between the three,
+    another optimizer)."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.num_attention_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.fused_qkv = bool(config.fused_qkv)
-        if self.fused_qkv:
-            self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        else:
-            self.query = nn.Linear(config.hidden_size, config.hidden_size)
-            self.key = nn.Linear(config.hidden_size, config.hidden_size)
-            self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_p = config.attention_probs_dropout_prob
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:  # [B,S,H] -> [B,N,S,D]
         return x.view(x.shape[0], x.shape[1], self.num_attention_heads, self.head_dim).transpose(1, 2)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        fuse_qkv_state(state_dict, prefix, fused=self.fused_qkv)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _project(self, hidden_states: torch.Tensor):
         """(query, key, value), each ``[B,N,S,D]``."""
         if not self.fused_qkv:
             return (self._split_heads(self.query(hidden_states)), self._split_heads(self.key(hidden_states)),
                     self._split_heads(self.value(hidden_states)))
+        projections = (self.query, self.key, self.value)
+        weight = torch.cat([p.weight for p in projections])  # [3H, H]: rows 0..H-1 the query's
+        bias = torch.cat([p.bias for p in projections])
         batch, length = hidden_states.shape[0], hidden_states.shape[1]
-        qkv = self.qkv(hidden_states).view(batch, length, 3, self.num_attention_heads, self.head_dim)
+        qkv = F.linear(hidden_states, weight, bias).view(batch, length, 3, self.num_attention_heads, self.head_dim)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B,N,S,D] views
         return query, key, value
 
@@ -738,21 +736,6 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
 # The tensors with one row per vocabulary entry (padded with ``vocab_padding_multiple``).
 _VOCAB_ROW_TENSORS = ("word_embeddings.weight", "predictions.decoder.weight", "predictions.decoder.bias",
                       "predictions.bias")
-_QKV = ("query", "key", "value")
-
-
-def fuse_qkv_state(state: Dict[str, torch.Tensor], prefix: str, *, fused: bool) -> None:
-    """Bring one attention block's Q/K/V tensors in ``state`` (a state dict being loaded, keys under
-    ``prefix``) into the model's layout, in place: ``query``/``key``/``value`` stacked into ``qkv``
-    (``fused``), or ``qkv`` cut into the three. Anything else (a layer the checkpoint lacks) is left
-    for ``load_state_dict`` to report."""
-    for kind in ("weight", "bias"):
-        parts, whole = [f"{prefix}{name}.{kind}" for name in _QKV], f"{prefix}qkv.{kind}"
-        if fused and all(name in state for name in parts):
-            state[whole] = torch.cat([state.pop(name) for name in parts])
-        elif not fused and whole in state and state[whole].shape[0] % 3 == 0:
-            for name, part in zip(parts, state.pop(whole).chunk(3)):
-                state[name] = part
 
 
 def fit_vocab_rows(state: Dict[str, torch.Tensor], names: Sequence[str], rows: int, vocab_size: int) -> None:
@@ -785,25 +768,14 @@ def zero_vocab_padding(model: nn.Module) -> None:
 
 
 def _hf_tensors(model: nn.Module):
-    """(Hugging Face name, tensor view) of every tensor of ``model``'s state dict, in its order: a
-    fused ``qkv`` as ``query``, ``key``, ``value``, padded vocabulary tensors cut to ``vocab_size``."""
+    """(Hugging Face name, tensor view) of every tensor of ``model``'s state dict, in its order: padded
+    vocabulary tensors cut to ``vocab_size``."""
     config = getattr(model, "config", None)
     vocab_size = getattr(config, "vocab_size", None)
     padded = config is not None and config.padded_vocab_size != vocab_size
-    state = model.state_dict()
-    for key, value in state.items():
+    for key, value in model.state_dict().items():
         value = value.detach()
-        stem, _, kind = key.rpartition(".")
-        if stem.endswith("attention.self.qkv"):
-            # In Hugging Face's order: query.weight, query.bias, key.weight, ... (at qkv.weight's place).
-            if kind == "weight":
-                bias = state.get(f"{stem}.bias")
-                biases = bias.detach().chunk(3) if bias is not None else (None,) * 3
-                for name, weight_part, bias_part in zip(_QKV, value.chunk(3), biases):
-                    yield f"{stem[:-len('qkv')]}{name}.weight", weight_part
-                    if bias_part is not None:
-                        yield f"{stem[:-len('qkv')]}{name}.bias", bias_part
-        elif padded and key.endswith(_VOCAB_ROW_TENSORS) and value.shape[0] == config.padded_vocab_size:
+        if padded and key.endswith(_VOCAB_ROW_TENSORS) and value.shape[0] == config.padded_vocab_size:
             yield key, value[:vocab_size]
         else:
             yield key, value
@@ -816,5 +788,5 @@ def hf_shapes(model: nn.Module) -> Dict[str, Tuple[int, ...]]:
 
 def hf_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """``model``'s weights under Hugging Face names and shapes (loadable by ``transformers`` with
-    strict=False buffers aside): the same whatever ``fused_qkv`` and ``vocab_padding_multiple``."""
+    strict=False buffers aside): the same whatever ``vocab_padding_multiple``."""
     return {name: tensor.clone() for name, tensor in _hf_tensors(model)}
