@@ -172,8 +172,12 @@ class CUDABackend(CPUBackend):
         """``cuda.fp8``: the encoder layers' linear layers to torchao's ``Float8Linear`` in place (the
         same weight and bias Parameters, so the optimizer and the checkpoints are unchanged). Dynamic
         scaling per tensor; off a GPU, torchao's emulation (fp32 arithmetic with FP8 rounding)."""
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # only with cuda.fp8
-
+        try:  # only with cuda.fp8
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except Exception as exc:  # not installed, or built for another torch (it fails in its own ways then)
+            raise ConfigError(f"cuda.fp8: torchao's float8 training does not import with torch {torch.__version__} "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); install a "
+                              f"torchao built for it, or set cuda.fp8=false") from None
         if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
             raise ConfigError(f"cuda.fp8: {torch.cuda.get_device_name(self.device)} has no FP8 tensor cores "
                               f"(compute capability 8.9 or newer: Ada, Hopper, Blackwell); set cuda.fp8=false")
