@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.cpu_config import CPUConfig
-from bert_packed.config import bounded
+from bert_packed.config import HARMLESS, bounded
 from bert_packed.limits import at_most
 
 
@@ -42,4 +42,4 @@ class CUDAConfig(CPUConfig):
     # LAMB's update and the gradient clipping as one torch.compile'd function (Lamb.clip_and_step):
     # the chain of foreach operations becomes a few fused kernels. optimizer.name=lamb, precision
     # bf16 or fp32 (fp16 unscales and clips first, eagerly). The first step compiles it.
-    compile_optimizer: bool = False
+    compile_optimizer: bool = field(default=False, metadata=HARMLESS)  # the same update: a resume may switch it
