@@ -55,12 +55,14 @@ def test_fp8_emulated_step_is_within_tolerance_of_fp32():
     ref_metrics, ref_before, ref_after = run_steps(CUDABackend(device="cpu"), FP32, num_steps=1)
     metrics, before, after = run_steps(CUDABackend(device="cpu"), FP32 + ["cuda.fp8=true"], num_steps=1)
     assert torch.equal(before, ref_before)
-    # e4m3 forward / e5m2 gradients keep 3 / 2 mantissa bits per element, scaled per tensor: the
-    # loss of the tiny model agreed to 0.1 % (measured), the gradient norm to 2 %. Bounds: 1 % and 10 %.
-    assert float(metrics[0]["loss"]) == pytest.approx(float(ref_metrics[0]["loss"]), rel=1e-2)
-    assert float(metrics[0]["grad_norm"]) == pytest.approx(float(ref_metrics[0]["grad_norm"]), rel=0.1)
-    assert float(metrics[0]["loss"]) != float(ref_metrics[0]["loss"])  # FP8 rounding did act
-    assert _cosine(after - before, ref_after - ref_before) > 0.9  # the update goes the same way
+    # e4m3 forward / e5m2 gradients keep 3 / 2 mantissa bits per element, scaled per tensor. Measured
+    # on the tiny model's first step: loss 1.4e-6 relative (a fresh model's loss is about log V
+    # whatever its layers compute), gradient norm 2e-5, update direction cosine 0.994. Bounds:
+    # 1e-4, 1e-2 and 0.98.
+    assert float(metrics[0]["loss"]) == pytest.approx(float(ref_metrics[0]["loss"]), rel=1e-4)
+    assert float(metrics[0]["grad_norm"]) == pytest.approx(float(ref_metrics[0]["grad_norm"]), rel=1e-2)
+    assert float(metrics[0]["grad_norm"]) != float(ref_metrics[0]["grad_norm"])  # FP8 rounding did act
+    assert _cosine(after - before, ref_after - ref_before) > 0.98  # the update goes the same way
 
 
 @pytest.mark.slow
