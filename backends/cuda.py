@@ -45,7 +45,7 @@ from backends import cuda_config
 from backends.cpu import CPUBackend, RecompileError, check_compiled_attention, num_compiled_graphs  # noqa: F401
 from bert_packed.backend import Deferred, StepMetrics
 from bert_packed.config import ConfigError, check_section
-from bert_packed.optim import step_unless_non_finite
+from bert_packed.optim import Lamb, step_unless_non_finite
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 # Attention implementations with no CPU training path (see docs/cuda.md, "what stays GPU-only").
@@ -106,6 +106,7 @@ class CUDABackend(CPUBackend):
             raise ConfigError(
                 f"cuda.device=cpu cannot train model.attention_implementation={attention}: torch has no "
                 f"{_GPU_ONLY_TRAINING[attention]} on a CPU; use attention 'sdpa' or 'dense' there, or a GPU")
+        _check_levers(config)
         return notes
 
     @property
@@ -159,6 +160,11 @@ class CUDABackend(CPUBackend):
         check_section(self.config_section, plan.settings)
         self._check_model(model)
         cuda = plan.settings
+        if cuda.fp8:
+            self._float8(model)
+        if cuda.compile_optimizer and (not isinstance(optimizer, Lamb) or cuda.precision == "fp16"):
+            raise ConfigError("cuda.compile_optimizer compiles LAMB's update with its clipping: it needs "
+                              "optimizer.name=lamb and cuda.precision bf16 or fp32; set cuda.compile_optimizer=false")
         self.autocast_dtype = _AUTOCAST_DTYPES[cuda.precision]
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = cuda.allow_tf32
@@ -171,6 +177,33 @@ class CUDABackend(CPUBackend):
         if state is not None:
             self._load_device_state(state)
         super().prepare(model, optimizer, plan, scheduler=scheduler, state=state)
+
+    def _float8(self, model: torch.nn.Module) -> None:
+        """``cuda.fp8``: the encoder layers' linear layers to torchao's ``Float8Linear`` in place (the
+        same weight and bias Parameters, so the optimizer and the checkpoints are unchanged). Dynamic
+        scaling per tensor; off a GPU, torchao's emulation (fp32 arithmetic with FP8 rounding)."""
+        try:  # only with cuda.fp8
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except Exception as exc:  # not installed, or built for another torch (it fails in its own ways then)
+            raise ConfigError(f"cuda.fp8: torchao's float8 training does not import with torch {torch.__version__} "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); install a "
+                              f"torchao built for it, or set cuda.fp8=false") from None
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ConfigError(f"cuda.fp8: {torch.cuda.get_device_name(self.device)} has no FP8 tensor cores "
+                              f"(compute capability 8.9 or newer: Ada, Hopper, Blackwell); set cuda.fp8=false")
+        convert_to_float8_training(model, module_filter_fn=float8_layer,
+                                   config=Float8LinearConfig(emulate=self.device.type != "cuda"))
+
+    def optimizer_step(self) -> None:
+        """``cuda.compile_optimizer`` (bf16/fp32): clipping and LAMB's update in one compiled
+        function (``Lamb.clip_and_step``), otherwise the step below; no host read either way."""
+        if self.scaler is not None or not self.plan.settings.compile_optimizer:
+            return self._optimizer_step()
+        self.used_learning_rate = float(self.optimizer.param_groups[0]["lr"])  # a host number: no sync
+        self.grad_norm, self.found_inf = self.optimizer.clip_and_step(self.plan.max_grad_norm)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _load_device_state(self, state: Dict[str, Any]) -> None:
         """The loss scaler and this rank's CUDA generator from a checkpoint's ``state_dict()``."""
@@ -261,7 +294,7 @@ class CUDABackend(CPUBackend):
         else:
             loss.backward()
 
-    def optimizer_step(self) -> None:
+    def _optimizer_step(self) -> None:
         """bf16/fp32: the cpu backend's (no host read). fp16: unscale, measure and clip, skip the
         update on the device when the scaled gradients overflowed (the scaler's own flag, as
         ``GradScaler.step`` would read it on the host) or the norm is not finite, update the scale,
@@ -322,6 +355,29 @@ def gpu_memory_bytes(config) -> Optional[int]:
     if config.sections["cuda"].device != "cuda" or not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+
+
+def float8_layer(module: torch.nn.Module, name: str) -> bool:
+    """Which linear layers ``cuda.fp8`` computes in FP8: the encoder layers' (Q/K/V, attention
+    output, feed-forward: nearly all of BERT's FLOPs), whose widths FP8 GEMMs take (multiples of
+    16). The heads (pooler, MLM transform, the decoder tied to the embeddings) stay in 16 bits."""
+    return (isinstance(module, torch.nn.Linear) and ".encoder.layer." in f".{name}."
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def _check_levers(config) -> None:
+    """The levers' start-up checks that need no device (one line each)."""
+    cuda = config.sections["cuda"]
+    if cuda.fp8:
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError("cuda.fp8 computes the linear layers through torchao's float8 training, which is not "
+                              "installed; pip install torchao, or set cuda.fp8=false")
+    if cuda.compile_optimizer and (config.optimizer.name != "lamb" or cuda.precision == "fp16"):
+        raise ConfigError(f"cuda.compile_optimizer compiles LAMB's update with its clipping: it needs optimizer.name="
+                          f"lamb and cuda.precision bf16 or fp32 (here {config.optimizer.name}, {cuda.precision}); "
+                          f"set cuda.compile_optimizer=false")
 
 
 def _sum_over_ranks(process_group, bucket):  # no annotations: DDP checks them against the real types

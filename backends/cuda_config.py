@@ -64,6 +64,16 @@ class CUDAConfig(CPUConfig):
     # (1.3 GB): one bucket then holds every gradient, and larger caps change nothing.
     ddp_bucket_cap_mb: float = bounded(25.0, ge=1.0, **at_most(16384.0, "one bucket already holds every "
                                                                         "gradient; larger caps change nothing"))
+    # Levers, each off until a GPU measures it (docs/cuda.md, "Levers"). fp8: the encoder layers'
+    # linear layers compute in FP8 through torchao's float8 training (dynamic scaling; the
+    # weights, optimizer and checkpoints stay as they are); needs torchao and a GPU with FP8 tensor
+    # cores (compute capability 8.9+: Ada, Hopper, Blackwell); on cuda.device=cpu torchao's
+    # emulation runs instead (for tests).
+    fp8: bool = False
+    # LAMB's update and the gradient clipping as one torch.compile'd function (Lamb.clip_and_step):
+    # the chain of foreach operations becomes a few fused kernels. optimizer.name=lamb, precision
+    # bf16 or fp32 (fp16 unscales and clips first, eagerly). The first step compiles it.
+    compile_optimizer: bool = field(default=False, metadata=HARMLESS)  # the same update: a resume may switch it
 
 
 # ----------------------------------------------------------------------------- resolved defaults

@@ -48,10 +48,10 @@ class Setup:
 # One line per lever: (row, overrides that turn it on, label). Each row is run.py's default plus
 # the switch; a switch the config does not know is a "not available" row, not a crash.
 LEVERS = (
-    ("lever-fused-qkv", ("cuda.fused_qkv=true",), "run.py default + one fused QKV projection"),
-    ("lever-padded-vocab", ("cuda.pad_vocab_multiple=64",), "run.py default + vocabulary padded to 64"),
+    ("lever-fused-qkv", ("model.fused_qkv=true",), "run.py default + one fused QKV projection"),
+    ("lever-padded-vocab", ("model.vocab_padding_multiple=64",), "run.py default + vocabulary padded to 64"),
     ("lever-compiled-lamb", ("cuda.compile_optimizer=true",), "run.py default + LAMB and clipping compiled"),
-    ("lever-cuda-graphs", ("cuda.cuda_graphs=true",), "run.py default + the step as CUDA graphs"),
+    ("lever-cuda-graphs", ("cuda.compile_mode=reduce-overhead",), "run.py default + the compiled step as CUDA graphs (reduce-overhead)"),
     ("lever-fp8", ("cuda.fp8=true",), "run.py default + FP8 linear layers (torchao)"),
 )
 

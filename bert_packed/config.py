@@ -131,6 +131,14 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     # Dropout before a task head; null = hidden_dropout_prob (Hugging Face's rule).
     classifier_dropout: Optional[float] = bounded(None, ge=0.0, lt=1.0)
+    # GPU levers (off by default until a GPU measures them; docs/cuda.md, "Levers"). Checkpoints
+    # load into either layout and the Hugging Face export is the same (bert_packed/modeling.py).
+    # One Linear(H, 3H) for the query, key and value projections instead of three Linear(H, H).
+    fused_qkv: bool = field(default=False, metadata=HARMLESS)  # the same parameters: a resume may switch it
+    # The word embeddings and the MLM decoder get this many rows per block (64: 30,522 -> 30,528):
+    # tensor-core friendly GEMM shapes. The extra rows stay zero, their logits are cut before
+    # the loss, and the export has vocab_size rows. 1 = no padding.
+    vocab_padding_multiple: int = bounded(1, ge=1, **at_most(1024, "a GEMM tile is at most that wide"))
 
 
 @dataclass

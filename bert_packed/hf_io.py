@@ -396,20 +396,25 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     A classifier whose number of labels differs is re-initialised (a new label set); any
     other shape difference is a ``CheckpointError``.
     """
-    from bert_packed.modeling import hf_parameter_name, load_hf_state_dict
+    from bert_packed.modeling import hf_parameter_name, hf_shapes, load_hf_state_dict
 
     state = _normalise_keys(model, state_dict)
     own = model.state_dict()
+    # A vocabulary tensor may come padded (this project's checkpoint with model.vocab_padding_multiple)
+    # or not (Hugging Face's): either loads into either (modeling.fit_vocab_rows).
+    shapes = {name: {tuple(tensor.shape)} for name, tensor in own.items()}
+    for name, shape in hf_shapes(model).items():
+        shapes.setdefault(name, set()).add(shape)
     reinitialised = []
     for key in list(state):
         target = hf_parameter_name(key)  # as load_hf_state_dict will rename it
-        if target in own and tuple(own[target].shape) != tuple(state[key].shape):
+        if target in shapes and tuple(state[key].shape) not in shapes[target]:
             if target.startswith("classifier."):
                 reinitialised.append(target)
                 del state[key]
                 continue
             raise CheckpointError(f"{source}: tensor {key} has shape {list(state[key].shape)}, the model's is "
-                                  f"{list(own[target].shape)}; the checkpoint's config.json does not match its weights")
+                                  f"{list(min(shapes[target]))}; the checkpoint's config.json does not match its weights")
     result = load_hf_state_dict(model, state, strict=False)
     buffers = {name for name, _ in model.named_buffers()}
     missing = [k for k in result.missing_keys if k not in buffers]

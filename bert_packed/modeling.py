@@ -58,6 +58,7 @@ __all__ = [
     "PRETRAINING_FIELDS",
     "PROBLEM_TYPES",
     "hf_state_dict",
+    "hf_shapes",
     "hf_parameter_name",
     "load_hf_state_dict",
 ]
@@ -124,6 +125,10 @@ class BertConfig:
     max_masked_tokens_per_pack: int = 78
     mlm_loss_normalization: str = "token"  # "token" (canonical BERT) | "sequence" (paper Listing 1)
     attention_implementation: str = "dense"  # name in bert_packed.attention's registry
+    # GPU levers, off by default (docs/cuda.md, "Levers"); neither changes what the model computes
+    # nor its Hugging Face names and shapes (``hf_state_dict``), and checkpoints of either kind load.
+    fused_qkv: bool = False  # query, key and value projected by one GEMM (the parameters stay three)
+    vocab_padding_multiple: int = 1  # word embeddings and MLM decoder get V rounded up to this; 1 = none
 
     def __post_init__(self) -> None:
         positive = (
@@ -137,6 +142,7 @@ class BertConfig:
             "num_labels",
             "max_sequences_per_pack",
             "max_masked_tokens_per_pack",
+            "vocab_padding_multiple",
         )
         for name in positive:
             value = getattr(self, name)
@@ -178,6 +184,13 @@ class BertConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the word embeddings and the MLM decoder: ``vocab_size`` rounded up to a multiple
+        of ``vocab_padding_multiple`` (the extra rows are zero and never win: see ``fit_vocab_rows``)."""
+        multiple = self.vocab_padding_multiple
+        return -(-self.vocab_size // multiple) * multiple
 
     @property
     def resolved_problem_type(self) -> str:
@@ -251,12 +264,18 @@ class BertEmbeddings(nn.Module):
 
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.vocab_size = config.vocab_size
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         # Not snake-cased: the checkpoint name (Hugging Face, and Google's TF before it).
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        fit_vocab_rows(state_dict, [prefix + "word_embeddings.weight"], self.word_embeddings.num_embeddings,
+                       self.vocab_size)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, input_ids: torch.Tensor, segment_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         embeddings = self.word_embeddings(input_ids) + self.token_type_embeddings(segment_ids)
@@ -268,12 +287,20 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    """Q/K/V projections; the attention itself is a registered function (``attention.py``)."""
+    """Q/K/V projections; the attention itself is a registered function (``attention.py``).
+
+    ``config.fused_qkv``: the three projections as one GEMM of the input with the query, key and
+    value weights stacked ([3H, H], concatenated in every forward: a copy of 3 H^2 numbers, small
+    beside the GEMM, and fused into it under ``torch.compile``). The parameters stay the three
+    Linear(H, H) of Hugging Face's names: checkpoints and the export are unchanged, and LAMB keeps
+    one trust ratio per projection (a single [3H, H] parameter would share one between the three,
+    another optimizer)."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.num_attention_heads = config.num_attention_heads
         self.head_dim = config.head_dim
+        self.fused_qkv = bool(config.fused_qkv)
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
@@ -282,12 +309,23 @@ class BertSelfAttention(nn.Module):
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:  # [B,S,H] -> [B,N,S,D]
         return x.view(x.shape[0], x.shape[1], self.num_attention_heads, self.head_dim).transpose(1, 2)
 
+    def _project(self, hidden_states: torch.Tensor):
+        """(query, key, value), each ``[B,N,S,D]``."""
+        if not self.fused_qkv:
+            return (self._split_heads(self.query(hidden_states)), self._split_heads(self.key(hidden_states)),
+                    self._split_heads(self.value(hidden_states)))
+        projections = (self.query, self.key, self.value)
+        weight = torch.cat([p.weight for p in projections])  # [3H, H]: rows 0..H-1 the query's
+        bias = torch.cat([p.bias for p in projections])
+        batch, length = hidden_states.shape[0], hidden_states.shape[1]
+        qkv = F.linear(hidden_states, weight, bias).view(batch, length, 3, self.num_attention_heads, self.head_dim)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B,N,S,D] views
+        return query, key, value
+
     def forward(
         self, hidden_states: torch.Tensor, attend: attention_registry.AttentionImplementation, prepared: Any
     ) -> torch.Tensor:
-        query = self._split_heads(self.query(hidden_states))
-        key = self._split_heads(self.key(hidden_states))
-        value = self._split_heads(self.value(hidden_states))
+        query, key, value = self._project(hidden_states)
         context = attend.attend(query, key, value, prepared, dropout_p=self.dropout_p, training=self.training)
         return context.transpose(1, 2).reshape(hidden_states.shape)  # [B,N,S,D] -> [B,S,H]
 
@@ -469,6 +507,7 @@ class BertModel(BertPreTrainedModel):
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.apply(self._init_weights)
+        zero_vocab_padding(self)
 
     def forward(
         self,
@@ -521,13 +560,24 @@ class BertLMPredictionHead(nn.Module):
 
     def __init__(self, config: BertConfig):
         super().__init__()
+        self.vocab_size = config.vocab_size
         self.transform = BertPredictionHeadTransform(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
         self.decoder.bias = self.bias  # same Parameter under both names, as in Hugging Face
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        names = [prefix + name for name in ("decoder.weight", "decoder.bias", "bias")]
+        fit_vocab_rows(state_dict, names, self.decoder.out_features, self.vocab_size)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.transform(hidden_states))
+        logits = self.decoder(self.transform(hidden_states))
+        if self.decoder.out_features != self.vocab_size:
+            # A padded vocabulary (vocab_padding_multiple): the GEMM runs at the padded width, the
+            # padding's logits are cut here, so they never win and never reach the loss.
+            logits = logits[..., : self.vocab_size]
+        return logits
 
 
 class BertPreTrainingHeads(nn.Module):
@@ -567,6 +617,7 @@ class BertForPreTraining(BertPreTrainedModel):
         self.cls = BertPreTrainingHeads(config)
         self.cls.apply(self._init_weights)
         self.tie_weights()
+        zero_vocab_padding(self)
 
     # What the backends sum over micro-batches and replicas: the step's shares of the loss
     # and metrics (normalised by the step's counts), then this batch's counts.
@@ -682,6 +733,60 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
     return result
 
 
+# The tensors with one row per vocabulary entry (padded with ``vocab_padding_multiple``).
+_VOCAB_ROW_TENSORS = ("word_embeddings.weight", "predictions.decoder.weight", "predictions.decoder.bias",
+                      "predictions.bias")
+
+
+def fit_vocab_rows(state: Dict[str, torch.Tensor], names: Sequence[str], rows: int, vocab_size: int) -> None:
+    """Bring the vocabulary tensors ``names`` of ``state`` (a state dict being loaded) to the model's
+    ``rows``, in place: a ``vocab_size``-row tensor (Hugging Face's, or an unpadded model's) gets
+    zero rows appended; a padded one loses its padding rows when they are zero (they always are:
+    they are never read, so they never get a gradient). Other shapes are left for
+    ``load_state_dict`` to report."""
+    for name in names:
+        tensor = state.get(name)
+        if tensor is None or tensor.shape[0] == rows:
+            continue
+        if tensor.shape[0] == vocab_size < rows:
+            state[name] = torch.cat([tensor, tensor.new_zeros((rows - vocab_size,) + tuple(tensor.shape[1:]))])
+        elif tensor.shape[0] > rows >= vocab_size and not tensor[rows:].any():
+            state[name] = tensor[:rows]
+
+
+def zero_vocab_padding(model: nn.Module) -> None:
+    """Zero the padding rows of the word embeddings and the MLM decoder (``vocab_padding_multiple``):
+    nothing reads them, so they get no gradient and stay zero, and neither the gradient norm nor a
+    trust ratio (LAMB's ``||w||``) sees them."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, BertEmbeddings):
+                module.word_embeddings.weight[module.vocab_size:].zero_()
+            elif isinstance(module, BertLMPredictionHead):
+                module.decoder.weight[module.vocab_size:].zero_()
+                module.bias[module.vocab_size:].zero_()
+
+
+def _hf_tensors(model: nn.Module):
+    """(Hugging Face name, tensor view) of every tensor of ``model``'s state dict, in its order: padded
+    vocabulary tensors cut to ``vocab_size``."""
+    config = getattr(model, "config", None)
+    vocab_size = getattr(config, "vocab_size", None)
+    padded = config is not None and config.padded_vocab_size != vocab_size
+    for key, value in model.state_dict().items():
+        value = value.detach()
+        if padded and key.endswith(_VOCAB_ROW_TENSORS) and value.shape[0] == config.padded_vocab_size:
+            yield key, value[:vocab_size]
+        else:
+            yield key, value
+
+
+def hf_shapes(model: nn.Module) -> Dict[str, Tuple[int, ...]]:
+    """The shapes of ``hf_state_dict(model)``, without copying a tensor."""
+    return {name: tuple(tensor.shape) for name, tensor in _hf_tensors(model)}
+
+
 def hf_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """``model``'s weights under Hugging Face names (loadable by ``transformers`` with strict=False buffers aside)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """``model``'s weights under Hugging Face names and shapes (loadable by ``transformers`` with
+    strict=False buffers aside): the same whatever ``vocab_padding_multiple``."""
+    return {name: tensor.clone() for name, tensor in _hf_tensors(model)}

@@ -58,6 +58,9 @@ class Lamb(torch.optim.Optimizer):
     call, yet it still measured 1.5-1.9x faster than the per-tensor step on all-MiniLM-L6-v2's
     105 tensors on a quiet 2-core machine, 1.5x with a ``found_inf`` flag (docs/benchmarks/trainer.md;
     an earlier measurement under heavy load had it slower, and that was the load).
+    ``clip_and_step(max_norm)``: the gradient clipping and this update as one ``torch.compile``d
+    function (the ``cuda.compile_optimizer`` lever), equal to ``grad_norm_`` then ``step(found_inf=)``
+    to float32 rounding.
     ``state["step"]`` is a float32 0-dim tensor on the parameter's device (the
     step count can then stay on the device when an update is skipped, see ``step``); an int
     from an older checkpoint is converted on the next step.
@@ -94,9 +97,11 @@ class Lamb(torch.optim.Optimizer):
             foreach=None if foreach is None else bool(foreach),
         )
         super().__init__(params, defaults)
+        self._lr_tensors: Dict[int, torch.Tensor] = {}  # clip_and_step: each group's rate on the device
+        self._compiled = None  # clip_and_step's compiled function, made on first use
 
     @torch.no_grad()
-    def step(self, closure=None, *, found_inf: Optional[torch.Tensor] = None):
+    def step(self, closure=None, *, found_inf: Optional[torch.Tensor] = None, _clip=None):
         """One update of every parameter that has a gradient.
 
         ``found_inf``: a 0-dim tensor on the parameters' device, nonzero when this step's
@@ -107,27 +112,14 @@ class Lamb(torch.optim.Optimizer):
         ``w - 0 * u`` is exactly ``w``. The per-tensor reference path decides it on the device the
         same way, one tensor at a time.
         """
+        if _clip is not None:  # clip_and_step, come through step() so that a schedule sees the update
+            return self._clip_and_update(*_clip)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if any(p.grad.is_sparse for p in params):
-                raise OptimConfigError("LAMB does not support sparse gradients")
-            for param in params:
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-                    state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
-                elif not torch.is_tensor(state["step"]):  # an int from an older checkpoint
-                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device=param.device)
-                elif state["step"].device != param.device:
-                    # torch's Optimizer.load_state_dict moves every state tensor to its parameter's
-                    # device except "step", which stays where the checkpoint was loaded (the CPU): a
-                    # resumed GPU run then mixed devices in the first foreach update (seen on an H200).
-                    state["step"] = state["step"].to(param.device)
+            params = self._params_with_state(group)
             if not params:
                 continue
             if group.get("foreach") is not False:  # None (default) or True
@@ -135,6 +127,59 @@ class Lamb(torch.optim.Optimizer):
             else:
                 self._single_tensor_step(group, params, found_inf)
         return loss
+
+    def _params_with_state(self, group) -> List[torch.Tensor]:
+        """The group's parameters that have a gradient, each with its state (created on first use)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if any(p.grad.is_sparse for p in params):
+            raise OptimConfigError("LAMB does not support sparse gradients")
+        for param in params:
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+                state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+            elif not torch.is_tensor(state["step"]):  # an int from an older checkpoint
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device=param.device)
+            elif state["step"].device != param.device:
+                # torch's Optimizer.load_state_dict moves every state tensor to its parameter's
+                # device except "step", which stays where the checkpoint was loaded (the CPU): a
+                # resumed GPU run then mixed devices in the first foreach update (seen on an H200).
+                state["step"] = state["step"].to(param.device)
+        return params
+
+    def clip_and_step(self, max_norm: Optional[float] = None, *, compiled: bool = True
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Clipping and the update as one function: ``grad_norm_`` over this optimizer's parameters
+        (every trained parameter of a model built by ``parameter_groups``), then ``step(found_inf=)``
+        with its flag; returns ``(norm, found_inf)`` as ``grad_norm_`` does. ``compiled``: the
+        function goes through ``torch.compile`` once (inductor fuses the foreach chains into a few
+        kernels; the learning rate enters as a 0-dim tensor on the device, filled each step, so a
+        schedule does not recompile it); ``False`` runs the same function eagerly, the reference.
+        Nothing is read on the host either way."""
+        return self.step(_clip=(max_norm, compiled))
+
+    def _clip_and_update(self, max_norm: Optional[float], compiled: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        groups = []
+        for index, group in enumerate(self.param_groups):
+            params = self._params_with_state(group)
+            if not params:
+                continue
+            lr = self._lr_tensors.get(index)
+            if lr is None or lr.device != params[0].device:
+                lr = self._lr_tensors[index] = torch.zeros((), dtype=torch.float32, device=params[0].device)
+            lr.fill_(group["lr"])  # a device write, no host read
+            states = [self.state[p] for p in params]
+            groups.append(([s["step"] for s in states], params, [s["exp_avg"] for s in states],
+                           [s["exp_avg_sq"] for s in states], lr, _hyperparameters(group)))
+        if not groups:
+            zero = torch.zeros(())
+            return zero, zero.clone()
+        if not compiled:
+            return _clip_and_update(groups, max_norm)
+        if self._compiled is None:
+            self._compiled = torch.compile(_clip_and_update, dynamic=False)
+        return self._compiled(groups, max_norm)
 
     def _single_tensor_step(self, group, params, found_inf) -> None:
         """The published update, one tensor at a time: the reference the foreach path is tested
@@ -182,72 +227,95 @@ class Lamb(torch.optim.Optimizer):
             param.add_((update * scale).to(param.dtype))
 
     def _multi_tensor_step(self, group, params, found_inf) -> None:
-        """The same update as ``_single_tensor_step``, one ``torch._foreach_*`` call per operation.
-
-        Written as ``m_hat / (sqrt(v_hat) + eps) = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)``; the
-        per-tensor bias corrections and trust ratios are 0-dim tensors (no host read)."""
-        beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        """The same update as ``_single_tensor_step``, one ``torch._foreach_*`` call per operation
+        (``_lamb_update``)."""
         states = [self.state[p] for p in params]
-        steps = [s["step"] for s in states]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
-        fp32 = all(p.dtype == torch.float32 for p in params)
-        weights = list(params) if fp32 else [p.float() for p in params]
-        if found_inf is None:
-            keep_beta1, keep_beta2 = beta1, beta2
-            torch._foreach_add_(steps, 1.0)
-        else:
-            # Skipped step (found_inf != 0): beta := 1 keeps the moments (1 * m + 0 * g), lr := 0
-            # keeps the weights, the step counts do not move. The gradient is read without its
-            # non-finite values, so that 0 * g is 0 (nan_to_num allocates: only on this path).
-            skip = (found_inf != 0).to(torch.float32)
-            keep = 1.0 - skip
-            grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
-            torch._foreach_add_(steps, [keep] * len(steps))
-        if found_inf is None:
-            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)  # m + (1 - beta1)(g - m)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-        else:
-            # The same three updates with the flag folded into 0-dim coefficients, as few passes
-            # over the tensors as the plain step plus one: m + (1 - beta1) keep (g - m), and
-            # v (beta2 + (1 - beta2) skip) + (c g)^2 with c = sqrt((1 - beta2) keep).
-            torch._foreach_lerp_(exp_avgs, grads, [(1.0 - beta1) * keep] * len(grads))
-            scaled = torch._foreach_mul(grads, [((1.0 - beta2) * keep).sqrt()] * len(grads))
-            torch._foreach_mul_(exp_avg_sqs, [beta2 + (1.0 - beta2) * skip] * len(exp_avg_sqs))
-            torch._foreach_addcmul_(exp_avg_sqs, scaled, scaled)
-        denominators = torch._foreach_sqrt(exp_avg_sqs)
-        if group["bias_correction"]:
-            # 1 - beta^t of every tensor at once, in float64 like the reference's Python floats.
-            # At least 1: a skipped first update leaves t at 0, where 1 - beta^0 = 0 would make the
-            # (discarded) update 0/0 = NaN and NaN * 0 would reach the weights; otherwise t >= 1.
-            step_vector = torch.stack(steps).double().clamp(min=1.0)
-            bc1 = (1.0 - torch.pow(beta1, step_vector)).float().unbind()
-            sqrt_bc2 = (1.0 - torch.pow(beta2, step_vector)).sqrt().float().unbind()
-            torch._foreach_div_(denominators, list(sqrt_bc2))
-            torch._foreach_add_(denominators, eps)
-            updates = torch._foreach_div(exp_avgs, denominators)
-            torch._foreach_div_(updates, list(bc1))
-        else:
-            torch._foreach_add_(denominators, eps)
-            updates = torch._foreach_div(exp_avgs, denominators)
-        if weight_decay != 0.0:
-            torch._foreach_add_(updates, weights, alpha=weight_decay)
-        weight_norms = torch.stack(torch._foreach_norm(weights))
-        if group["max_weight_norm"] is not None:
-            weight_norms = weight_norms.clamp(max=group["max_weight_norm"])
-        update_norms = torch.stack(torch._foreach_norm(updates))
-        trust = torch.where((weight_norms > 0) & (update_norms > 0), weight_norms / update_norms,
-                            torch.ones_like(weight_norms))
-        scale = -lr * trust if found_inf is None else -lr * trust * keep
-        torch._foreach_mul_(updates, list(scale.unbind()))
-        if fp32:
-            torch._foreach_add_(params, updates)
-        else:
-            for param, update in zip(params, updates):
-                param.add_(update.to(param.dtype))
+        _lamb_update([s["step"] for s in states], params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                     [s["exp_avg_sq"] for s in states], lr=group["lr"], found_inf=found_inf,
+                     **_hyperparameters(group))
+
+
+def _hyperparameters(group) -> Dict:
+    """A LAMB group's constant settings, as ``_lamb_update`` takes them."""
+    return dict(betas=tuple(group["betas"]), eps=group["eps"], weight_decay=group["weight_decay"],
+                bias_correction=group["bias_correction"], max_weight_norm=group["max_weight_norm"])
+
+
+def _clip_and_update(groups, max_norm: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``Lamb.clip_and_step``'s function: the global gradient norm and clip (``_norm_and_clip``),
+    then every group's update with the step's ``found_inf``. ``groups``: (steps, params, exp_avgs,
+    exp_avg_sqs, lr, hyperparameters) per group, ``lr`` a 0-dim tensor."""
+    norm, found_inf = _norm_and_clip([p.grad for _, params, *_ in groups for p in params], max_norm)
+    for steps, params, exp_avgs, exp_avg_sqs, lr, hyper in groups:
+        _lamb_update(steps, params, [p.grad for p in params], exp_avgs, exp_avg_sqs, lr=lr, found_inf=found_inf,
+                     **hyper)
+    return norm, found_inf
+
+
+def _lamb_update(steps, params, grads, exp_avgs, exp_avg_sqs, *, lr, betas, eps, weight_decay, bias_correction,
+                 max_weight_norm, found_inf) -> None:
+    """LAMB's multi-tensor update of ``params`` (see ``Lamb``): one ``torch._foreach_*`` call per operation.
+
+    Written as ``m_hat / (sqrt(v_hat) + eps) = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)``; the
+    per-tensor bias corrections and trust ratios are 0-dim tensors (no host read). ``lr``: a
+    number or a 0-dim tensor on the parameters' device."""
+    beta1, beta2 = betas
+    grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
+    fp32 = all(p.dtype == torch.float32 for p in params)
+    weights = list(params) if fp32 else [p.float() for p in params]
+    if found_inf is None:
+        keep_beta1, keep_beta2 = beta1, beta2
+        torch._foreach_add_(steps, 1.0)
+    else:
+        # Skipped step (found_inf != 0): beta := 1 keeps the moments (1 * m + 0 * g), lr := 0
+        # keeps the weights, the step counts do not move. The gradient is read without its
+        # non-finite values, so that 0 * g is 0 (nan_to_num allocates: only on this path).
+        skip = (found_inf != 0).to(torch.float32)
+        keep = 1.0 - skip
+        grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
+        torch._foreach_add_(steps, [keep] * len(steps))
+    if found_inf is None:
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)  # m + (1 - beta1)(g - m)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    else:
+        # The same three updates with the flag folded into 0-dim coefficients, as few passes
+        # over the tensors as the plain step plus one: m + (1 - beta1) keep (g - m), and
+        # v (beta2 + (1 - beta2) skip) + (c g)^2 with c = sqrt((1 - beta2) keep).
+        torch._foreach_lerp_(exp_avgs, grads, [(1.0 - beta1) * keep] * len(grads))
+        scaled = torch._foreach_mul(grads, [((1.0 - beta2) * keep).sqrt()] * len(grads))
+        torch._foreach_mul_(exp_avg_sqs, [beta2 + (1.0 - beta2) * skip] * len(exp_avg_sqs))
+        torch._foreach_addcmul_(exp_avg_sqs, scaled, scaled)
+    denominators = torch._foreach_sqrt(exp_avg_sqs)
+    if bias_correction:
+        # 1 - beta^t of every tensor at once, in float64 like the reference's Python floats.
+        # At least 1: a skipped first update leaves t at 0, where 1 - beta^0 = 0 would make the
+        # (discarded) update 0/0 = NaN and NaN * 0 would reach the weights; otherwise t >= 1.
+        step_vector = torch.stack(steps).double().clamp(min=1.0)
+        bc1 = (1.0 - torch.pow(beta1, step_vector)).float().unbind()
+        sqrt_bc2 = (1.0 - torch.pow(beta2, step_vector)).sqrt().float().unbind()
+        torch._foreach_div_(denominators, list(sqrt_bc2))
+        torch._foreach_add_(denominators, eps)
+        updates = torch._foreach_div(exp_avgs, denominators)
+        torch._foreach_div_(updates, list(bc1))
+    else:
+        torch._foreach_add_(denominators, eps)
+        updates = torch._foreach_div(exp_avgs, denominators)
+    if weight_decay != 0.0:
+        torch._foreach_add_(updates, weights, alpha=weight_decay)
+    weight_norms = torch.stack(torch._foreach_norm(weights))
+    if max_weight_norm is not None:
+        weight_norms = weight_norms.clamp(max=max_weight_norm)
+    update_norms = torch.stack(torch._foreach_norm(updates))
+    trust = torch.where((weight_norms > 0) & (update_norms > 0), weight_norms / update_norms,
+                        torch.ones_like(weight_norms))
+    scale = -lr * trust if found_inf is None else -lr * trust * keep
+    torch._foreach_mul_(updates, list(scale.unbind()))
+    if fp32:
+        torch._foreach_add_(params, updates)
+    else:
+        for param, update in zip(params, updates):
+            param.add_(update.to(param.dtype))
 
 
 def _no_decay(name: str, param: nn.Parameter) -> bool:
@@ -358,6 +426,11 @@ def grad_norm_(parameters: Iterable[torch.Tensor], max_norm: Optional[float] = N
     if not grads:
         zero = torch.zeros(())
         return zero, zero.clone()
+    return _norm_and_clip(grads, max_norm)
+
+
+def _norm_and_clip(grads: List[torch.Tensor], max_norm: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``grad_norm_`` of a non-empty list of gradients."""
     grads32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads32)))
     found_inf = (~torch.isfinite(norm)).to(torch.float32)
