@@ -74,25 +74,28 @@ def file_sha256(path, block: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def receipt_path(shard_path) -> str:
-    """Where the writer of ``shard_path`` records its checksum until the manifest is written."""
-    folder, name = os.path.split(os.fspath(shard_path))
-    return os.path.join(folder, "." + name + RECEIPT_SUFFIX)
+def receipt_path(shard_path, folder=None) -> str:
+    """Where the writer of ``shard_path`` records its checksum until the manifest is written: next
+    to it, or in ``folder`` (`create` keeps them in its work directory)."""
+    here, name = os.path.split(os.fspath(shard_path))
+    return os.path.join(here if folder is None else os.fspath(folder), "." + name + RECEIPT_SUFFIX)
 
 
-def write_receipt(shard_path, sha256: str) -> None:
+def write_receipt(shard_path, sha256: str, folder=None) -> None:
     """Record that ``shard_path`` (just published whole) was written with content ``sha256``."""
-    write_text_atomic(receipt_path(shard_path), f"{sha256}  {os.path.basename(os.fspath(shard_path))}\n")
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+    write_text_atomic(receipt_path(shard_path, folder), f"{sha256}  {os.path.basename(os.fspath(shard_path))}\n")
 
 
-def finished_shard(shard_path) -> Optional[str]:
+def finished_shard(shard_path, folder=None) -> Optional[str]:
     """The checksum of ``shard_path`` when it is a finished shard of this job: it exists, its
     writer's receipt exists, and the file's bytes still have the receipt's checksum. None
     otherwise (missing, never finished, or changed since: replaced by a copy of another shard,
     overwritten in place); the caller then writes it again."""
     shard_path = os.fspath(shard_path)
     try:
-        with open(receipt_path(shard_path), encoding="utf-8") as handle:
+        with open(receipt_path(shard_path, folder), encoding="utf-8") as handle:
             recorded = handle.read().split()
         if len(recorded) != 2 or recorded[1] != os.path.basename(shard_path):
             return None
