@@ -57,6 +57,10 @@ MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_
 # (memory_limit=0: no memory monitor), so they run at a pace that costs nothing.
 QUIET_LOCAL_CLUSTER = {"distributed.admin.tick.interval": "1s", "distributed.admin.system-monitor.interval": "5s"}
 MAX_WORKERS = 4096  # more local processes than any machine has cores
+# The scheduler always serves HTTP (health, metrics); without an address it takes port 8787 and,
+# when another cluster of the machine holds it, prints a three-line warning on every run: a free
+# port on the loopback interface says nothing and is reachable from nowhere else.
+LOCAL_HTTP = "127.0.0.1:0"
 CONNECT_TIMEOUT = 20.0  # seconds for --scheduler to accept a connection and answer Dask's handshake
 
 
@@ -301,7 +305,7 @@ class Engine:
                               "distributed.worker.profile.enabled": False, **QUIET_LOCAL_CLUSTER}):
             self._cluster = _start_sigint_free(
                 lambda: LocalCluster(n_workers=self.workers, threads_per_worker=1, processes=True,
-                                     dashboard_address=None, silence_logs=logging.ERROR, memory_limit=0,
+                                     dashboard_address=LOCAL_HTTP, silence_logs=logging.ERROR, memory_limit=0,
                                      env=dict(WORKER_ENV)), self.workers)
         self._client = Client(self._cluster)
 
