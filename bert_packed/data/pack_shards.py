@@ -61,8 +61,11 @@ import hashlib
 import json
 import os
 import shutil
+import sys
+import time
 
 import numpy as np
+from tqdm import tqdm
 
 from . import h5io
 from .errors import DataError
@@ -107,7 +110,8 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
     state = {"input_manifest_sha256": digest, "options": options}
     resuming = _check_output(output_dir, state)
     total = counts.sum(axis=0)
-    _say(show_progress, f"pack: planning {int(total.sum())} sequences of {len(counts)} shards ({algorithm})")
+    _say(show_progress, f"pack: planning {int(total.sum())} sequences of {len(counts)} shards ({algorithm}) ...")
+    started_at = time.perf_counter()
     try:
         histogram = packing.Histogram(total, seq_len, name=os.path.basename(os.path.abspath(input_dir)))
         result = pack_polished(histogram, algorithm, max_sequences_per_pack, seed, **_algorithm_options(algorithm))
@@ -115,6 +119,9 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
         duals = global_duals(result)
     except packing.PackingError as exc:
         raise DataError(str(exc)) from None
+    _say(show_progress, f"pack: the dataset's plan has {result.num_packs} packs"
+         + (f" (LP bound {result.lp_bound_packs})" if result.lp_bound_packs else "")
+         + f", {time.perf_counter() - started_at:.1f} s; now each shard's plan and file")
     inputs = shard_paths(input_dir, manifest)
     tasks = [{"index": i, "input": path, "input_sha256": entry.get(CHECKSUM),
               "output": os.path.join(output_dir, shard_name(i)), "counts": counts[i], "part": part,
@@ -127,6 +134,8 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
     try:
         with Engine(workers=workers, scheduler=scheduler) as runner:
             runner.start(len(tasks))  # a refused --scheduler leaves nothing behind
+            for task in tasks:  # a shard's own steps are shown when it runs here (not on a worker)
+                task["progress"] = bool(show_progress) and runner.in_process(len(tasks))
             if not resuming:  # only now: a refused input, plan or engine leaves no directory behind
                 started = "contents" if os.path.isdir(output_dir) else "folder"
                 make_folder(output_dir)
@@ -154,10 +163,9 @@ def _discard(output_dir, started):
 
 
 def _say(show_progress, line):
-    """A progress line on stderr (with the bars: when they are shown)."""
+    """A progress line on stderr (with the bars: when they are shown), above any bar."""
     if show_progress:
-        import sys
-        print(line, file=sys.stderr, flush=True)
+        tqdm.write(line, file=sys.stderr)
 
 
 def _check_options(algorithm, max_sequences_per_pack, chunk_packs, workers, scheduler, seed):
@@ -313,6 +321,8 @@ def _write_shard(task):
 
     options, path = task["options"], task["input"]
     seq_len, max_k = options["max_sequence_length"], options["max_sequences_per_pack"]
+    progress = bool(task.get("progress"))
+    started_at = time.perf_counter()
     verify_shard(path, {CHECKSUM: task.get("input_sha256")})
     with h5io.open_h5(path) as handle, h5io.read_errors(path):
         num_rows, in_seq_len, num_predictions = h5io.check_unpacked(handle, path)
@@ -322,7 +332,12 @@ def _write_shard(task):
                             "for it; the shard does not match its manifest: re-create the dataset")
         records = _read_records(handle, _record_dtype(min(seq_len, in_seq_len), num_predictions))
         vocab_size = handle.attrs.get("vocab_size")
+    name = os.path.basename(task["output"])
+    _say(progress, f"pack: {name}: {lengths.size} sequences read ({time.perf_counter() - started_at:.1f} s); "
+                   f"planning ...")
     plan, which, bound = _shard_plan(task)
+    _say(progress, f"pack: {name}: {which} plan, bound {bound} packs ({time.perf_counter() - started_at:.1f} s); "
+                   f"writing ...")
     try:
         assignment = packing.assign(plan, lengths, seed=task["seed"])
     except packing.PackingError as exc:
@@ -344,7 +359,7 @@ def _write_shard(task):
     try:
         write_packed(task["output"], lambda r0, r1: records[r0:r1], offsets, stats,
                      chunk_packs=options["chunk_packs"], compression=options["compression"], vocab_size=vocab_size,
-                     show_progress=False, digest=digest)
+                     show_progress=progress, digest=digest)
     except OSError as exc:  # a full disk: finished shards are kept for the rerun
         reason = exc.strerror or (str(exc).splitlines() or [type(exc).__name__])[0]
         raise WriteFailed(f"{task['output']}: writing failed ({reason}); finished shards are kept: free space and "
