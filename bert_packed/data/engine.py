@@ -32,12 +32,12 @@ server) it waited forever; ``Engine.start`` does the handshake itself under the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, List, Optional
 
 from tqdm import tqdm
@@ -199,15 +199,17 @@ def check_scheduler(address: str, timeout: float = None):
     timeout = CONNECT_TIMEOUT if timeout is None else float(timeout)
 
     async def handshake():
-        comm = await asyncio.wait_for(connect(address, timeout=timeout), timeout)
+        # Dask's connect stops at ``timeout`` when nothing accepts (its own message says so); the
+        # handshake read after it has no deadline of its own: this one, a second later.
+        comm = await asyncio.wait_for(connect(address, timeout=timeout), timeout + 1.0)
         await comm.close()
 
-    try:
-        asyncio.run(handshake())
+    try:  # on a thread of its own: the caller may be inside an event loop already (a notebook)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(asyncio.run, handshake()).result()
     except (asyncio.TimeoutError, TimeoutError):
-        raise DataError(f"--scheduler {address}: no Dask scheduler answered there within {timeout:g} s (a server "
-                        f"that does not speak Dask's protocol, or none reachable); give the address that `dask "
-                        f"scheduler` prints") from None
+        raise DataError(f"--scheduler {address}: something listens there but did not answer Dask's handshake within "
+                        f"{timeout:g} s: not a Dask scheduler; give the address that `dask scheduler` prints") from None
     except (OSError, ValueError, TypeError, EOFError) as exc:  # refused, not a Dask comm, a bad address
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
         raise DataError(f"--scheduler {address}: cannot reach a Dask scheduler there ({reason})") from None

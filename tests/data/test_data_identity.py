@@ -322,9 +322,9 @@ def test_a_scheduler_address_where_no_dask_listens_is_refused_in_time(work, tmp_
         code, line = main_error(capsys, argv + ["--output", str(output), "--scheduler", address, "--no-progress"],
                                 entry=data_main)
         took = time.monotonic() - start
-    assert (code, line) == (2, f"error: --scheduler {address}: no Dask scheduler answered there within 1.5 s (a "
-                               f"server that does not speak Dask's protocol, or none reachable); give the address that "
-                               f"`dask scheduler` prints")
+    assert (code, line) == (2, f"error: --scheduler {address}: something listens there but did not answer Dask's "
+                               f"handshake within 1.5 s: not a Dask scheduler; give the address that `dask scheduler` "
+                               f"prints")
     assert took < 20, took
     assert not output.exists()  # no resume state, no job
     assert_unchanged(before, work)
@@ -337,7 +337,8 @@ def test_a_scheduler_address_where_nothing_listens_leaves_no_resume_state(work, 
         port = closed.getsockname()[1]
     code, line = main_error(capsys, ["pack", "--input", str(work), "--output", str(tmp_path / "out"), "--scheduler",
                                      f"tcp://127.0.0.1:{port}", "--no-progress"], entry=data_main)
-    assert code == 2 and line.startswith(f"error: --scheduler tcp://127.0.0.1:{port}: ")
+    assert (code, line) == (2, f"error: --scheduler tcp://127.0.0.1:{port}: cannot reach a Dask scheduler there (Timed "
+                               f"out trying to connect to tcp://127.0.0.1:{port} after 1 s)")
     assert not (tmp_path / "out").exists()
 
 
