@@ -79,6 +79,8 @@ def train(config: Config, backend, *, output_dir: Optional[str] = None, resume: 
     except BaseException as exc:
         if run is not None and run.logger is None:  # refused before anything was written: leave no trace
             run.close(undo=True)
+        elif run is not None and isinstance(exc, ValueError) and run.logger.undo():
+            run.close(undo=True)  # refused at the first step (a one-line ValueError): no trace either
         timeout = _collective_timeout(exc, config)
         if timeout is not None:
             raise timeout from None

@@ -161,8 +161,7 @@ def _run(args):
               f"speed-up {stats['speedup']:.3f}x"
               + (f"; LP bound {stats['lp_bound_packs']} packs" if stats.get("lp_bound_packs") else ""))
         if args.verify:
-            from .pack import verify_packed_file
-            print(f"verified: {verify_packed_file(args.input, args.output)} sequences, each exactly once")
+            _verify_file(args.input, args.output)
     elif args.command == "stats":
         from .errors import refuse_output_over_input
         from .stats import dataset_stats, format_stats, plot_stats
@@ -232,7 +231,7 @@ def _pack_dataset(args):
                             max_sequence_length=args.max_sequence_length,
                             max_masked_tokens_per_pack=args.max_masked_tokens_per_pack,
                             seed=args.seed, chunk_packs=args.chunk_packs, compression=args.compression,
-                            workers=args.workers, scheduler=args.scheduler,
+                            workers=args.workers, scheduler=args.scheduler, verify=args.verify,
                             show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
     bound = manifest["lp_bound_packs"]
     print(f"wrote {args.output}: {manifest['num_sequences']} sequences in {manifest['num_packs']} packs over "
@@ -241,9 +240,20 @@ def _pack_dataset(args):
           f"{100 * manifest['efficiency']:.2f} % (unpacked {100 * manifest['unpacked_efficiency']:.2f} %); "
           f"LP bound {bound} packs, gap {manifest['gap_percent']:.4f} %; unsharded plan "
           f"{manifest['unsharded_packs']} packs, sharding gap {manifest['sharding_gap_percent']:.4f} %")
-    if args.verify:
-        from .pack_shards import verify_packed_dataset
-        print(f"verified: {verify_packed_dataset(args.input, args.output)} sequences, each exactly once")
+    if args.verify:  # checked shard by shard before the manifest was written (pack_shards.pack_shard)
+        print(f"verified: {manifest['verified_sequences']} sequences, each exactly once")
+
+
+def _verify_file(input_path, output_path):
+    """`pack --verify` of one file: a file that fails is removed, so it never looks finished."""
+    from .errors import DataError
+    from .pack import verify_packed_file
+    try:
+        count = verify_packed_file(input_path, output_path)
+    except DataError as exc:
+        os.unlink(output_path)
+        raise DataError(f"{exc}; {output_path} was removed") from None
+    print(f"verified: {count} sequences, each exactly once")
 
 
 def _with_suffix(path, suffix):

@@ -21,10 +21,15 @@ Then ``manifest.json`` (counts, length histograms, options, vocabulary, inputs) 
 is removed. Every output is a function of the inputs, options and seed alone, so the shards and
 the manifest are byte-identical for any --workers or cluster.
 
-Resume: blocks (files renamed into place whole) and shards (atomic files) that exist are
-finished and are skipped when the same command runs again; ``.work/job.json`` records the job
-(options, inputs with sizes and times, vocabulary digest) and a different job on the same
-directory is refused. A directory holding a finished dataset is never overwritten.
+Resume: blocks (files renamed into place whole) and shards (atomic files) that exist with the
+checksum they were written with are finished and are skipped when the same command runs again;
+any other (overwritten in place, cut, another task's) is made again. A block carries its
+checksum in a trailer (over its task and its bytes), a shard in a receipt until the manifest
+records it (``shards.finished_shard``; the manifest's ``sha256`` per shard). ``.work/job.json``
+records the job (options, inputs with sizes and times, vocabulary digest) and a different job
+on the same directory is refused. A bad input found while tokenising (phase A) removes the job
+once the workers have stopped, so the rerun on the fixed file starts afresh. A directory
+holding a finished dataset is never overwritten.
 """
 from __future__ import annotations
 
@@ -87,49 +92,76 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
     job = {"options": options, "inputs": [dict(x, mtime_ns=os.stat(x["path"]).st_mtime_ns) for x in inputs_record],
            "vocab": dict(vocab_record, path=os.path.abspath(vocab_path), sha256=_sha256(vocab_path))}
     created = not os.path.lexists(output_dir)
-    work, resumed = _start_job(output_dir, job)
-    # One engine for both phases: a local cluster starts once.
-    with _locked(work, output_dir), engine.Engine(workers=workers, scheduler=scheduler) as runner:
-        _remove_unfinished_blocks(work)
-        common = {"work": work, "vocab": job["vocab"]["path"], "options": options}
-        try:
-            blocks = [(record["path"], record["format"], start, stop) for record in inputs_record
-                      for start, stop in formats.plan_blocks(record["path"], record["format"], block_bytes,
-                                                            text_column)]
-            block_tasks = [dict(common, index=i, path=p, format=f, start=a, stop=b)
-                           for i, (p, f, a, b) in enumerate(blocks)]
-            results = runner.run(tokenise_block, block_tasks, desc="tokenise", unit=" blocks",
-                                 show_progress=show_progress)
-            shard_tasks = _shard_tasks(common, output_dir, results, paths)
-            if output_shards and len(shard_tasks) < output_shards:  # said, never silent (issue 46)
-                print(f"warning: --output-shards {output_shards}: only {len(shard_tasks)} shards receive documents "
-                      f"({int(sum(sum(r['documents']) for r in results))} documents in all; shards without any are "
-                      f"not written), so {len(shard_tasks)} are written", file=sys.stderr)
-        except DataError as exc:
-            # Bad input found before any shard: leave no job behind that would refuse the fixed rerun
-            # (a failed write keeps the finished blocks for the rerun).
-            if not resumed and not isinstance(exc, WriteFailed):
-                shutil.rmtree(work, ignore_errors=True)
-                if created and not os.listdir(output_dir):
-                    os.rmdir(output_dir)
-            raise
-        summaries = runner.run(write_shard, shard_tasks, desc="shards", unit=" shards", show_progress=show_progress)
-        _remove_orphan_shards(output_dir)
-        entries = [summary.pop("entry") for summary in summaries]
-        totals = {key: int(sum(s[key] for s in summaries)) for key in ("num_documents", "num_masked_tokens",
-                                                                      "num_random_next")}
-        with _writing(os.path.join(output_dir, shards.MANIFEST)):
-            manifest = shards.write_manifest(
-                output_dir, kind="unpacked", shards=entries, options=options, inputs=inputs_record,
-                vocab=vocab_record, num_documents=totals["num_documents"],
-                num_masked_tokens=totals["num_masked_tokens"], num_random_next=totals["num_random_next"],
-                created_by="python -m bert_packed.data create")
-    shutil.rmtree(work, ignore_errors=True)
+    # One engine for both phases: a local cluster starts once. An existing cluster is reached before
+    # anything is written, so a refused --scheduler leaves nothing behind.
+    with engine.Engine(workers=workers, scheduler=scheduler) as runner:
+        if scheduler is not None:
+            runner.start()
+        work, _ = _start_job(output_dir, job)
+        with _locked(work, output_dir):
+            _remove_unfinished_blocks(work)
+            common = {"work": work, "vocab": job["vocab"]["path"], "options": options}
+            shard_tasks = _phase_a(runner, common, inputs_record, block_bytes, text_column, output_dir, paths,
+                                   show_progress, output_shards)
+            if isinstance(shard_tasks, DataError):
+                bad_input = shard_tasks
+            else:
+                bad_input = None
+                manifest, totals, entries = _phase_b(runner, shard_tasks, output_dir, options, inputs_record,
+                                                     vocab_record, show_progress)
+    if bad_input is not None:
+        # Bad input found before any shard: leave no job behind that would refuse the fixed rerun. Only
+        # now, with the engine stopped: a worker still busy with another block wrote it after the error.
+        shutil.rmtree(work, ignore_errors=True)
+        if created and os.path.isdir(output_dir) and not os.listdir(output_dir):
+            os.rmdir(output_dir)
+        raise bad_input
+    shutil.rmtree(work, ignore_errors=True)  # with the shards' receipts
     num_sequences = manifest["num_sequences"]
     return {"num_shards": len(entries), "num_documents": totals["num_documents"], "num_sequences": num_sequences,
             "num_tokens": manifest["num_tokens"], "num_masked_tokens": totals["num_masked_tokens"],
             "random_next_fraction": totals["num_random_next"] / max(1, num_sequences),
             "padding_fraction": 1.0 - manifest["num_tokens"] / max(1, num_sequences * max_seq_length)}
+
+
+def _phase_a(runner, common, inputs_record, block_bytes, text_column, output_dir, paths, show_progress,
+             output_shards=None):
+    """Tokenise every block; returns the shard tasks, or the DataError of a bad input (raised by
+    the caller once the engine has stopped; a failed write, ``WriteFailed``, is raised here and
+    keeps the finished blocks for the rerun)."""
+    try:
+        blocks = [(record["path"], record["format"], start, stop) for record in inputs_record
+                  for start, stop in formats.plan_blocks(record["path"], record["format"], block_bytes, text_column)]
+        block_tasks = [dict(common, index=i, path=p, format=f, start=a, stop=b)
+                       for i, (p, f, a, b) in enumerate(blocks)]
+        results = runner.run(tokenise_block, block_tasks, desc="tokenise", unit=" blocks", show_progress=show_progress)
+        shard_tasks = _shard_tasks(common, output_dir, results, paths)
+        if output_shards and len(shard_tasks) < output_shards:  # said, never silent (issue 46)
+            print(f"warning: --output-shards {output_shards}: only {len(shard_tasks)} shards receive documents "
+                  f"({int(sum(sum(r['documents']) for r in results))} documents in all; shards without any are "
+                  f"not written), so {len(shard_tasks)} are written", file=sys.stderr)
+        return shard_tasks
+    except WriteFailed:
+        raise
+    except DataError as exc:
+        return exc
+
+
+def _phase_b(runner, shard_tasks, output_dir, options, inputs_record, vocab_record, show_progress):
+    """Write every shard, then the manifest (with each shard's checksum); returns (manifest,
+    totals, entries)."""
+    summaries = runner.run(write_shard, shard_tasks, desc="shards", unit=" shards", show_progress=show_progress)
+    _remove_orphan_shards(output_dir)
+    entries = [summary.pop("entry") for summary in summaries]
+    totals = {key: int(sum(s[key] for s in summaries)) for key in ("num_documents", "num_masked_tokens",
+                                                                  "num_random_next")}
+    with _writing(os.path.join(output_dir, shards.MANIFEST)):
+        manifest = shards.write_manifest(
+            output_dir, kind="unpacked", shards=entries, options=options, inputs=inputs_record,
+            vocab=vocab_record, num_documents=totals["num_documents"],
+            num_masked_tokens=totals["num_masked_tokens"], num_random_next=totals["num_random_next"],
+            created_by="python -m bert_packed.data create")
+    return manifest, totals, entries
 
 
 class _locked(DirectoryLock):
@@ -260,35 +292,73 @@ def _block_path(work, index):
 # A finished block is one file (written whole, then renamed into place), read by phase B with a
 # few positioned reads: header (magic, then int64 counts: shards, documents, sentences, tokens),
 # then int64 shard_ends, document_ends (sentences), sentence_ends (tokens), then int32 tokens, all
-# little-endian. Every shard reads its part of every block, so at 20 GB (2,500 blocks, 5,000
-# shards) opening a block is paid 12.5 M times: four np.load(mmap_mode="r") calls took 225 us a
-# block, positioned reads on one descriptor take a tenth of that (docs/benchmarks/data.md).
-BLOCK_MAGIC = b"PKBLOCK1"
+# little-endian, then a 32-byte trailer: the SHA-256 of the block's task (``_block_key``: input
+# file, byte range, block index, options) followed by every byte before the trailer, hashed as
+# they are written. A rerun reuses a block only when the trailer matches both its task and its
+# content (``_finished_block``: a block overwritten in place, cut, or left by another task or
+# job is tokenised again). Every shard reads its part of every block, so at 20 GB (2,500 blocks,
+# 5,000 shards) opening a block is paid 12.5 M times: four np.load(mmap_mode="r") calls took
+# 225 us a block, positioned reads on one descriptor take a tenth of that (docs/benchmarks/data.md).
+BLOCK_MAGIC = b"PKBLOCK2"
 _BLOCK_HEADER = len(BLOCK_MAGIC) + 4 * 8
+_BLOCK_TRAILER = 32
+
+
+def _block_key(task):
+    """What a block is a function of, as bytes (the checksum's prefix)."""
+    fields = {key: task[key] for key in ("index", "path", "format", "start", "stop", "options")}
+    return json.dumps(fields, sort_keys=True, default=str).encode()
 
 
 def tokenise_block(task):
     """Phase A for one block (see the module docstring); returns its counts. A block file that
-    exists is finished (it is renamed into place whole), so a rerun only reads it."""
+    exists and has its checksum is finished (it is renamed into place whole), so a rerun only
+    reads it; any other is tokenised again."""
     final = _block_path(task["work"], task["index"])
-    if not os.path.exists(final):
+    if not _finished_block(final, task):
         tokens, sentence_lengths, document_sizes = _tokenise(task)
         arrays = _group_by_shard(tokens, sentence_lengths, document_sizes, task)
         # Two runs of the same task write the same bytes, so either may publish last.
         with _writing(final), atomic_path(final, prefix=".tmp-block-") as tmp, open(tmp, "wb") as handle:
-            _write_block(handle, arrays)
+            _write_block(handle, arrays, _block_key(task))
     with _BlockReader(final) as block:
         return {"documents": np.diff(block.array(block.shard_ends_at, block.num_shards), prepend=0)}
 
 
-def _write_block(handle, arrays):
+def _finished_block(path, task, read_bytes=1 << 20):
+    """True when ``path`` is this task's block with its content as written (the trailer's
+    checksum over the task and the bytes); a full read of the block, only on a rerun."""
+    try:
+        size = os.path.getsize(path)
+        if size < _BLOCK_HEADER + _BLOCK_TRAILER:
+            return False
+        digest = hashlib.sha256(_block_key(task))
+        with open(path, "rb") as handle:
+            left = size - _BLOCK_TRAILER
+            while left:
+                chunk = handle.read(min(read_bytes, left))
+                if not chunk:
+                    return False
+                digest.update(chunk)
+                left -= len(chunk)
+            return handle.read() == digest.digest()
+    except OSError:
+        return False
+
+
+def _write_block(handle, arrays, key):
     """One block file (layout above), through Python's own writes (np.save/tofile write with their
     own FILE* and can lose a failed write: a full disk left a truncated file behind, measured)."""
     counts = [len(arrays["shard_ends"]), len(arrays["document_ends"]), len(arrays["sentence_ends"]),
               len(arrays["tokens"])]
-    handle.write(BLOCK_MAGIC + np.asarray(counts, "<i8").tobytes())
+    digest = hashlib.sha256(key)
+    parts = [BLOCK_MAGIC + np.asarray(counts, "<i8").tobytes()]
     for name, dtype in (("shard_ends", "<i8"), ("document_ends", "<i8"), ("sentence_ends", "<i8"), ("tokens", "<i4")):
-        handle.write(memoryview(np.ascontiguousarray(arrays[name], dtype)).cast("B"))
+        parts.append(memoryview(np.ascontiguousarray(arrays[name], dtype)).cast("B"))
+    for part in parts:
+        digest.update(part)
+        handle.write(part)
+    handle.write(digest.digest())
     handle.flush()
     os.fsync(handle.fileno())
 
@@ -305,7 +375,8 @@ class _BlockReader:
                 self._damaged()
             counts = [int(x) for x in np.frombuffer(header, "<i8", offset=len(BLOCK_MAGIC))]
             self.num_shards, self.num_documents, self.num_sentences, self.num_tokens = counts
-            if min(counts) < 0 or os.fstat(self.fd).st_size != _BLOCK_HEADER + 8 * sum(counts[:3]) + 4 * counts[3]:
+            expected = _BLOCK_HEADER + 8 * sum(counts[:3]) + 4 * counts[3] + _BLOCK_TRAILER
+            if min(counts) < 0 or os.fstat(self.fd).st_size != expected:
                 self._damaged()
         except BaseException:
             os.close(self.fd)
@@ -338,8 +409,8 @@ class _BlockReader:
         return 0, self.array(at, last)
 
     def _damaged(self):
-        raise DataError(f"{self.path}: a finished block file is damaged (cut or overwritten); remove it and run the "
-                        f"same command again to tokenise that block afresh")
+        raise DataError(f"{self.path}: a finished block file is damaged (cut or overwritten); run the same command "
+                        f"again to tokenise that block afresh")
 
 
 def _remove_orphan_shards(output_dir):
@@ -474,7 +545,9 @@ def write_shard(task):
     """Phase B for one shard; returns its manifest entry and counts. A shard file that exists is
     finished (written atomically), so a rerun only reads its statistics."""
     path = task["output"]
-    if not os.path.exists(path):
+    receipts = os.path.join(task["work"], "shards")
+    sha256 = shards.finished_shard(path, receipts)
+    if sha256 is None:  # not written, or not with the content it was written with: write it (again)
         documents = _shard_documents(task)
         options = task["options"]
         special_ids, continuation_ids, vocab_size = _vocab_ids(task["vocab"])
@@ -490,9 +563,12 @@ def write_shard(task):
                  "do_lower_case": options["do_lower_case"], "whole_word_mask": options["whole_word_mask"],
                  "vocab_size": vocab_size, "num_documents": len(documents)}
         del documents
+        digest = hashlib.sha256()
         with _writing(path):
-            _write_instances(path, instances, options["max_seq_length"], options["max_predictions"], attrs)
-    return _shard_summary(path)
+            _write_instances(path, instances, options["max_seq_length"], options["max_predictions"], attrs, digest)
+            sha256 = digest.hexdigest()
+            shards.write_receipt(path, sha256, receipts)
+    return _shard_summary(path, sha256)
 
 
 def _shard_documents(task):
@@ -514,11 +590,11 @@ def _shard_documents(task):
                      np.cumsum(join(document_sizes, np.int64)))
 
 
-def _write_instances(path, instances, max_seq_length, max_predictions, attrs):
+def _write_instances(path, instances, max_seq_length, max_predictions, attrs, digest=None):
     """The shard in the NVIDIA/MLPerf layout, laid out a chunk of rows at a time (`Instances.chunks`:
     the padded arrays of a whole shard are never held; the compressed file is, see h5io.atomic_h5_image)."""
     shapes = h5io.unpacked_shapes(len(instances), max_seq_length, max_predictions)
-    with h5io.atomic_h5_image(path) as handle:
+    with h5io.atomic_h5_image(path, digest) as handle:
         datasets = {name: h5io.create_dataset(handle, name, shape=shape, dtype=dtype)
                     for name, (shape, dtype) in shapes.items()}
         for start, arrays in instances.chunks():
@@ -527,9 +603,9 @@ def _write_instances(path, instances, max_seq_length, max_predictions, attrs):
         handle.attrs.update(attrs)
 
 
-def _shard_summary(path, rows=1 << 16):
+def _shard_summary(path, sha256, rows=1 << 16):
     """A shard's manifest entry and counts, read from the file (the same after a resume)."""
-    entry = shards.shard_entry(path)
+    entry = shards.shard_entry(path, sha256=sha256)
     masked = random_next = 0
     with h5io.open_h5(path) as handle, h5io.read_errors(path):
         num_documents = int(handle.attrs["num_documents"])

@@ -19,13 +19,25 @@ Determinism does not depend on the engine: each task's output is a function of t
 (its inputs and seeds), so any number of workers, in any order, writes the same files.
 
 Errors: a task's exception is re-raised here with its own type (a ``DataError`` stays one line);
-Ctrl-C stops the cluster with the call.
+Ctrl-C stops the cluster with the call. Local worker processes start with SIGINT ignored
+(``_start_sigint_free``): a terminal's Ctrl-C goes to the whole process group, and each worker
+that took it printed its own asyncio traceback before this process's one line; here only this
+process takes it, and it stops the workers.
+
+Deadlines: ``--scheduler`` must answer Dask's handshake within ``CONNECT_TIMEOUT``. Dask's own
+``Client(address, timeout=...)`` bounds the TCP connect but not the handshake read that follows,
+so at an address where something else listens (a plain TCP server that says nothing, an HTTP
+server) it waited forever; ``Engine.start`` does the handshake itself under the deadline first.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, List, Optional
 
 from tqdm import tqdm
@@ -45,6 +57,11 @@ MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_
 # (memory_limit=0: no memory monitor), so they run at a pace that costs nothing.
 QUIET_LOCAL_CLUSTER = {"distributed.admin.tick.interval": "1s", "distributed.admin.system-monitor.interval": "5s"}
 MAX_WORKERS = 4096  # more local processes than any machine has cores
+# The scheduler always serves HTTP (health, metrics); without an address it takes port 8787 and,
+# when another cluster of the machine holds it, prints a three-line warning on every run: a free
+# port on the loopback interface says nothing and is reachable from nowhere else.
+LOCAL_HTTP = "127.0.0.1:0"
+CONNECT_TIMEOUT = 20.0  # seconds for --scheduler to accept a connection and answer Dask's handshake
 
 
 def default_workers() -> int:
@@ -116,6 +133,88 @@ def _quiet_for_shutdown(client):
         pass
 
 
+def _start_sigint_free(start: Callable[[], Any], num_workers: int, poll: float = 0.02):
+    """``start()`` (it spawns ``num_workers`` worker processes) with SIGINT ignored in this process
+    until those processes exist: an ignored signal stays ignored across fork and exec (and Python,
+    asyncio and Dask then install no handler of their own), so the workers never take a Ctrl-C,
+    which a terminal sends to the whole process group; this process takes it and stops them.
+    ``start`` runs in a helper thread so that this (main) thread can restore its handler as soon
+    as the workers are forked, long before they are ready: a Ctrl-C is lost only while the
+    processes are being forked, not during the seconds the cluster takes to start."""
+    if threading.current_thread() is not threading.main_thread():
+        return start()
+    import psutil
+
+    me = psutil.Process()
+    before = {child.pid for child in me.children()}
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = start()
+        except BaseException as exc:  # re-raised in the main thread
+            outcome["error"] = exc
+
+    helper = threading.Thread(target=target, name="start-dask-cluster", daemon=True)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        helper.start()
+        while helper.is_alive() and _new_workers(me, before) < num_workers:
+            helper.join(poll)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        while helper.is_alive():
+            helper.join(0.1)  # interruptible: a Ctrl-C from here on is this process's
+    except KeyboardInterrupt:
+        helper.join()  # then close what it started
+        cluster = outcome.get("value")
+        if cluster is not None:
+            cluster.close()
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _new_workers(process, before) -> int:
+    """Children of ``process`` not in ``before`` that are spawned Python processes (multiprocessing's
+    spawn_main: the workers; not its resource tracker)."""
+    count = 0
+    for child in process.children():
+        try:
+            if child.pid not in before and any("spawn_main" in part for part in child.cmdline()):
+                count += 1
+        except Exception:  # a child that exited meanwhile
+            continue
+    return count
+
+
+def check_scheduler(address: str, timeout: float = None):
+    """DataError (one line, naming ``address``) unless a Dask server there answers the handshake
+    within ``timeout`` seconds (default ``CONNECT_TIMEOUT``): nothing listening, something else
+    listening (silent, or answering another protocol), or too slow."""
+    from distributed.comm import connect
+
+    timeout = CONNECT_TIMEOUT if timeout is None else float(timeout)
+
+    async def handshake():
+        # Dask's connect stops at ``timeout`` when nothing accepts (its own message says so); the
+        # handshake read after it has no deadline of its own: this one, a second later.
+        comm = await asyncio.wait_for(connect(address, timeout=timeout), timeout + 1.0)
+        await comm.close()
+
+    try:  # on a thread of its own: the caller may be inside an event loop already (a notebook)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(asyncio.run, handshake()).result()
+    except (asyncio.TimeoutError, TimeoutError):
+        raise DataError(f"--scheduler {address}: something listens there but did not answer Dask's handshake within "
+                        f"{timeout:g} s: not a Dask scheduler; give the address that `dask scheduler` prints") from None
+    except (OSError, ValueError, TypeError, EOFError) as exc:  # refused, not a Dask comm, a bad address
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+        raise DataError(f"--scheduler {address}: cannot reach a Dask scheduler there ({reason})") from None
+
+
 class Engine:
     """Several ``run`` calls on one cluster: a local cluster starts (about 1-3 s) at the first
     call that needs one and stops when the ``with`` block ends, so a job of several phases
@@ -146,6 +245,17 @@ class Engine:
         finally:
             logger.setLevel(level)
 
+    def in_process(self, num_tasks: int) -> bool:
+        """True when ``num_tasks`` tasks run in this process (no cluster is needed)."""
+        return self.scheduler is None and (self.workers == 1 or num_tasks <= 1)
+
+    def start(self, num_tasks: int = 2):
+        """Connect now (the scheduler, or a local cluster when ``num_tasks`` tasks need one), so a
+        caller can be refused before it writes anything (``run`` otherwise connects at its first
+        call)."""
+        if self._client is None and not self.in_process(num_tasks):
+            self._connect()
+
     def run(self, function: Callable[[Any], Any], tasks: Iterable[Any], *, desc: str = "tasks",
             unit: str = " tasks", show_progress: bool = False) -> List[Any]:
         """``[function(task) for task in tasks]`` (see ``run_tasks``)."""
@@ -154,7 +264,7 @@ class Engine:
             return []
         bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=not show_progress)
         try:
-            if self.scheduler is None and (self.workers == 1 or len(tasks) == 1):
+            if self.in_process(len(tasks)):
                 results = []
                 for task in tasks:
                     results.append(function(task))
@@ -171,8 +281,9 @@ class Engine:
             raise DataError("--workers > 1 and --scheduler need dask.distributed: pip install 'dask[distributed]'") \
                 from None
         if self.scheduler is not None:
+            check_scheduler(self.scheduler)
             try:
-                self._client = Client(self.scheduler, timeout="20s")
+                self._client = Client(self.scheduler, timeout=f"{CONNECT_TIMEOUT}s")
             except (OSError, TimeoutError) as exc:
                 raise DataError(f"--scheduler {self.scheduler}: cannot reach a Dask scheduler there "
                                 f"({str(exc).splitlines()[0][:160]})") from None
@@ -194,9 +305,10 @@ class Engine:
         # The same goes for QUIET_LOCAL_CLUSTER's timers, in every worker, nanny and the scheduler.
         with dask.config.set({"distributed.nanny.pre-spawn-environ": pre_spawn,
                               "distributed.worker.profile.enabled": False, **QUIET_LOCAL_CLUSTER}):
-            self._cluster = LocalCluster(n_workers=self.workers, threads_per_worker=1, processes=True,
-                                         dashboard_address=None, silence_logs=logging.ERROR, memory_limit=0,
-                                         env=dict(WORKER_ENV))
+            self._cluster = _start_sigint_free(
+                lambda: LocalCluster(n_workers=self.workers, threads_per_worker=1, processes=True,
+                                     dashboard_address=LOCAL_HTTP, silence_logs=logging.ERROR, memory_limit=0,
+                                     env=dict(WORKER_ENV)), self.workers)
         self._client = Client(self._cluster)
 
     def _run_on_dask(self, function, tasks, bar):

@@ -153,7 +153,7 @@ def atomic_h5(path):
 
 
 @contextlib.contextmanager
-def atomic_h5_image(path):
+def atomic_h5_image(path, digest=None):
     """Like `atomic_h5`, but the file is built in memory (HDF5's core driver) and written to disk
     by Python in one go at the end.
 
@@ -162,6 +162,8 @@ def atomic_h5_image(path):
     its way out (h5py 3 / HDF5 1.14, measured), so the user gets a crash instead of a message
     and a resumable job. Written by Python, the same failure is a plain OSError. The cost is
     memory of about the (compressed) file's size, so use it for files of bounded size (shards).
+    ``digest`` (a hashlib object) is updated with the file's bytes as they are written: a shard's
+    checksum without reading the file back.
     """
     import h5py
 
@@ -174,6 +176,8 @@ def atomic_h5_image(path):
             image = handle.id.get_file_image()
         finally:
             handle.close()
+        if digest is not None:
+            digest.update(image)
         with open(tmp, "wb") as out:
             out.write(image)
             out.flush()

@@ -181,16 +181,18 @@ def pack_file(input_path, output_path, *, algorithm="lpfhp", max_sequences_per_p
 
 
 def write_packed(output_path, read_records, offsets, stats, *, chunk_packs, compression, vocab_size=None,
-                 show_progress=False):
+                 show_progress=False, digest=None):
     """Write a packed file atomically: the packs ``offsets`` (CSR over records in pack order),
     whose records ``read_records(r0, r1)`` returns (a structured array), a chunk of packs at a
     time through the model's collator; ``stats`` (S, K, M and the statistics) become attributes.
     Shared by `pack_file` (records from its scratch file) and sharded packing (from memory), so
-    both write the same layout."""
+    both write the same layout. With ``digest`` (a hashlib object; a shard, of bounded size) the
+    file is built in memory (``h5io.atomic_h5_image``) and the digest updated with its bytes."""
     num_packs = offsets.size - 1
     seq_len, max_k = stats["max_sequence_length"], stats["max_sequences_per_pack"]
     max_m = stats["max_masked_tokens_per_pack"]
-    with h5io.atomic_h5(output_path) as out:
+    writer = h5io.atomic_h5(output_path) if digest is None else h5io.atomic_h5_image(output_path, digest)
+    with writer as out:
         datasets = {}
         widths = {"S": seq_len, "K": max_k, "M": max_m}
         for name, dim in h5io.PACKED_FIELDS.items():

@@ -39,21 +39,40 @@ takes on the whole shard (KJV, S=512, 12.6 k sequences a shard). Going straight 
 own polished plan, 50 of 64 such shards needed it and planning was three quarters of `pack`'s
 time; with the leftover's polish first, 12 do and `pack` is 2.1x faster.
 
-Resumable: output shards are written atomically, so a rerun with the same options skips the
-shards that exist; ``.pack-state.json`` (removed at the end) records the options and the input
-manifest's digest, and another command on that directory is refused.
+Resumable: output shards are written atomically, each with a receipt of its content checksum
+(``shards.finished_shard``), so a rerun with the same options skips the shards that still have
+the checksum they were written with and writes the others again (a shard replaced by a copy of
+another, or changed in place, is never counted); ``.pack-state.json`` (removed at the end)
+records the options and the input manifest's digest, and another command on that directory is
+refused.
+
+Identity by content: every input shard is checked against the checksum its manifest records
+before it is packed, every output shard must hold exactly its input shard's length histogram,
+and the dataset's sequences in must equal its sequences out, or `pack` stops without a manifest.
+With ``verify`` each output shard is compared with its input sequence by sequence (digests) as
+part of its task; a shard that fails is removed, and no manifest is written.
+
+Nothing written on a refusal: the engine connects (``--scheduler``, a local cluster) before the
+output directory is made, and a run that is refused for its input (a ``DataError``) removes the
+directory it started; an unfinished run of the same command (interrupted, a full disk) keeps its
+finished shards for the rerun.
 """
 import hashlib
 import json
 import os
+import shutil
+import sys
+import time
 
 import numpy as np
+from tqdm import tqdm
 
 from . import h5io
 from .errors import DataError
 from .pack import _check_depth, _record_dtype, _statistics, read_lengths, unpacked_digests, \
     packed_digests, write_packed
-from .shards import MANIFEST, load_manifest, shard_entry, shard_name, shard_paths, write_manifest
+from .shards import CHECKSUM, MANIFEST, finished_shard, load_manifest, receipt_path, remove_receipts, shard_entry, \
+    shard_name, shard_paths, verify_shard, write_manifest, write_receipt
 from ..io import TEMP_PREFIX, make_folder, write_text_atomic
 
 STATE = ".pack-state.json"
@@ -71,10 +90,12 @@ def _algorithm_options(algorithm):
 
 def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_pack=3,
                  max_sequence_length=None, max_masked_tokens_per_pack=None, seed=0, chunk_packs=8192,
-                 compression="gzip", workers=1, scheduler=None, show_progress=True):
-    """The whole sharded `pack` (module doc). Returns the output manifest (a dict)."""
+                 compression="gzip", workers=1, scheduler=None, show_progress=True, verify=False):
+    """The whole sharded `pack` (module doc). Returns the output manifest (a dict); with
+    ``verify``, its ``verified_sequences`` says how many sequences were compared."""
     import packing
     from packing.split import global_duals, pack_polished, split_plan
+    from .engine import Engine
 
     _check_options(algorithm, max_sequences_per_pack, chunk_packs, workers, scheduler, seed)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
@@ -89,6 +110,8 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
     state = {"input_manifest_sha256": digest, "options": options}
     resuming = _check_output(output_dir, state)
     total = counts.sum(axis=0)
+    _say(show_progress, f"pack: planning {int(total.sum())} sequences of {len(counts)} shards ({algorithm}) ...")
+    started_at = time.perf_counter()
     try:
         histogram = packing.Histogram(total, seq_len, name=os.path.basename(os.path.abspath(input_dir)))
         result = pack_polished(histogram, algorithm, max_sequences_per_pack, seed, **_algorithm_options(algorithm))
@@ -96,20 +119,53 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
         duals = global_duals(result)
     except packing.PackingError as exc:
         raise DataError(str(exc)) from None
-    if not resuming:  # only now: a refused input or plan leaves no directory behind
-        make_folder(output_dir)
-        write_text_atomic(os.path.join(output_dir, STATE), json.dumps(state, indent=1, sort_keys=True) + "\n")
+    _say(show_progress, f"pack: the dataset's plan has {result.num_packs} packs"
+         + (f" (LP bound {result.lp_bound_packs})" if result.lp_bound_packs else "")
+         + f", {time.perf_counter() - started_at:.1f} s; now each shard's plan and file")
     inputs = shard_paths(input_dir, manifest)
-    tasks = [{"index": i, "input": path, "output": os.path.join(output_dir, shard_name(i)),
-              "counts": counts[i], "part": part, "leftover": leftover, "duals": duals,
-              "options": options, "seed": _shard_seed(seed, i)}
-             for i, (path, (part, leftover)) in enumerate(zip(inputs, parts))]
-    from .engine import run_tasks
-    entries = run_tasks(pack_shard, tasks, workers=workers, scheduler=scheduler, desc="pack: shards",
-                        unit=" shards", show_progress=show_progress)
-    return _finish(output_dir, entries, result, histogram, manifest, options,
-                   {"path": input_dir, "manifest_sha256": digest, "num_shards": len(inputs),
-                    "bytes": sum(int(entry["bytes"]) for entry in manifest["shards"])})
+    tasks = [{"index": i, "input": path, "input_sha256": entry.get(CHECKSUM),
+              "output": os.path.join(output_dir, shard_name(i)), "counts": counts[i], "part": part,
+              "leftover": leftover, "duals": duals, "options": options, "seed": _shard_seed(seed, i),
+              "verify": bool(verify)}
+             for i, (path, entry, (part, leftover)) in enumerate(zip(inputs, manifest["shards"], parts))]
+    source = {"path": input_dir, "manifest_sha256": digest, "num_shards": len(inputs),
+              "bytes": sum(int(entry["bytes"]) for entry in manifest["shards"])}
+    started = None  # what this run made: "folder" (it created --output) or "contents" (an empty one)
+    try:
+        with Engine(workers=workers, scheduler=scheduler) as runner:
+            runner.start(len(tasks))  # a refused --scheduler leaves nothing behind
+            for task in tasks:  # a shard's own steps are shown when it runs here (not on a worker)
+                task["progress"] = bool(show_progress) and runner.in_process(len(tasks))
+            if not resuming:  # only now: a refused input, plan or engine leaves no directory behind
+                started = "contents" if os.path.isdir(output_dir) else "folder"
+                make_folder(output_dir)
+                write_text_atomic(os.path.join(output_dir, STATE), json.dumps(state, indent=1, sort_keys=True) + "\n")
+            entries = runner.run(pack_shard, tasks, desc="pack: shards", unit=" shards", show_progress=show_progress)
+            return _finish(output_dir, entries, result, histogram, manifest, options, source, verify)
+    except DataError as exc:
+        if started is not None and not isinstance(exc, WriteFailed):
+            _discard(output_dir, started)  # after the engine stopped: no worker writes any more
+        raise
+
+
+class WriteFailed(DataError):
+    """Writing an output shard failed (a full disk): finished shards are kept for the rerun."""
+
+
+def _discard(output_dir, started):
+    """Remove what a refused run wrote: the directory it created, or the contents of the empty one."""
+    if started == "folder":
+        shutil.rmtree(output_dir, ignore_errors=True)
+        return
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+
+
+def _say(show_progress, line):
+    """A progress line on stderr (with the bars: when they are shown), above any bar."""
+    if show_progress:
+        tqdm.write(line, file=sys.stderr)
 
 
 def _check_options(algorithm, max_sequences_per_pack, chunk_packs, workers, scheduler, seed):
@@ -219,11 +275,32 @@ def _check_output(output_dir, state):
 
 def pack_shard(task):
     """Pack one shard (an engine task; module-level so Dask workers import it). Skips a shard
-    whose output exists (written atomically, so complete). Returns its manifest entry."""
+    whose output exists with the checksum it was written with (its receipt); writes it again
+    otherwise. Checks it holds exactly its input's sequence lengths (and with ``verify`` its
+    sequences). Returns its manifest entry."""
     output = task["output"]
-    if not os.path.exists(output):
-        _write_shard(task)
-    entry = shard_entry(output)
+    sha256 = finished_shard(output)
+    entry = None if sha256 is None else _entry(output, sha256, task)
+    if entry is None or entry["length_histogram"] != [int(x) for x in task["counts"]]:
+        sha256 = _write_shard(task)
+        write_receipt(output, sha256)
+        entry = _entry(output, sha256, task)
+    if entry["length_histogram"] != [int(x) for x in task["counts"]]:
+        _drop(output)
+        raise DataError(f"{output}: holds {entry['num_sequences']} sequences, its input {task['input']} "
+                        f"{int(sum(task['counts']))} (or of other lengths); the packed shard does not add up")
+    if task.get("verify"):
+        expected, found = unpacked_digests(task["input"]), packed_digests(output)
+        if expected != found:
+            _drop(output)
+            raise DataError(f"{output}: holds {len(found)} sequences, {task['input']} {len(expected)}; the "
+                            "multisets of sequences differ (--verify); the shard was removed, no manifest written")
+        entry["verified_sequences"] = len(found)
+    return entry
+
+
+def _entry(output, sha256, task):
+    entry = shard_entry(output, sha256=sha256)
     with h5io.open_h5(output) as handle:
         entry["shard_plan"] = str(handle.attrs.get("shard_plan", ""))
         entry["lp_bound_packs"] = int(handle.attrs.get("shard_lp_bound_packs", 0))
@@ -231,11 +308,22 @@ def pack_shard(task):
     return entry
 
 
+def _drop(output):
+    """Remove an output shard that failed its checks and its receipt (the rerun writes it again)."""
+    for path in (receipt_path(output), output):
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def _write_shard(task):
+    """Pack the shard (module doc) and write it; returns its content checksum (sha256 hex)."""
     import packing
 
     options, path = task["options"], task["input"]
     seq_len, max_k = options["max_sequence_length"], options["max_sequences_per_pack"]
+    progress = bool(task.get("progress"))
+    started_at = time.perf_counter()
+    verify_shard(path, {CHECKSUM: task.get("input_sha256")})
     with h5io.open_h5(path) as handle, h5io.read_errors(path):
         num_rows, in_seq_len, num_predictions = h5io.check_unpacked(handle, path)
         lengths, num_masked = read_lengths(handle, seq_len, path=path)
@@ -244,7 +332,12 @@ def _write_shard(task):
                             "for it; the shard does not match its manifest: re-create the dataset")
         records = _read_records(handle, _record_dtype(min(seq_len, in_seq_len), num_predictions))
         vocab_size = handle.attrs.get("vocab_size")
+    name = os.path.basename(task["output"])
+    _say(progress, f"pack: {name}: {lengths.size} sequences read ({time.perf_counter() - started_at:.1f} s); "
+                   f"planning ...")
     plan, which, bound = _shard_plan(task)
+    _say(progress, f"pack: {name}: {which} plan, bound {bound} packs ({time.perf_counter() - started_at:.1f} s); "
+                   f"writing ...")
     try:
         assignment = packing.assign(plan, lengths, seed=task["seed"])
     except packing.PackingError as exc:
@@ -262,9 +355,16 @@ def _write_shard(task):
     stats = _statistics(result, lengths, offsets.size - 1, seq_len, max_k, max_m, options["seed"],
                         options["algorithm"], path)
     stats.update({"shard_plan": which, "shard_seed": task["seed"], "shard_lp_bound_packs": bound})
-    write_packed(task["output"], lambda r0, r1: records[r0:r1], offsets, stats,
-                 chunk_packs=options["chunk_packs"], compression=options["compression"], vocab_size=vocab_size,
-                 show_progress=False)
+    digest = hashlib.sha256()
+    try:
+        write_packed(task["output"], lambda r0, r1: records[r0:r1], offsets, stats,
+                     chunk_packs=options["chunk_packs"], compression=options["compression"], vocab_size=vocab_size,
+                     show_progress=progress, digest=digest)
+    except OSError as exc:  # a full disk: finished shards are kept for the rerun
+        reason = exc.strerror or (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise WriteFailed(f"{task['output']}: writing failed ({reason}); finished shards are kept: free space and "
+                          "run the same command again to finish") from None
+    return digest.hexdigest()
 
 
 def _read_records(handle, record_dtype):
@@ -291,10 +391,16 @@ def _shard_plan(task):
         raise DataError(f"{task['input']}: {exc}") from None
 
 
-def _finish(output_dir, entries, result, histogram, input_manifest, options, source):
-    """Write the packed dataset's manifest (its certificate) and drop the resume state."""
+def _finish(output_dir, entries, result, histogram, input_manifest, options, source, verify=False):
+    """Write the packed dataset's manifest (its certificate) and drop the resume state, once the
+    sequences out add up to the sequences in."""
     from packing.split import sharding_summary
 
+    sequences_out = sum(int(entry["num_sequences"]) for entry in entries)
+    if sequences_out != histogram.num_sequences or sequences_out != int(input_manifest["num_sequences"]):
+        raise DataError(f"{output_dir}: the packed shards hold {sequences_out} sequences, the input dataset "
+                        f"{int(input_manifest['num_sequences'])}; they do not add up: no manifest written")
+    verified = [entry.pop("verified_sequences", None) for entry in entries]
     num_packs = sum(entry["num_items"] for entry in entries)
     summary = sharding_summary(num_packs, result, sum(entry["lp_bound_packs"] for entry in entries))
     seq_len = options["max_sequence_length"]
@@ -315,9 +421,12 @@ def _finish(output_dir, entries, result, histogram, input_manifest, options, sou
         "input_options": dict(input_manifest.get("options", {}))}
     manifest = write_manifest(output_dir, kind="packed", shards=entries, options=options, inputs=[source],
                               **statistics)
+    remove_receipts(output_dir)
     state = os.path.join(output_dir, STATE)
     if os.path.exists(state):
         os.unlink(state)
+    if verify:
+        manifest = dict(manifest, verified_sequences=int(sum(verified)))
     return manifest
 
 

@@ -37,8 +37,9 @@ The stream (contract of `bert_packed.data`):
   (``RecutCursor``), so a step of the same global batch reads the packs the uninterrupted run
   would have read. A process reads only its own lanes, so with several processes that is
   refused (resume with the old size, or on one process). The state names the dataset
-  (shards' names, sizes and rows, digested); a changed dataset is refused unless the resume
-  is forced (then a new epoch starts where it stopped).
+  (shards' names, sizes, rows and content checksums, digested: ``dataset_identity``); a
+  changed dataset is refused unless the resume is forced (then a new epoch starts where it
+  stopped).
 
 Memory per rank: for each of its L / W lanes, the window being served and the next one
 (prefetched by one background thread while the current one trains; what a window holds is a
@@ -93,10 +94,17 @@ def uneven_lanes_message(directory, lane_shards, lane_items, micro_batch_size) -
 
 def dataset_identity(manifest: Dict[str, Any]) -> Dict[str, Any]:
     """What a checkpoint records of the data: shard count, rows and a digest of the shards'
-    names, sizes and rows (a changed, added or removed shard changes it)."""
-    shards = [[s["file"], int(s["bytes"]), int(s["num_items"])] for s in manifest["shards"]]
+    names, sizes, rows and content checksums (``sha256``, docs/data.md): a changed, added or
+    removed shard changes it, and so does the same dataset re-packed with another seed (same
+    names, sizes and rows, other packs). A manifest from before checksums gives the digest it
+    gave then (names, sizes, rows), so its checkpoints still resume."""
+    shards = [[s["file"], int(s["bytes"]), int(s["num_items"])] + ([str(s["sha256"])] if "sha256" in s else [])
+              for s in manifest["shards"]]
     digest = hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
-    return {"num_shards": len(shards), "num_items": int(sum(s[2] for s in shards)), "digest": digest}
+    identity = {"num_shards": len(shards), "num_items": int(sum(s[2] for s in shards)), "digest": digest}
+    if all(len(s) == 4 for s in shards):
+        identity["content"] = "sha256"
+    return identity
 
 
 class LaneCursor:
@@ -485,7 +493,7 @@ class ShardedSource(RankStream):
         return (f"{self.directory}: the checkpoint was taken on data of {saved.get('num_shards')} shards, "
                 f"{saved.get('num_items')} items ({state.get('lanes')} lanes), this dataset has "
                 f"{self.identity['num_shards']} shards, {self.identity['num_items']} items ({self.lanes} lanes)"
-                f"{' with other shard files' if saved.get('num_items') == self.identity['num_items'] else ''}; "
+                f"{' whose shards differ in content (checksums)' if saved.get('num_items') == self.identity['num_items'] else ''}; "
                 "resume with the same dataset (or --resume-force to start a new epoch of this one there)")
 
     def _reset(self, next_global, cursor):

@@ -17,25 +17,34 @@ ordinary HDF5 file in today's layouts (``h5io``): unpacked shards in the NVIDIA/
      "length_histogram": [h_1, ..., h_S],     # sequences of each length, summed over shards
      "options": {...},                        # what made it (seed, dupe factor, algorithm, ...)
      "inputs": [{"path": ..., "bytes": ...}], # the files it was made from
-     "shards": [{"file": "shard-00000.h5", "bytes": b, "num_items": r, "num_sequences": n,
-                 "num_tokens": t, "length_histogram": [...]}, ...],
+     "shards": [{"file": "shard-00000.h5", "bytes": b, "sha256": "<64 hex digits>", "num_items": r,
+                 "num_sequences": n, "num_tokens": t, "length_histogram": [...]}, ...],
      ...}                                     # kind-specific statistics (packing efficiency, LP bound)
 
+``sha256`` is the SHA-256 of the shard file's bytes (what ``sha256sum shard-00000.h5`` prints),
+computed from the bytes as they are written, not by reading the file back. It is the shard's
+identity: ``pack`` checks each input shard against it, a checkpoint records the dataset by it
+(``sharded.dataset_identity``), and a rerun of ``create`` or ``pack`` reuses a finished shard only
+when the file still has the checksum it was written with (``finished_shard``: the writer leaves a
+receipt, ``.shard-NNNNN.h5.sha256`` in ``sha256sum`` format, until the manifest is written).
+
 ``load_manifest`` checks a directory against its manifest (every shard present, non-empty, of
-the recorded size) and refuses a mismatch with one line; ``shard_entry`` computes a shard's
-entry from the file itself, so a manifest can always be rebuilt from its shards.
+the recorded size) and refuses a mismatch with one line; ``verify_shard`` also compares the
+content (a full read: ~1 GB/s); ``shard_entry`` computes a shard's entry from the file itself,
+so a manifest can always be rebuilt from its shards.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from . import h5io
 from .errors import DataError
-from ..io import atomic_path
+from ..io import atomic_path, write_text_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "packed-bert/shards-v1"
@@ -52,9 +61,74 @@ def is_dataset_dir(path) -> bool:
     return os.path.isdir(os.fspath(path))
 
 
-def shard_entry(path, *, read_rows: int = 1 << 16) -> Dict[str, Any]:
-    """A shard's manifest entry, computed from the HDF5 file: rows, sequences, tokens, byte size
-    and the length histogram (sequences of each length 1..S)."""
+CHECKSUM = "sha256"  # the manifest field of a shard's content checksum
+RECEIPT_SUFFIX = ".sha256"
+
+
+def file_sha256(path, block: int = 1 << 20) -> str:
+    """SHA-256 of a file's bytes (hex), read in blocks."""
+    digest = hashlib.sha256()
+    with open(os.fspath(path), "rb") as handle:
+        for chunk in iter(lambda: handle.read(block), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def receipt_path(shard_path, folder=None) -> str:
+    """Where the writer of ``shard_path`` records its checksum until the manifest is written: next
+    to it, or in ``folder`` (`create` keeps them in its work directory)."""
+    here, name = os.path.split(os.fspath(shard_path))
+    return os.path.join(here if folder is None else os.fspath(folder), "." + name + RECEIPT_SUFFIX)
+
+
+def write_receipt(shard_path, sha256: str, folder=None) -> None:
+    """Record that ``shard_path`` (just published whole) was written with content ``sha256``."""
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+    write_text_atomic(receipt_path(shard_path, folder), f"{sha256}  {os.path.basename(os.fspath(shard_path))}\n")
+
+
+def finished_shard(shard_path, folder=None) -> Optional[str]:
+    """The checksum of ``shard_path`` when it is a finished shard of this job: it exists, its
+    writer's receipt exists, and the file's bytes still have the receipt's checksum. None
+    otherwise (missing, never finished, or changed since: replaced by a copy of another shard,
+    overwritten in place); the caller then writes it again."""
+    shard_path = os.fspath(shard_path)
+    try:
+        with open(receipt_path(shard_path, folder), encoding="utf-8") as handle:
+            recorded = handle.read().split()
+        if len(recorded) != 2 or recorded[1] != os.path.basename(shard_path):
+            return None
+        return recorded[0] if file_sha256(shard_path) == recorded[0] else None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def remove_receipts(directory) -> None:
+    """The receipts of ``directory``'s shards (once the manifest records the checksums)."""
+    for name in os.listdir(os.fspath(directory)):
+        if name.startswith(".") and name.endswith(".h5" + RECEIPT_SUFFIX):
+            os.unlink(os.path.join(os.fspath(directory), name))
+
+
+def verify_shard(path, entry: Dict[str, Any]) -> Optional[str]:
+    """DataError unless the file at ``path`` has the content checksum its manifest entry records
+    (entries of manifests written before checksums have none: nothing to compare). Returns it."""
+    recorded = entry.get(CHECKSUM)
+    if recorded is None:
+        return None
+    found = file_sha256(path)
+    if found != recorded:
+        raise DataError(f"{path}: its content differs from the checksum {MANIFEST} records for it ({CHECKSUM} "
+                        f"{found[:12]}..., recorded {str(recorded)[:12]}...): the shard was changed or replaced "
+                        f"since the dataset was written; re-create the dataset")
+    return found
+
+
+def shard_entry(path, *, sha256: Optional[str] = None, read_rows: int = 1 << 16) -> Dict[str, Any]:
+    """A shard's manifest entry, computed from the HDF5 file: rows, sequences, tokens, byte size,
+    content checksum (``sha256``: give the one computed as the file was written, or the file is
+    read to compute it) and the length histogram (sequences of each length 1..S)."""
     path = os.fspath(path)
     with h5io.open_h5(path) as handle, h5io.read_errors(path):
         if h5io.is_packed(handle):
@@ -73,7 +147,8 @@ def shard_entry(path, *, read_rows: int = 1 << 16) -> Dict[str, Any]:
             histogram = np.bincount(lengths, minlength=seq_len + 1)
             extra = {"max_predictions_per_seq": int(num_predictions)}
     histogram = histogram[1:]
-    return {"file": os.path.basename(path), "bytes": os.path.getsize(path), "num_items": int(num_items),
+    return {"file": os.path.basename(path), "bytes": os.path.getsize(path),
+            CHECKSUM: sha256 or file_sha256(path), "num_items": int(num_items),
             "num_sequences": int(histogram.sum()),
             "num_tokens": int((histogram * np.arange(1, seq_len + 1)).sum()),
             "max_sequence_length": int(seq_len), "length_histogram": [int(x) for x in histogram], **extra}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
@@ -146,17 +147,24 @@ class MetricsLogger:
         self.first_line: Optional[Dict[str, Any]] = None
         self.last_line: Optional[Dict[str, Any]] = None
         self.writer = None
+        self.start_step = start_step
+        self.created: List[str] = []  # what this logger made (``undo``)
         if not is_main:
             return
         if start_step:
             truncate_metrics(self.path, start_step)
         else:
+            if not os.path.exists(self.path):
+                self.created.append(self.path)
             open(self.path, "w").close()
         if tensorboard:
+            folder = os.path.join(output_dir, "tensorboard")
+            if not os.path.exists(folder):
+                self.created.append(folder)
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+                self.writer = SummaryWriter(folder)
             except Exception:  # tensorboard not installed: optional
                 self.writer = None
 
@@ -190,3 +198,18 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+    def undo(self) -> bool:
+        """For a run refused before its first step (e.g. an attention the device cannot run, found
+        when the model first runs): remove the empty files this logger created and return True;
+        False (nothing removed) once a step was logged or on a resumed run."""
+        if self.first_line is not None or self.start_step:
+            return False
+        self.close()
+        for path in reversed(self.created):
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
+                os.remove(path)
+        self.created = []
+        return True

@@ -298,24 +298,30 @@ def _stopped_before_the_first_shard(text, vocab, output, monkeypatch):
     return sorted((output / ".work" / "blocks").iterdir())
 
 
-@pytest.mark.parametrize("damage", ["cut", "overwritten", "lengthened"])
-def test_a_damaged_block_file_is_named_in_one_line_and_a_rerun_without_it_finishes(corpus_dir, reference, tmp_path,
-                                                                                  monkeypatch, damage):
-    """A finished block is trusted on a rerun; one cut short, longer than its header says, or
-    with other bytes is named, the job is kept, and once it is removed the rerun tokenises it again."""
+def _other_tokens(data):
+    """The same block with one token changed in place: same size, valid header, other content."""
+    data = bytearray(data)
+    data[-40] ^= 1  # a token byte (the last 32 bytes are the checksum trailer)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("damage", ["cut", "overwritten", "lengthened", "other tokens", "another block"])
+def test_a_damaged_or_replaced_block_file_is_tokenised_again(corpus_dir, reference, tmp_path, monkeypatch, damage):
+    """A finished block is reused on a rerun only when its checksum (over its task and its bytes)
+    holds: one cut short, longer than its header says, zeroed, changed in place at the same size,
+    or replaced by another block's file is tokenised again, and the shards equal an uninterrupted
+    run's."""
     _, text, vocab = corpus_dir
     output = tmp_path / "out"
     blocks = _stopped_before_the_first_shard(text, vocab, output, monkeypatch)
     assert len(blocks) > 2 and [b.name for b in blocks] == [f"block-{i:06d}.bin" for i in range(len(blocks))]
     data = blocks[1].read_bytes()
-    blocks[1].write_bytes({"cut": data[:-4], "overwritten": b"\x00" * len(data), "lengthened": data + data[-4:]}[damage])
-    with pytest.raises(DataError) as error:
-        cs.create_shards([text], vocab, output, workers=1, **OPTIONS)
-    assert str(error.value) == (f"{blocks[1]}: a finished block file is damaged (cut or overwritten); remove it and "
-                                f"run the same command again to tokenise that block afresh")
-    assert os.path.exists(output / ".work" / "job.json")
-    os.unlink(blocks[1])
+    blocks[1].write_bytes({"cut": data[:-4], "overwritten": b"\x00" * len(data), "lengthened": data + data[-4:],
+                           "other tokens": _other_tokens(data), "another block": blocks[2].read_bytes()}[damage])
+    tokenised, tokenise = [], cs._tokenise
+    monkeypatch.setattr(cs, "_tokenise", lambda task: tokenised.append(task["index"]) or tokenise(task))
     cs.create_shards([text], vocab, output, workers=1, **OPTIONS)
+    assert tokenised == [1]  # that block again, the others reused
     assert contents(output) == contents(reference[0])
 
 

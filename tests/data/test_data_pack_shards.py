@@ -129,7 +129,9 @@ def test_an_interrupted_pack_resumes_where_it_stopped(unpacked, packed, tmp_path
     monkeypatch.setattr(pack_shards_module, "pack_shard", dies_on_shard_2)
     with pytest.raises(KeyboardInterrupt):
         pack_dataset(unpacked, output, algorithm="lp", max_sequences_per_pack=3, seed=4, show_progress=False)
-    assert sorted(os.listdir(output)) == [STATE, shard_name(0), shard_name(1)]
+    # Each finished shard with its writer's receipt (its checksum), which the rerun checks.
+    assert sorted(os.listdir(output)) == sorted([STATE, shard_name(0), shard_name(1), "." + shard_name(0) + ".sha256",
+                                                 "." + shard_name(1) + ".sha256"])
     # Another command on the unfinished directory is refused; the same one finishes it.
     with pytest.raises(DataError, match="unfinished pack of another input or with other options"):
         pack_dataset(unpacked, output, algorithm="lp", max_sequences_per_pack=3, seed=5, show_progress=False)
