@@ -332,14 +332,14 @@ class _Run:
                 progress = self.logger.progress
                 watch = StepWatch(self.logger.write if progress.enabled else None, stop, total_steps=plan.steps,
                                   can_abandon=can_abandon, status=progress.status())
-                self.backend.micro_batch_hook = watch
+                self.backend.micro_batch_hook, self.backend.layer_hook = watch, watch.layer
                 while launched < plan.steps:
                     calls = min(plan.steps_per_call, plan.steps - launched)
                     data_start = time.perf_counter()
                     micro_batches = [next(feed) for _ in range(plan.micro_batches_per_step * calls)]
                     data_seconds = time.perf_counter() - data_start
                     start = time.perf_counter()
-                    watch.start(launched + 1, calls)
+                    watch.start(launched + 1, calls, len(micro_batches))
                     try:
                         results = self.backend.train_step(micro_batches)
                     except StepAbandoned as exc:
@@ -359,7 +359,7 @@ class _Run:
                     if stopping:
                         self._interrupt(launched, stop.signum or signal.SIGTERM)
         finally:
-            self.backend.micro_batch_hook = None
+            self.backend.micro_batch_hook = self.backend.layer_hook = None
             feed.close()
         return launched
 
@@ -466,8 +466,8 @@ class _Run:
         saved = self.checkpointer.last_step
         kept = (f"the checkpoint {self.checkpointer.path} (step {saved}) is kept: --resume continues from step "
                 f"{saved + 1}" if saved else "no checkpoint was written yet: a new run starts from step 1")
-        message = (f"{signal.Signals(signum).name} during step {step + 1} of {self.plan.steps}, after "
-                   f"micro-batch {exc.done} of {exc.count}: the unfinished step was dropped; {kept}")
+        message = (f"{signal.Signals(signum).name} during step {step + 1} of {self.plan.steps}, {exc.where}: "
+                   f"the unfinished step was dropped; {kept}")
         self.summary("interrupted", step, message)
         raise Interrupted(message, signum)
 
