@@ -46,7 +46,7 @@ from bert_packed.loop.plan import StepPlan, make_plan
 from bert_packed.loop.prefetch import Prefetcher
 from bert_packed.loop.stops import (CollectiveTimeout, DivergenceError, Interrupted, StopSignals,  # noqa: F401
                                     TrainingStopped)
-from bert_packed.loop.within_step import StepWatch
+from bert_packed.loop.within_step import StepWatch, memory_text
 from bert_packed.task import get_task
 
 SUMMARY_NAME = "summary.json"
@@ -240,8 +240,10 @@ class _Run:
         state = self.state
         if state is not None and state["step"] >= plan.steps:
             return False
-        self._warn_if_slow(plan, plan.steps - (state["step"] if state is not None else 0))
+        self.slow = self._warn_if_slow(plan, plan.steps - (state["step"] if state is not None else 0))
+        self._setup_note("building the model")
         self.model = task.build_model()
+        self._setup_note("building the optimizer")
         self.optimizer, self.scheduler = build_optimizer(config, self.model, plan.betas, steps=plan.steps)
         backend_state = None
         if state is not None:  # restored on the host, before the backend compiles anything
@@ -251,11 +253,13 @@ class _Run:
             self.source.load_state_dict(state["data"][self.rank], force=self.resume_force)
             task.load_state_dict(state.get("task") or {})
             backend_state = self.checkpointer.backend_state(state, self.rank)
+        self._setup_note(f"preparing the {backend.name} backend")
         backend.prepare(self.model, self.optimizer, plan, scheduler=self.scheduler, state=backend_state)
         # Held-out data, built once before the first step; evaluated every eval_every steps and at
         # the end (a task that must report validation metrics evaluates at the end regardless).
         self.evaluating = t.eval_every > 0 or task.always_evaluate
         if self.evaluating:
+            self._setup_note("preparing the evaluation data")
             task.prepare_evaluation(micro_batch_size=t.micro_batch_size, rank=self.rank, world_size=self.world_size)
         self.start_step, totals = 0, None
         if state is not None:
@@ -273,16 +277,25 @@ class _Run:
         self._opening_line()
         return True
 
-    def _warn_if_slow(self, plan: StepPlan, steps: int) -> None:
+    def _warn_if_slow(self, plan: StepPlan, steps: int) -> bool:
         """One warning line, before the model is built, when a step would take many minutes on
-        this backend (``loop.estimate``): a first run of phase2 on a CPU is hours per step."""
+        this backend (``loop.estimate``): a first run of phase2 on a CPU is hours per step. True
+        when it warned (the set-up then says what it does: ``_setup_note``)."""
         if not self.is_main:
-            return
+            return False
         packs = plan.micro_batches_per_step * plan.micro_batch_size  # this process's share of a step
         line = slow_step_warning(self.config, packs_per_step=packs, steps=steps, rate=self.backend.compute_rate,
                                  backend_name=self.backend.label)
         if line:
             print(f"warning: {line}", file=sys.stderr, flush=True)
+        return bool(line)
+
+    def _setup_note(self, what: str) -> None:
+        """A run warned to be huge shows where its set-up is (building BERT-Large and its
+        optimizer takes a minute on a busy CPU) and the memory it holds; a fast run says nothing."""
+        if self.slow and self.show_progress:
+            memory = memory_text()
+            print(f"setup: {what}{f' ({memory})' if memory else ''}", flush=True)
 
     def _unchanged_summary(self) -> Dict[str, Any]:
         """A resumed run already at its last step: every file stays as it is (rewriting
