@@ -1,0 +1,81 @@
+"""The layer reports of the backends that run a micro-batch eagerly on the host (issue 49, item
+4): ``Backend.layer_done`` in the order the layers run, only in training, never in a compiled
+graph, and without changing a number of the step."""
+import numpy as np
+import pytest
+import torch
+
+from backends import get_backend
+from bert_packed.build import build_model, build_optimizer
+from bert_packed.config import load_config
+from bert_packed.data import build_data_source
+from bert_packed.loop.plan import make_plan
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+LAYERS = 3
+
+
+def _prepared(name, overrides=(), seed=0):
+    config = load_config("tiny", [f"model.num_hidden_layers={LAYERS}", f"ipu.layers_per_ipu=[{LAYERS}]",
+                                  "train.gradient_accumulation=2", *overrides])
+    torch.manual_seed(seed)
+    model = build_model(config)
+    optimizer, scheduler = build_optimizer(config, model, (config.optimizer.beta1, config.optimizer.beta2))
+    backend = get_backend(name)
+    backend.prepare(model, optimizer, make_plan(config, backend), scheduler=scheduler)
+    batches = iter(build_data_source(config, micro_batch_size=4))
+    return backend, model, [next(batches) for _ in range(2)]
+
+
+def _recorded(backend):
+    calls = []
+    backend.layer_hook = lambda phase, index, count: calls.append((phase, index, count))
+    return calls
+
+
+def _micro_batch(phase_first="forward"):
+    return ([(phase_first, i, LAYERS) for i in range(LAYERS)] if phase_first == "trace" else
+            [("forward", i, LAYERS) for i in range(LAYERS)] + [("backward", i, LAYERS) for i in reversed(range(LAYERS))])
+
+
+def test_the_cpu_backend_reports_each_layer_of_forward_and_backward_and_none_in_evaluation():
+    backend, _, batches = _prepared("cpu")
+    calls = _recorded(backend)
+    backend.eval_step(batches[0])
+    assert calls == []
+    backend.train_step(batches)
+    assert calls == _micro_batch() * 2
+
+
+def test_the_mock_reports_its_compile_trace_then_each_layer():
+    backend, _, batches = _prepared("mock")
+    calls = _recorded(backend)
+    backend.train_step(batches)
+    assert calls == _micro_batch("trace") + _micro_batch() * 2
+    del calls[:]
+    backend.eval_step(batches[0])
+    backend.train_step(batches)  # compiled: no trace any more
+    assert calls == _micro_batch() * 2
+
+
+def test_a_compiled_step_gets_no_hooks():
+    backend, model, _ = _prepared("cpu", ["cpu.compile=true", "model.attention_implementation=dense"])
+    assert backend.layer_handles == []
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in model.bert.encoder.layer)
+
+
+def test_the_hooks_change_no_number_of_the_step():
+    watched, model_a, batches = _prepared("cpu", ["model.hidden_dropout_prob=0.1"])
+    plain, model_b, _ = _prepared("cpu", ["model.hidden_dropout_prob=0.1"])
+    for handle in plain.layer_handles:
+        handle.remove()
+    _recorded(watched)
+    torch.manual_seed(1)
+    a = watched.train_step(batches)
+    torch.manual_seed(1)
+    b = plain.train_step(batches)
+    assert [float(a[k]) for k in ("loss", "mlm_loss", "grad_norm")] == [float(b[k]) for k in ("loss", "mlm_loss",
+                                                                                              "grad_norm")]
+    assert all(torch.equal(x, y) for x, y in zip(model_a.state_dict().values(), model_b.state_dict().values()))
+    assert np.isfinite(float(a["loss"]))
