@@ -44,13 +44,15 @@ def memory_text() -> str:
 
 
 def watch_layers(model, layer_done: Callable[[str, int, int], None]) -> List:
-    """Model hooks that call ``layer_done(phase, k, n)`` as a training micro-batch reaches encoder
-    layer k of n: ``"forward"`` before the layer's forward, ``"backward"`` when its output's
-    gradient is ready (before its backward). The layers are the ones the model declares
-    (``model.pipeline_layout()``); the model's code is unchanged. Evaluation (no gradient, eval
-    mode) calls nothing. Returns the hook handles (``handle.remove()``); none for a model that
-    declares no layout. Only for a model run eagerly: a compiled graph (torch.compile, PopTorch)
-    must not contain them."""
+    """Model hooks that call ``layer_done(phase, k, n)`` as a training micro-batch runs encoder
+    layer k of n: ``"forward"`` before the layer's forward and before each of its parts (its
+    child modules: attention, intermediate, output), ``"backward"`` as the gradient of the
+    layer's output and of each part's output is ready (before that part's backward). A layer of
+    BERT-Large takes seconds on a busy CPU; its parts are a third of that each. The layers are
+    the ones the model declares (``model.pipeline_layout()``); the model's code is unchanged.
+    Evaluation (no gradient, eval mode) calls nothing. Returns the hook handles
+    (``handle.remove()``); none for a model that declares no layout. Only for a model run
+    eagerly: a compiled graph (torch.compile, PopTorch) must not contain them."""
     try:
         layers = list(model.pipeline_layout().layers)
     except NotImplementedError:
@@ -65,7 +67,8 @@ def watch_layers(model, layer_done: Callable[[str, int, int], None]) -> List:
             if module.training and isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda grad: layer_done("backward", index, count))
 
-        handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
+        for part in (layer, *layer.children()):
+            handles += [part.register_forward_pre_hook(before), part.register_forward_hook(after)]
     return handles
 
 

@@ -34,6 +34,11 @@ def _recorded(backend):
     return calls
 
 
+def _layers(calls):
+    """The calls, each layer's repeats (one per part of it) merged."""
+    return [call for i, call in enumerate(calls) if i == 0 or call != calls[i - 1]]
+
+
 def _micro_batch(phase_first="forward"):
     return ([(phase_first, i, LAYERS) for i in range(LAYERS)] if phase_first == "trace" else
             [("forward", i, LAYERS) for i in range(LAYERS)] + [("backward", i, LAYERS) for i in reversed(range(LAYERS))])
@@ -45,24 +50,26 @@ def test_the_cpu_backend_reports_each_layer_of_forward_and_backward_and_none_in_
     backend.eval_step(batches[0])
     assert calls == []
     backend.train_step(batches)
-    assert calls == _micro_batch() * 2
+    assert _layers(calls) == _micro_batch() * 2
+    # Inside a layer too, before each of its parts (attention, intermediate, output), both ways.
+    assert calls.count(("forward", 1, LAYERS)) == 2 * 4 and calls.count(("backward", 1, LAYERS)) >= 2 * 3
 
 
 def test_the_mock_reports_its_compile_trace_then_each_layer():
     backend, _, batches = _prepared("mock")
     calls = _recorded(backend)
     backend.train_step(batches)
-    assert calls == _micro_batch("trace") + _micro_batch() * 2
+    assert _layers(calls) == _micro_batch("trace") + _micro_batch() * 2
     del calls[:]
     backend.eval_step(batches[0])
     backend.train_step(batches)  # compiled: no trace any more
-    assert calls == _micro_batch() * 2
+    assert _layers(calls) == _micro_batch() * 2
 
 
 def test_a_compiled_step_gets_no_hooks():
     backend, model, _ = _prepared("cpu", ["cpu.compile=true", "model.attention_implementation=dense"])
     assert backend.layer_handles == []
-    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in model.bert.encoder.layer)
+    assert all(not part._forward_pre_hooks and not part._forward_hooks for part in model.bert.encoder.layer.modules())
 
 
 def test_the_hooks_change_no_number_of_the_step():
