@@ -106,18 +106,20 @@ class StepWatch:
         self.step, self.steps_in_call, self.started, self.last_line = 0, 1, 0.0, 0.0
         self.estimated = False
         self.micro_batches = self.done = 0  # in this call: micro-batches, and those finished
+        self.done_at = 0.0  # when the last micro-batch finished (or the call started)
         self.traced = False  # this call began with a trace of the model (the mock's compile)
 
     def start(self, step: int, steps_in_call: int, micro_batches: int = 0) -> None:
         """A ``train_step`` call for steps ``step`` .. ``step + steps_in_call - 1`` begins, over
         ``micro_batches`` micro-batches (0: not said; then a stop inside a micro-batch counts as long)."""
         self.step, self.steps_in_call, self.micro_batches = step, steps_in_call, micro_batches
-        self.started = self.last_line = self.clock()
+        self.started = self.last_line = self.done_at = self.clock()
         self.done, self.traced = 0, False
 
     def __call__(self, index: int, count: int) -> None:
         done = self.done = index + 1
-        elapsed = self.clock() - self.started
+        self.done_at = self.clock()
+        elapsed = self.done_at - self.started
         per_micro_batch = elapsed / done
         left = per_micro_batch * (count - done)  # seconds, at this step's pace so far
         if self.stop.signum is not None and self.can_abandon and left > ABANDON_FROM_SECONDS:
@@ -153,9 +155,9 @@ class StepWatch:
             self.traced = True
         abandon = (self.stop.signum is not None and self.can_abandon
                    and self._left(phase, index, count) > ABANDON_FROM_SECONDS)
-        if not abandon and (self.write is None or self.clock() - self.last_line < (
+        if not abandon and (self.write is None or self.clock() - max(self.last_line, self.done_at) < (
                 LINE_EVERY_SECONDS if self.status is None else STATUS_EVERY_SECONDS)):
-            return  # the common case: two comparisons per layer
+            return  # the common case (a micro-batch shorter than a progress interval says it at its end)
         if phase == "trace":
             doing, detail = "tracing the model to compile it", f"layer {index + 1} of {count}"
         else:

@@ -162,6 +162,24 @@ def test_inside_a_slow_micro_batch_a_pipe_gets_a_line_with_the_layer_and_the_mem
                      "step 1: micro-batch 1 of 4096: backward, layer 23 of 24, 32 s so far, RSS 5.2 GiB"]
 
 
+def test_micro_batches_shorter_than_the_interval_keep_their_own_lines(monkeypatch):
+    """Layer lines are for a micro-batch still running after a progress interval; shorter ones
+    keep the micro-batch lines (with the step's time left), whichever hook comes first."""
+    monkeypatch.setattr(within_step, "memory_text", lambda: "RSS 1.0 GiB")
+    now, lines = [0.0], []
+    watch = _watch(lines, FakeStop(), now)
+    watch.start(1, 1, 100)
+    for index in range(60):  # 0.7 s each, 4 layers
+        for layer in range(4):
+            now[0] = 0.7 * index + 0.175 * layer
+            watch.layer("forward", layer, 4)
+        now[0] = 0.7 * (index + 1)
+        watch(index, 100)
+    assert lines[0].startswith("step 1: micro-batch 1 of 100 took 0.70 s: ~1 min per step")
+    assert len(lines) == 3 and all(re.fullmatch(r"step 1: micro-batch \d+/100, \d+ s so far, ~.* left in this step", line)
+                                   for line in lines[1:]), lines
+
+
 def test_on_a_terminal_the_layer_goes_to_the_bar_status(monkeypatch):
     monkeypatch.setattr(within_step, "memory_text", lambda: "")  # a system that does not say
     now, lines, shown = [0.0], [], []
