@@ -349,11 +349,11 @@ class _Run:
                 while launched < plan.steps:
                     calls = min(plan.steps_per_call, plan.steps - launched)
                     data_start = time.perf_counter()
-                    micro_batches = [next(feed) for _ in range(plan.micro_batches_per_step * calls)]
-                    data_seconds = time.perf_counter() - data_start
-                    start = time.perf_counter()
-                    watch.start(launched + 1, calls, len(micro_batches))
                     try:
+                        micro_batches = self._read(feed, plan.micro_batches_per_step * calls, watch)
+                        data_seconds = time.perf_counter() - data_start
+                        start = time.perf_counter()
+                        watch.start(launched + 1, calls, len(micro_batches))
                         results = self.backend.train_step(micro_batches)
                     except StepAbandoned as exc:
                         self._abandon(launched, stop.signum, exc)
@@ -375,6 +375,15 @@ class _Run:
             self.backend.micro_batch_hook = self.backend.layer_hook = None
             feed.close()
         return launched
+
+    @staticmethod
+    def _read(feed, count: int, watch: StepWatch) -> List[Dict[str, Any]]:
+        """The next call's ``count`` micro-batches; ``watch.read`` may drop the step on a stop."""
+        micro_batches = []
+        for index in range(count):
+            micro_batches.append(next(feed))
+            watch.read(index, count)
+        return micro_batches
 
     def _read_due(self, step: int) -> bool:
         t = self.config.train

@@ -107,6 +107,7 @@ class StepWatch:
         self.estimated = False
         self.micro_batches = self.done = 0  # in this call: micro-batches, and those finished
         self.done_at = 0.0  # when the last micro-batch finished (or the call started)
+        self.read_from = 0.0  # when the loop began reading the next call's micro-batches (``read``)
         self.traced = False  # this call began with a trace of the model (the mock's compile)
 
     def start(self, step: int, steps_in_call: int, micro_batches: int = 0) -> None:
@@ -115,6 +116,17 @@ class StepWatch:
         self.step, self.steps_in_call, self.micro_batches = step, steps_in_call, micro_batches
         self.started = self.last_line = self.done_at = self.clock()
         self.done, self.traced = 0, False
+
+    def read(self, index: int, count: int) -> None:
+        """The loop read micro-batch ``index`` of the ``count`` of the next call (before
+        ``start``): thousands of them take seconds on a busy host, so a stop that comes meanwhile
+        drops the step once reading has taken ``ABANDON_FROM_SECONDS`` (a quick read is followed
+        by the step and a checkpoint, as at any step boundary)."""
+        now = self.clock()
+        if index == 0:
+            self.read_from = now
+        elif self.stop.signum is not None and self.can_abandon and now - self.read_from > ABANDON_FROM_SECONDS:
+            raise StepAbandoned(0, count, where=f"while its micro-batches were read ({index + 1} of {count})")
 
     def __call__(self, index: int, count: int) -> None:
         done = self.done = index + 1

@@ -137,6 +137,19 @@ def test_the_first_layer_of_a_call_waits_for_the_next_one_to_judge():
     assert abandoned.value.where == "in micro-batch 1 of 4 (forward, layer 2 of 4)"
 
 
+def test_a_stop_while_thousands_of_micro_batches_are_read_drops_the_step_once_reading_is_slow():
+    now, stop = [0.0], FakeStop()
+    watch = _watch([], stop, now)
+    watch.read(0, 4096)
+    stop.signum = signal.SIGINT
+    now[0] = 1.5
+    watch.read(1, 4096)  # a quick read: the step runs and the stop comes at its end (with a checkpoint)
+    now[0] = 2.5
+    with pytest.raises(StepAbandoned) as abandoned:
+        watch.read(700, 4096)
+    assert (abandoned.value.done, abandoned.value.where) == (0, "while its micro-batches were read (701 of 4096)")
+
+
 def test_a_stop_while_the_mock_traces_its_compile_abandons_there():
     now, stop = [0.0], FakeStop()
     watch = _watch([], stop, now)
