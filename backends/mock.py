@@ -55,10 +55,10 @@ class MockBackend(PopTorchBackend):
             self.training_model.set_micro_batch_callback(self.micro_batch_done)
             self.layer_handles = watch_layers(self.model, self.layer_done)
 
-    def layer_done(self, phase: str, index: int, count: int) -> None:
+    def layer_done(self, phase: str, index: int, count: int):
         """The executable's first call traces the model before it runs (the mock's compile):
         that forward is reported as "trace"."""
-        super().layer_done(phase if self.training_model.isCompiled() else "trace", index, count)
+        return super().layer_done(phase if self.training_model.isCompiled() else "trace", index, count)
 
     def compute_rate(self):
         """The mock computes on this machine's CPU: its measured rate (an IPU's would be no guide)."""

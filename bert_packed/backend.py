@@ -234,14 +234,17 @@ class Backend:
         if self.micro_batch_hook is not None:
             self.micro_batch_hook(index, count)
 
-    def layer_done(self, phase: str, index: int, count: int) -> None:
+    def layer_done(self, phase: str, index: int, count: int) -> Optional[bool]:
         """Tell the loop that a training micro-batch's ``phase`` ("forward", "backward"; the
         mock's compile: "trace") reaches encoder layer ``index`` (0-based) of ``count``: called by
         the model hooks of ``bert_packed.loop.within_step.watch_layers``, which only a backend
         that runs the layers eagerly on the host installs (never inside a compiled graph). The
-        hook may raise ``StepAbandoned``: let it through, as from ``micro_batch_done``."""
-        if self.layer_hook is not None:
-            self.layer_hook(phase, index, count)
+        hook may raise ``StepAbandoned``: let it through, as from ``micro_batch_done``. False:
+        nobody needs the reports (no loop listening, or its micro-batches are short): the model
+        hooks remove themselves."""
+        if self.layer_hook is None:
+            return False
+        return self.layer_hook(phase, index, count)
 
     def stage_batch(self, batch: Batch) -> Batch:
         """Called on every training micro-batch as it is made, in the loop's prefetch thread (off

@@ -30,6 +30,10 @@ ESTIMATE_FROM_SECONDS = 10.0
 # A stop signal abandons the step when finishing it would take longer than this; a step that is
 # nearly done is finished instead and checkpointed, as at any step boundary.
 ABANDON_FROM_SECONDS = 2.0
+# The layer reports (``watch_layers``) are removed for the rest of the run when the run's first
+# micro-batch took less than this: a stop between micro-batches comes soon enough then, and the
+# hooks would cost a small model's step ~15 %.
+LAYERS_FROM_SECONDS = 1.0
 
 
 def memory_text() -> str:
@@ -50,22 +54,29 @@ def watch_layers(model, layer_done: Callable[[str, int, int], None]) -> List:
     layer's output and of each part's output is ready (before that part's backward). A layer of
     BERT-Large takes seconds on a busy CPU; its parts are a third of that each. The layers are
     the ones the model declares (``model.pipeline_layout()``); the model's code is unchanged.
-    Evaluation (no gradient, eval mode) calls nothing. Returns the hook handles
-    (``handle.remove()``); none for a model that declares no layout. Only for a model run
+    Evaluation (no gradient, eval mode) calls nothing. When ``layer_done`` returns False the
+    hooks remove themselves (a run of short micro-batches, or no run listening). Returns the hook
+    handles (``handle.remove()``); none for a model that declares no layout. Only for a model run
     eagerly: a compiled graph (torch.compile, PopTorch) must not contain them."""
     try:
         layers = list(model.pipeline_layout().layers)
     except NotImplementedError:
         return []
     count, handles = len(layers), []
+
+    def report(phase: str, index: int) -> None:
+        if layer_done(phase, index, count) is False:
+            for handle in handles:
+                handle.remove()
+
     for index, layer in enumerate(layers):
         def before(module, args, index=index):
             if module.training and torch.is_grad_enabled():
-                layer_done("forward", index, count)
+                report("forward", index)
 
         def after(module, args, output, index=index):
             if module.training and isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(lambda grad: layer_done("backward", index, count))
+                output.register_hook(lambda grad: report("backward", index))
 
         for part in (layer, *layer.children()):
             handles += [part.register_forward_pre_hook(before), part.register_forward_hook(after)]
@@ -108,6 +119,7 @@ class StepWatch:
         self.micro_batches = self.done = 0  # in this call: micro-batches, and those finished
         self.done_at = 0.0  # when the last micro-batch finished (or the call started)
         self.read_from = 0.0  # when the loop began reading the next call's micro-batches (``read``)
+        self.layers_wanted: Optional[bool] = None  # decided by the run's first micro-batch (``layer``)
         self.traced = False  # this call began with a trace of the model (the mock's compile)
 
     def start(self, step: int, steps_in_call: int, micro_batches: int = 0) -> None:
@@ -132,6 +144,8 @@ class StepWatch:
         done = self.done = index + 1
         self.done_at = self.clock()
         elapsed = self.done_at - self.started
+        if self.layers_wanted is None:
+            self.layers_wanted = elapsed >= LAYERS_FROM_SECONDS
         per_micro_batch = elapsed / done
         left = per_micro_batch * (count - done)  # seconds, at this step's pace so far
         if self.stop.signum is not None and self.can_abandon and left > ABANDON_FROM_SECONDS:
@@ -157,19 +171,22 @@ class StepWatch:
             self.write(f"step {self.step}: micro-batch {done}/{count}, {duration_text(elapsed)} so far, "
                        f"~{duration_text(left)} left in this step")
 
-    def layer(self, phase: str, index: int, count: int) -> None:
+    def layer(self, phase: str, index: int, count: int) -> bool:
         """The backend's layer hook (``Backend.layer_done``): the current micro-batch's ``phase``
         reaches encoder layer ``index`` of ``count``. A stop abandons the step here when the rest
         of it would take longer than ``ABANDON_FROM_SECONDS``; else, while a micro-batch is slow to
         come, the progress says where it is and how much memory the process holds (the first
-        minute of a huge run)."""
+        minute of a huge run). Returns False once the run's first micro-batch was short: the
+        layer reports are then removed (``watch_layers``)."""
+        if self.layers_wanted is False:
+            return False
         if phase == "trace":
             self.traced = True
         abandon = (self.stop.signum is not None and self.can_abandon
                    and self._left(phase, index, count) > ABANDON_FROM_SECONDS)
         if not abandon and (self.write is None or self.clock() - max(self.last_line, self.done_at) < (
                 LINE_EVERY_SECONDS if self.status is None else STATUS_EVERY_SECONDS)):
-            return  # the common case (a micro-batch shorter than a progress interval says it at its end)
+            return True  # the common case (a micro-batch shorter than a progress interval says it at its end)
         if phase == "trace":
             doing, detail = "tracing the model to compile it", f"layer {index + 1} of {count}"
         else:
@@ -183,8 +200,9 @@ class StepWatch:
         memory = f", {rss}" if rss else ""
         if self.status is not None:
             self.status(f"step {self.step}: {doing}: {detail}{memory}")
-            return
-        self.write(f"step {self.step}: {doing}: {detail}, {duration_text(now - self.started)} so far{memory}")
+        else:
+            self.write(f"step {self.step}: {doing}: {detail}, {duration_text(now - self.started)} so far{memory}")
+        return True
 
     def _left(self, phase: str, index: int, count: int) -> float:
         """Seconds the call would still take, from its pace so far in layer units (a layer's

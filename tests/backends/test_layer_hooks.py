@@ -86,3 +86,27 @@ def test_the_hooks_change_no_number_of_the_step():
                                                                                               "grad_norm")]
     assert all(torch.equal(x, y) for x, y in zip(model_a.state_dict().values(), model_b.state_dict().values()))
     assert np.isfinite(float(a["loss"]))
+
+
+def _hooked(model):
+    return any(part._forward_pre_hooks or part._forward_hooks for part in model.bert.encoder.layer.modules())
+
+
+def test_after_a_short_first_micro_batch_the_hooks_remove_themselves(monkeypatch):
+    import bert_packed.loop.within_step as within_step
+    from bert_packed.loop.within_step import StepWatch
+
+    class NoStop:
+        signum = None
+
+    for seconds, kept in ((60.0, False), (0.0, True)):  # a tiny model's micro-batch: milliseconds
+        monkeypatch.setattr(within_step, "LAYERS_FROM_SECONDS", seconds)
+        backend, model, batches = _prepared("cpu")
+        watch = StepWatch(None, NoStop(), total_steps=2, can_abandon=True)
+        backend.micro_batch_hook, backend.layer_hook = watch, watch.layer
+        watch.start(1, 1, len(batches))
+        backend.train_step(batches)
+        assert _hooked(model) == kept
+    backend, model, batches = _prepared("cpu")  # no loop listening: removed at the first report
+    backend.train_step(batches)
+    assert not _hooked(model)

@@ -26,9 +26,10 @@ from hostile import TINY, run_ok
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 LAYERS = 8
-# From the second step on every encoder layer's training forward takes 2.5 s: a micro-batch of
-# 20 s that does not depend on how busy the machine is (a model made slow by its size would be
-# 3-13x slower on a loaded 2-core host than on an idle one).
+# Every encoder layer's training forward takes 0.2 s in step 1 (a first micro-batch of over a
+# second: the layer reports stay, ``LAYERS_FROM_SECONDS``), 2.5 s from step 2 on: a micro-batch
+# of 20 s that does not depend on how busy the machine is (a model made slow by its size would
+# be 3-13x slower on a loaded 2-core host than on an idle one).
 SLOW_LAYERS = f"""
 import time, torch
 import backends.cpu as cpu
@@ -39,8 +40,8 @@ def train_step(self, micro_batches):
     calls[0] += 1
     return real_step(self, micro_batches)
 def forward(self, *args):
-    if calls[0] >= 2 and torch.is_grad_enabled():
-        time.sleep(2.5)
+    if torch.is_grad_enabled():
+        time.sleep(2.5 if calls[0] >= 2 else 0.2)
     return real_forward(self, *args)
 cpu.CPUBackend.train_step, modeling.BertLayer.forward = train_step, forward
 """
@@ -233,7 +234,7 @@ class SignalledInLayer(CPUBackend):
         if (self.calls, self.micro_batch, phase, index) == self.at:
             self.at = None  # once (a layer reports once per part of it)
             os.kill(os.getpid(), self.signum)  # the handler runs before the next line
-        super().layer_done(phase, index, count)
+        return super().layer_done(phase, index, count)
 
 
 ACCUMULATING = ["train.steps=4", "train.gradient_accumulation=3", "train.packing_adjustment=none",
@@ -244,6 +245,7 @@ ACCUMULATING = ["train.steps=4", "train.gradient_accumulation=3", "train.packing
 def test_a_stop_in_a_backward_pass_drops_the_step_and_the_resume_equals_the_uninterrupted_run(tmp_path,
                                                                                                 monkeypatch):
     monkeypatch.setattr(within_step, "ABANDON_FROM_SECONDS", 0.0)  # every step counts as long
+    monkeypatch.setattr(within_step, "LAYERS_FROM_SECONDS", 0.0)  # and every micro-batch
     config = load_config("tiny", ACCUMULATING)
     train(config, CPUBackend(), output_dir=str(tmp_path / "full"), show_progress=False)
     cut = tmp_path / "cut"
@@ -262,9 +264,10 @@ def test_a_stop_in_a_backward_pass_drops_the_step_and_the_resume_equals_the_unin
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
-def test_a_stop_in_a_fast_step_still_finishes_it_with_a_checkpoint(tmp_path):
+def test_a_stop_in_a_fast_step_still_finishes_it_with_a_checkpoint(tmp_path, monkeypatch):
     """Layers of milliseconds: the rest of the step is short, so it is finished and checkpointed
     (today's step-boundary stop), not dropped."""
+    monkeypatch.setattr(within_step, "LAYERS_FROM_SECONDS", 0.0)  # the layers keep reporting
     config = load_config("tiny", ACCUMULATING)
     with pytest.raises(Interrupted) as stopped:
         train(config, SignalledInLayer(call=3, micro_batch=0, phase="forward", index=1), output_dir=str(tmp_path),
