@@ -31,6 +31,7 @@ from bert_packed.dropout import host_dropout
 from bert_packed.config import ConfigError
 from bert_packed.backend import Backend, Profiling, StepMetrics
 from bert_packed.loop.estimate import host_flops_per_second
+from bert_packed.loop.within_step import watch_layers
 from bert_packed.losses import metric_keys, step_normalizers
 from bert_packed.optim import grad_norm_, step_unless_non_finite
 
@@ -148,6 +149,7 @@ class CPUBackend(Backend, Profiling):
         self.used_learning_rate: Optional[float] = None  # the rate of the last update (optimizer_step)
         self.num_steps = self.num_recompiles = 0
         self.cpu_bf16 = False  # cpu.precision=bf16 (set by prepare): the forward under bf16 autocast
+        self.layer_handles: List[Any] = []  # the model hooks of watch_layers (prepare)
 
     # -- hooks (override in subclasses) ----------------------------------------------------
 
@@ -271,6 +273,17 @@ class CPUBackend(Backend, Profiling):
         replica = self.replicate(self.model)
         self.forward_module = self.wrap_model(self.model)
         self.train_module = self.forward_module if replica is self.model else self.wrap_model(replica)
+        self.watch_layers()
+
+    def watch_layers(self) -> None:
+        """A micro-batch run eagerly on the host CPU can take minutes (BERT-Large at S=512): hooks
+        on the model's encoder layers report its forward and backward layer by layer
+        (``Backend.layer_done``: where it is, a stop inside it). Not on a GPU, whose layers the
+        host only queues, nor in a compiled graph (``compile``: dynamo would trace the hooks)."""
+        for handle in self.layer_handles:
+            handle.remove()
+        eager_on_host = self.device.type == "cpu" and not self.plan.settings.compile
+        self.layer_handles = watch_layers(self.model, self.layer_done) if eager_on_host else []
 
     def state_dict(self) -> Dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict()}

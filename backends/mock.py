@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipu.mock_popart as mock_popart
 import ipu.mock_poptorch as mock_poptorch
 from bert_packed.loop.estimate import host_flops_per_second
+from bert_packed.loop.within_step import watch_layers
 from backends.ipu import PopTorchBackend
 from ipu import options as ipu_options
 from ipu.estimates import install_mock_estimators
@@ -38,13 +39,26 @@ class MockBackend(PopTorchBackend):
     def __init__(self) -> None:
         install_mock_estimators(mock_poptorch)
         super().__init__(poptorch=mock_poptorch, popart=mock_popart, popdist=ipu_options.import_popdist())
+        self.layer_handles = []
 
     def prepare(self, model, optimizer, plan, **kwargs) -> None:
         """PopTorch's prepare, then the mock's per-micro-batch report wired to the loop's hook
-        (``Backend.micro_batch_done``): a real IPU runs the step in one device call."""
+        (``Backend.micro_batch_done``): a real IPU runs the step in one device call. The mock
+        runs the model eagerly on the host, a micro-batch of BERT-Large in minutes: hooks on its
+        encoder layers report each layer of it too (``Backend.layer_done``), which a real IPU,
+        running a compiled graph, cannot do."""
         super().prepare(model, optimizer, plan, **kwargs)
+        for handle in self.layer_handles:
+            handle.remove()
+        self.layer_handles = []
         if self.training_model is not None:
             self.training_model.set_micro_batch_callback(self.micro_batch_done)
+            self.layer_handles = watch_layers(self.model, self.layer_done)
+
+    def layer_done(self, phase: str, index: int, count: int):
+        """The executable's first call traces the model before it runs (the mock's compile):
+        that forward is reported as "trace"."""
+        return super().layer_done(phase if self.training_model.isCompiled() else "trace", index, count)
 
     def compute_rate(self):
         """The mock computes on this machine's CPU: its measured rate (an IPU's would be no guide)."""

@@ -32,7 +32,11 @@ M = max masked tokens per pack; batch fields as in docs/internals.md.
   After each training micro-batch's forward and backward are issued, a backend whose step is a
   loop on the host calls ``micro_batch_done(i, n)`` (no device synchronisation: the loop uses it
   for progress inside a long step and to stop between micro-batches, raising
-  ``StepAbandoned``, which the backend lets through without applying any update).
+  ``StepAbandoned``, which the backend lets through without applying any update). A backend
+  that runs a micro-batch eagerly on the host, layer by layer (cpu, the mock), also calls
+  ``layer_done(phase, k, n)`` as its forward and backward reach each encoder layer
+  (``bert_packed.loop.within_step.watch_layers`` installs the model hooks that do): a micro-batch
+  of minutes then shows where it is and stops inside, raising ``StepAbandoned`` the same way.
 - ``eval_step(batch)``: the same metrics for one micro-batch, no update.
 - ``predict_step(batch, names)``: the model's ``names`` outputs as float32 numpy arrays.
 - ``Profiling.profile(model, batch, num_repeats=)`` -> ``{"cost": float, "unit": str,
@@ -54,10 +58,13 @@ Metrics = Dict[str, float]
 class StepAbandoned(Exception):
     """Raised by the loop's micro-batch hook (``Backend.micro_batch_done``) to stop a step before
     its update: a stop signal during a step that would take long to finish. ``done`` of ``count``
-    micro-batches of the call had run; no optimizer or schedule update was applied."""
+    micro-batches of the call had run; no optimizer or schedule update was applied. ``where``: the
+    point it stopped at, for the user (default "after micro-batch {done} of {count}"; inside a
+    micro-batch, ``Backend.layer_done``, e.g. "in micro-batch 1 of 4096 (backward, layer 20 of 24)")."""
 
-    def __init__(self, done: int, count: int):
-        super().__init__(f"step abandoned after micro-batch {done} of {count}")
+    def __init__(self, done: int, count: int, where: Optional[str] = None):
+        self.where = where or f"after micro-batch {done} of {count}"
+        super().__init__(f"step abandoned {self.where}")
         self.done, self.count = done, count
 
 
@@ -122,6 +129,9 @@ class Backend:
     #: Set by the training loop: called as ``micro_batch_hook(i, n)`` after micro-batch i (0-based)
     #: of the n of a ``train_step`` call was issued (``micro_batch_done``); None outside a run.
     micro_batch_hook: Optional[Callable[[int, int], None]] = None
+    #: Set by the training loop with ``micro_batch_hook``: called as ``layer_hook(phase, k, n)`` when a
+    #: training micro-batch's ``phase`` reaches encoder layer k (0-based) of n (``layer_done``).
+    layer_hook: Optional[Callable[[str, int, int], None]] = None
 
     def __init__(self) -> None:
         self.plan = None  # the StepPlan of prepare()
@@ -223,6 +233,18 @@ class Backend:
         never calls it; the loop then shows progress per step only."""
         if self.micro_batch_hook is not None:
             self.micro_batch_hook(index, count)
+
+    def layer_done(self, phase: str, index: int, count: int) -> Optional[bool]:
+        """Tell the loop that a training micro-batch's ``phase`` ("forward", "backward"; the
+        mock's compile: "trace") reaches encoder layer ``index`` (0-based) of ``count``: called by
+        the model hooks of ``bert_packed.loop.within_step.watch_layers``, which only a backend
+        that runs the layers eagerly on the host installs (never inside a compiled graph). The
+        hook may raise ``StepAbandoned``: let it through, as from ``micro_batch_done``. False:
+        nobody needs the reports (no loop listening, or its micro-batches are short): the model
+        hooks remove themselves."""
+        if self.layer_hook is None:
+            return False
+        return self.layer_hook(phase, index, count)
 
     def stage_batch(self, batch: Batch) -> Batch:
         """Called on every training micro-batch as it is made, in the loop's prefetch thread (off

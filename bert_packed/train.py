@@ -47,7 +47,7 @@ from bert_packed.loop.plan import StepPlan, make_plan
 from bert_packed.loop.prefetch import Prefetcher
 from bert_packed.loop.stops import (CollectiveTimeout, DivergenceError, Interrupted, StopSignals,  # noqa: F401
                                     TrainingStopped)
-from bert_packed.loop.within_step import StepWatch
+from bert_packed.loop.within_step import StepWatch, memory_text
 from bert_packed.task import get_task
 
 SUMMARY_NAME = "summary.json"
@@ -247,8 +247,10 @@ class _Run:
         state = self.state
         if state is not None and state["step"] >= plan.steps:
             return False
-        self._warn_if_slow(plan, plan.steps - (state["step"] if state is not None else 0))
+        self.slow = self._warn_if_slow(plan, plan.steps - (state["step"] if state is not None else 0))
+        self._setup_note("building the model")
         self.model = task.build_model()
+        self._setup_note("building the optimizer")
         self.optimizer, self.scheduler = build_optimizer(config, self.model, plan.betas, steps=plan.steps)
         backend_state = None
         if state is not None:  # restored on the host, before the backend compiles anything
@@ -258,11 +260,13 @@ class _Run:
             self.source.load_state_dict(state["data"][self.rank], force=self.resume_force)
             task.load_state_dict(state.get("task") or {})
             backend_state = self.checkpointer.backend_state(state, self.rank)
+        self._setup_note(f"preparing the {backend.name} backend")
         backend.prepare(self.model, self.optimizer, plan, scheduler=self.scheduler, state=backend_state)
         # Held-out data, built once before the first step; evaluated every eval_every steps and at
         # the end (a task that must report validation metrics evaluates at the end regardless).
         self.evaluating = t.eval_every > 0 or task.always_evaluate
         if self.evaluating:
+            self._setup_note("preparing the evaluation data")
             task.prepare_evaluation(micro_batch_size=t.micro_batch_size, rank=self.rank, world_size=self.world_size)
         self.start_step, totals = 0, None
         if state is not None:
@@ -280,16 +284,25 @@ class _Run:
         self._opening_line()
         return True
 
-    def _warn_if_slow(self, plan: StepPlan, steps: int) -> None:
+    def _warn_if_slow(self, plan: StepPlan, steps: int) -> bool:
         """One warning line, before the model is built, when a step would take many minutes on
-        this backend (``loop.estimate``): a first run of phase2 on a CPU is hours per step."""
+        this backend (``loop.estimate``): a first run of phase2 on a CPU is hours per step. True
+        when it warned (the set-up then says what it does: ``_setup_note``)."""
         if not self.is_main:
-            return
+            return False
         packs = plan.micro_batches_per_step * plan.micro_batch_size  # this process's share of a step
         line = slow_step_warning(self.config, packs_per_step=packs, steps=steps, rate=self.backend.compute_rate,
                                  backend_name=self.backend.label)
         if line:
             print(f"warning: {line}", file=sys.stderr, flush=True)
+        return bool(line)
+
+    def _setup_note(self, what: str) -> None:
+        """A run warned to be huge shows where its set-up is (building BERT-Large and its
+        optimizer takes a minute on a busy CPU) and the memory it holds; a fast run says nothing."""
+        if self.slow and self.show_progress:
+            memory = memory_text()
+            print(f"setup: {what}{f' ({memory})' if memory else ''}", flush=True)
 
     def _unchanged_summary(self) -> Dict[str, Any]:
         """A resumed run already at its last step: every file stays as it is (rewriting
@@ -340,16 +353,16 @@ class _Run:
                 progress = self.logger.progress
                 watch = StepWatch(self.logger.write if progress.enabled else None, stop, total_steps=plan.steps,
                                   can_abandon=can_abandon, status=progress.status())
-                self.backend.micro_batch_hook = watch
+                self.backend.micro_batch_hook, self.backend.layer_hook = watch, watch.layer
                 while launched < plan.steps:
                     calls = min(plan.steps_per_call, plan.steps - launched)
                     data_start = time.perf_counter()
-                    micro_batches = [next(feed) for _ in range(plan.micro_batches_per_step * calls)]
-                    data_seconds = time.perf_counter() - data_start
-                    self.data_wait.add(data_seconds)
-                    start = time.perf_counter()
-                    watch.start(launched + 1, calls)
                     try:
+                        micro_batches = self._read(feed, plan.micro_batches_per_step * calls, watch)
+                        data_seconds = time.perf_counter() - data_start
+                        self.data_wait.add(data_seconds)
+                        start = time.perf_counter()
+                        watch.start(launched + 1, calls, len(micro_batches))
                         results = self.backend.train_step(micro_batches)
                     except StepAbandoned as exc:
                         self._abandon(launched, stop.signum, exc)
@@ -369,9 +382,18 @@ class _Run:
                         self._interrupt(launched, stop.signum or signal.SIGTERM)
         finally:
             self.data_wait.stop()
-            self.backend.micro_batch_hook = None
+            self.backend.micro_batch_hook = self.backend.layer_hook = None
             feed.close()
         return launched
+
+    @staticmethod
+    def _read(feed, count: int, watch: StepWatch) -> List[Dict[str, Any]]:
+        """The next call's ``count`` micro-batches; ``watch.read`` may drop the step on a stop."""
+        micro_batches = []
+        for index in range(count):
+            micro_batches.append(next(feed))
+            watch.read(index, count)
+        return micro_batches
 
     def _read_due(self, step: int) -> bool:
         t = self.config.train
@@ -476,8 +498,8 @@ class _Run:
         saved = self.checkpointer.last_step
         kept = (f"the checkpoint {self.checkpointer.path} (step {saved}) is kept: --resume continues from step "
                 f"{saved + 1}" if saved else "no checkpoint was written yet: a new run starts from step 1")
-        message = (f"{signal.Signals(signum).name} during step {step + 1} of {self.plan.steps}, after "
-                   f"micro-batch {exc.done} of {exc.count}: the unfinished step was dropped; {kept}")
+        message = (f"{signal.Signals(signum).name} during step {step + 1} of {self.plan.steps}, {exc.where}: "
+                   f"the unfinished step was dropped; {kept}")
         self.summary("interrupted", step, message)
         raise Interrupted(message, signum)
 

@@ -57,7 +57,8 @@ TORCH_2_0.update({f"Tensor.{name}": set() for name in (
     "permute", "size", "eq", "item", "exp", "log", "max", "min", "abs", "type_as", "new_zeros", "fill_", "zero_",
     "masked_fill_", "view_as", "expand_as", "flatten", "chunk", "__len__", "numel", "tolist", "cpu",
     "requires_grad_", "to", "float", "bool", "logical_and", "all", "any", "lt", "le", "ge", "sign", "rsqrt", "pow",
-    "neg", "sigmoid", "tanh", "softmax", "log_softmax", "matmul", "bmm", "baddbmm", "addmm", "index_select")})
+    "neg", "sigmoid", "tanh", "softmax", "log_softmax", "matmul", "bmm", "baddbmm", "addmm", "index_select",
+    "register_hook")})  # register_hook(hook): the mock's layer reports (loop.within_step.watch_layers)
 
 # attribute chain -> the torch version that added it (tripwire for the static scan)
 POST_2_0 = {
