@@ -105,6 +105,8 @@ def test_warning_for_settings_of_another_backend():
     config = load_config("tiny", ["cuda.precision=fp16"])
     (warning,) = validate(config, get_backend_class("cpu"))
     assert "cuda.{precision}" in warning and "backend 'cpu'" in warning
+    # (cuda.fit_micro_batch=false: without a GPU to fit the micro-batch to, the cuda backend says so)
+    config = load_config("tiny", ["cuda.precision=fp16", "cuda.fit_micro_batch=false"])
     assert validate(config, get_backend_class("cuda")) == []
     assert validate(load_config("phase2"), get_backend_class("cpu")) == []  # its YAML ipu section is not nagged about
 
