@@ -65,7 +65,7 @@ CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 __all__ = ["ConfigError", "Config", "ModelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "FinetuneConfig",
            "register_section", "register_task_fields", "register_resolver", "section_names", "bounded", "load_config",
            "config_from_dict", "resolve_config_path",
-           "validate", "resume_harmless_keys", "input_paths", "dump",
+           "validate", "model_rules", "model_shape_error", "resume_harmless_keys", "input_paths", "dump",
            "CONFIG_DIR"]
 
 AUTO_ATTENTION = "auto"  # model.attention_implementation chosen by the backend (validate)
@@ -104,7 +104,8 @@ class ModelConfig:
     max_position_embeddings: int = bounded(512, ge=1, **at_most(2**20, "16 times the longest sequence a run takes"))
     # Segment (token type) table: ids 0 and 1 (sentences A and B) are used; checkpoints hold 1 to 16.
     type_vocab_size: int = bounded(2, ge=1, **at_most(1024, "only segment ids 0 and 1 are ever used"))
-    hidden_act: str = "gelu"
+    # A name of bert_packed.modeling's activations (checked when the model is built).
+    hidden_act: str = field(default="gelu", metadata={"what": "the name of an activation (e.g. \"gelu\")"})
     hidden_dropout_prob: float = bounded(0.1, ge=0.0, lt=1.0)
     attention_probs_dropout_prob: float = bounded(0.1, ge=0.0, lt=1.0)
     # Added to a variance of order 1 (BERT: 1e-12): above 1 it outweighs it and LayerNorm stops normalising.
@@ -126,7 +127,7 @@ class ModelConfig:
     # Tokenizer shipped with the Hugging Face export (a tokenizer directory or vocab.txt);
     # null = the init checkpoint's.
     tokenizer: Optional[str] = None
-    # An id of the vocabulary (checked against model.vocab_size when the model is built).
+    # An id of the vocabulary (below model.vocab_size: model_shape_error).
     pad_token_id: Optional[int] = bounded(0, ge=0, **at_most(limits.VOCABULARY["le"] - 1, "an id of the vocabulary"))
     tie_word_embeddings: bool = True
     # Dropout before a task head; null = hidden_dropout_prob (Hugging Face's rule).
@@ -672,14 +673,43 @@ def validate(config: Config, backend, world_size: int = 1) -> List[str]:
     return warns
 
 
+_MODEL_RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {}
+
+
+def model_rules() -> Dict[str, Tuple[Callable[[Any], bool], str]]:
+    """field -> (test, what it must be) of every field of the model section, from its declaration
+    (type, choices, the bounds that are part of its meaning: ``limits.value_rule``): the checks of
+    values that do not come through this module's parsing, a ``BertConfig`` built in code
+    (``bert_packed.modeling``) and a checkpoint's ``config.json`` (``bert_packed.hf_io``)."""
+    if not _MODEL_RULES:
+        hints = typing.get_type_hints(ModelConfig)
+        _MODEL_RULES.update({f.name: limits.value_rule(hints[f.name], dict(f.metadata))
+                             for f in dataclasses.fields(ModelConfig)})
+    return _MODEL_RULES
+
+
+def model_shape_error(values: Any, prefix: str = "model.") -> Optional[str]:
+    """The one-line reason the model's fields (``values``: an object with the model section's
+    attributes, e.g. ``config.model`` or a ``BertConfig``) do not fit together, or None: the heads
+    divide the hidden size, the padding id is one of the vocabulary's. Each field itself is checked
+    first (bounds, ``model_rules``). ``prefix`` leads every field name in the message."""
+    hidden, heads = values.hidden_size, values.num_attention_heads
+    if hidden % heads:
+        return (f"{prefix}hidden_size={hidden} is not divisible by {prefix}num_attention_heads={heads}; pick a head "
+                f"count that divides it")
+    pad, vocab = values.pad_token_id, values.vocab_size
+    if pad is not None and pad >= vocab:
+        return f"{prefix}pad_token_id={pad} is outside the vocabulary [0, {vocab}) ({prefix}vocab_size)"
+    return None
+
+
 def _check(config: Config, backend, world_size: int) -> List[str]:
     """``validate``'s checks."""
     check_bounds(config)
     m, d = config.model, config.data
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"
-        )
+    shape_error = model_shape_error(m)
+    if shape_error is not None:
+        raise ConfigError(shape_error)
     if m.type_vocab_size < 2:
         # Pre-training sequences are [CLS] A [SEP] B [SEP] with segment ids 0 and 1 (NSP).
         raise ConfigError(f"model.type_vocab_size={m.type_vocab_size} but pre-training (next-sentence "
