@@ -71,3 +71,20 @@ def test_the_memory_estimate_counts_scores_by_the_declaration(monkeypatch):
     assert cuda_config.pack_activation_bytes(config, "scoreless_test") < dense / 1.5
     _register(monkeypatch, "scoreless_test", keeps_scores=True)
     assert cuda_config.pack_activation_bytes(config, "scoreless_test") == dense
+
+
+@pytest.mark.parametrize("name", ["flex", "varlen"])
+def test_the_cpu_backend_refuses_a_gpu_only_attention_before_writing_anything(tmp_path, capsys, name):
+    """It used to get as far as the first forward; the declaration refuses it at start-up."""
+    import run
+
+    if attention.find_attention(name) is None:
+        pytest.skip(f"{name} is not available with torch {torch.__version__}")
+    out = tmp_path / "run"
+    code = run.main(["--backend", "cpu", "--config", "tiny", "--no-progress", "--output-dir", str(out),
+                     "--set", f"model.attention_implementation={name}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: backend 'cpu' cannot train model.attention_implementation={name}: torch has "
+                             f"no ") and "on a CPU; use attention 'dense' or 'sdpa' there, or a GPU" in err[0]
+    assert not out.exists() and list(tmp_path.iterdir()) == []
