@@ -65,7 +65,8 @@ CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 __all__ = ["ConfigError", "Config", "ModelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "FinetuneConfig",
            "register_section", "register_task_fields", "register_resolver", "section_names", "bounded", "load_config",
            "config_from_dict", "resolve_config_path",
-           "validate", "resolve_run", "resolve_attention", "ResolvedRun", "model_rules", "model_shape_error", "resume_harmless_keys", "input_paths", "dump",
+           "validate", "resolve_run", "resolve_attention", "ResolvedRun", "model_rules", "model_shape_error",
+           "resume_harmless_keys", "input_paths", "dump",
            "CONFIG_DIR"]
 
 AUTO_ATTENTION = "auto"  # model.attention_implementation chosen by the backend (resolve_attention)

@@ -88,7 +88,7 @@ def _field_rules() -> Dict[str, Any]:
     """field -> (test, what it must be) of the architecture fields a ``config.json`` gives: the
     model section's declared rules (bert_packed.config.model_rules), and ``problem_type``'s."""
     rules = model_rules()
-    return {**{name: rules[name] for name in (*SHAPE_FIELDS, *BEHAVIOUR_FIELDS)},
+    return {**{name: rules[name] for name in (*SHAPE_FIELDS, *BEHAVIOUR_FIELDS) if name in rules},
             "problem_type": value_rule(Optional[str], PROBLEM_TYPE)}
 
 

@@ -41,8 +41,9 @@ from torch import nn
 from bert_packed import attention as attention_registry
 from bert_packed.attention import profiler_scope
 from bert_packed.config import model_rules, model_shape_error
-from bert_packed.limits import PROBLEM_TYPE, PROBLEM_TYPES, value_rule
 from bert_packed.dropout import Dropout
+# PROBLEM_TYPES: Hugging Face's names (``BertConfig.problem_type``); None resolves as Hugging Face does.
+from bert_packed.limits import PROBLEM_TYPE, PROBLEM_TYPES, value_rule
 from bert_packed.losses import (PRETRAINING_COUNTS, PRETRAINING_METRICS,
                                  add_step_normalizers, mlm_loss_terms, normalize, nsp_loss_terms)
 
@@ -79,7 +80,6 @@ PRETRAINING_FIELDS = (
     "nsp_weights",  # [B,K] 1.0 where sequence k exists
 )
 OPTIONAL_FIELDS = ("mlm_normalizer", "nsp_normalizer")  # [B] float, the step's global counts
-# Hugging Face's names (``BertConfig.problem_type``, bert_packed.limits); None resolves as Hugging Face does.
 
 
 class ModelConfigError(ValueError):

@@ -103,7 +103,8 @@ def test_sanity_maximums_stay_the_configs_and_meaningful_ones_are_everyones():
     read from a checkpoint; a maximum that is the value's meaning (dropout < 1) bounds all."""
     from bert_packed.limits import HIDDEN
 
-    assert tiny_config(hidden_size=HIDDEN["le"] + 4, num_attention_heads=4, intermediate_size=8).hidden_size > HIDDEN["le"]
+    wide = tiny_config(hidden_size=HIDDEN["le"] + 4, num_attention_heads=4, intermediate_size=8)
+    assert wide.hidden_size > HIDDEN["le"]
     with pytest.raises(ModelConfigError, match=r"attention_probs_dropout_prob must be a number in \[0, 1\), got 1.0"):
         tiny_config(attention_probs_dropout_prob=1.0)
 
@@ -113,7 +114,8 @@ def test_the_shape_rules_are_one_function_for_the_config_and_the_model():
     from bert_packed.config import ConfigError, load_config, validate
 
     for overrides, fragment in ((["model.hidden_size=30", "model.num_attention_heads=4"],
-                                 "hidden_size=30 is not divisible by {p}num_attention_heads=4; pick a head count that divides it"),
+                                 "hidden_size=30 is not divisible by {p}num_attention_heads=4; pick a head count "
+                                 "that divides it"),
                                 (["model.pad_token_id=300", "model.vocab_size=300"],
                                  "pad_token_id=300 is outside the vocabulary [0, 300) ({p}vocab_size)")):
         config = load_config("tiny", overrides)
