@@ -38,7 +38,7 @@ try:  # torch loads for seconds: Ctrl-C or SIGTERM meanwhile get the same line a
     from packing.entry import ArgumentParser, run_cli
     from bert_packed import task as tasks
     from bert_packed.backend import OfflineCompile, Profiling, require
-    from bert_packed.config import ConfigError, dump, input_paths, load_config, validate
+    from bert_packed.config import ConfigError, dump, input_paths, load_config, resolve_run
     from bert_packed.io import check_output_dir
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
@@ -135,7 +135,8 @@ def _main(args) -> int:
     overrides += [f"model.init_checkpoint={json.dumps(args.init_checkpoint)}"] if args.init_checkpoint else []
     config = load_config(args.config, overrides)
     # Config mistakes first, the same way whether or not the backend can run here.
-    warnings = validate(config, get_backend_class(args.backend), args.world_size)
+    resolved = resolve_run(config, get_backend_class(args.backend), args.world_size)
+    warnings = resolved.warnings
     if args.print_config:
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
@@ -150,7 +151,7 @@ def _main(args) -> int:
     from bert_packed.train import train
 
     train(config, backend, output_dir=args.output_dir, resume=args.resume or args.resume_force,
-          resume_force=args.resume_force, show_progress=not args.no_progress)
+          resume_force=args.resume_force, show_progress=not args.no_progress, resolved=resolved)
     return 0
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert_packed.attention import AttentionError, get_attention, no_profiler_scopes
+from bert_packed.attention import find_attention, get_attention, list_attention_implementations, no_profiler_scopes
 from bert_packed.dropout import host_dropout
 from bert_packed.config import ConfigError
 from bert_packed.backend import Backend, Profiling, StepMetrics
@@ -97,19 +97,30 @@ def check_cpu_precision(config, section: str) -> None:
                           f"AMX; the bf16 extension on Arm) and this one has none; use {section}.precision=fp32")
 
 
-def check_compiled_attention(config, section: str) -> None:
-    """Refuse ``compile`` with an attention whose shapes follow each batch (``bucketed``), at
-    start-up: every batch would compile a new graph, and the run would stop at the first step
-    after warm-up with a recompile error, minutes of compiling later."""
+def check_attention(config, section: str, device_type: str = "cpu") -> None:
+    """The one start-up check of ``model.attention_implementation`` against a backend's step, by the
+    implementation's declared capabilities (``bert_packed.attention.AttentionImplementation``):
+    ``compile`` with shapes that follow each batch (``bucketed``: every batch would compile a new
+    graph, and the run would stop at the first step after warm-up with a recompile error, minutes
+    of compiling later), and training on a torch device type it does not train on (flex and
+    varlen have no CPU backward), each one line naming what can. An unknown name is the model
+    config's error (one line there); attention dropout is checked on the built model (prepare)."""
     name = config.model.attention_implementation
-    try:
-        static = get_attention(name).static_shapes
-    except AttentionError:
-        return  # an unknown name is the model config's error
-    if config.sections[section].compile and not static:
+    impl = find_attention(name)
+    if impl is None:
+        return
+    settings = config.sections[section]
+    if settings.compile and not impl.static_shapes:
         raise ConfigError(f"{section}.compile cannot compile model.attention_implementation={name}: its shapes "
                           f"depend on each batch (a new graph every step); set {section}.compile=false or use "
                           f"attention 'dense' or 'sdpa'")
+    if not impl.trains_on_device(device_type):
+        able = [n for n in list_attention_implementations()
+                if get_attention(n).trains_on_device(device_type) and get_attention(n).static_shapes]
+        where = f"{section}.device={device_type}" if "device" in vars(settings) else f"backend {section!r}"
+        raise ConfigError(f"{where} cannot train model.attention_implementation={name}: torch has no "
+                          f"{impl.training_needs} on a {device_type.upper()}; use attention "
+                          f"{' or '.join(repr(n) for n in able)} there, or a GPU")
 
 
 class CPUBackend(Backend, Profiling):
@@ -130,7 +141,7 @@ class CPUBackend(Backend, Profiling):
 
     @classmethod
     def validate_config(cls, config, world_size: int) -> List[str]:
-        check_compiled_attention(config, cls.config_section)
+        check_attention(config, cls.config_section)
         check_cpu_precision(config, cls.config_section)
         return []
 

@@ -42,14 +42,13 @@ import torch
 import torch.distributed as dist
 
 from backends import cuda_config
-from backends.cpu import CPUBackend, RecompileError, check_compiled_attention, num_compiled_graphs  # noqa: F401
+from backends.cpu import CPUBackend, RecompileError, check_attention, num_compiled_graphs  # noqa: F401
+from bert_packed.attention import get_attention
 from bert_packed.backend import Deferred, StepMetrics
 from bert_packed.config import ConfigError, check_section
 from bert_packed.optim import Lamb, step_unless_non_finite
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-# Attention implementations with no CPU training path (see docs/cuda.md, "what stays GPU-only").
-_GPU_ONLY_TRAINING = {"flex": "FlexAttention backward", "varlen": "varlen_attn (Flash) kernel"}
 
 
 class CUDABackend(CPUBackend):
@@ -100,12 +99,7 @@ class CUDABackend(CPUBackend):
         notes = list(getattr(cuda, "fitted_notes", ()))
         fresh = cuda_config.fit_micro_batch(config, gpu_memory_bytes(config), world_size)
         cuda.fitted_notes = notes = notes + [n for n in fresh if n not in notes]
-        check_compiled_attention(config, cls.config_section)
-        attention = config.model.attention_implementation
-        if config.sections["cuda"].device == "cpu" and attention in _GPU_ONLY_TRAINING:
-            raise ConfigError(
-                f"cuda.device=cpu cannot train model.attention_implementation={attention}: torch has no "
-                f"{_GPU_ONLY_TRAINING[attention]} on a CPU; use attention 'sdpa' or 'dense' there, or a GPU")
+        check_attention(config, cls.config_section, cuda.device)
         _check_levers(config)
         return notes
 
@@ -141,9 +135,9 @@ class CUDABackend(CPUBackend):
         cuda = self.plan.settings
         attention = model.config.attention_implementation
         dropout = model.config.attention_probs_dropout_prob
-        if attention == "flex" and dropout > 0:
+        if not get_attention(attention).dropout and dropout > 0:
             raise ConfigError(
-                f"model.attention_implementation=flex has no attention dropout but "
+                f"model.attention_implementation={attention} has no attention dropout but "
                 f"model.attention_probs_dropout_prob={dropout}; set it to 0 (Graphcore's phase-2 recipe does) "
                 f"or use attention 'sdpa'"
             )

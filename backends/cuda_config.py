@@ -127,11 +127,18 @@ def pack_activation_bytes(config, attention: str) -> float:
     the pack's masked slots in fp32, with their gradient."""
     m, d = config.model, config.data
     s, h = d.max_sequence_length, m.hidden_size
-    scores = 5 * m.num_attention_heads * s / h if attention in ("dense", "sdpa") else 0.0
+    scores = 5 * m.num_attention_heads * s / h if _keeps_scores(attention) else 0.0
     width = 1.0 if config.sections["cuda"].precision in ("bf16", "fp16") else 2.0
     per_layer = s * h * (34 + scores) * width
     logits = 2 * 4 * (d.max_masked_tokens + d.max_sequences_per_pack - 1) * m.vocab_size
     return m.num_hidden_layers * per_layer + logits
+
+
+def _keeps_scores(attention: str) -> bool:
+    from bert_packed.attention import find_attention
+
+    impl = find_attention(attention)
+    return impl is None or impl.keeps_scores  # unknown: the larger estimate
 
 
 def max_fitting_micro_batch(config, memory_bytes: int, attention: str) -> int:

@@ -44,7 +44,7 @@ import contextlib
 import importlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,7 @@ __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
     "register_attention",
     "get_attention",
+    "find_attention",
     "list_attention_implementations",
     "available_attention_implementations",
     "attention_compute_dtype",
@@ -123,11 +124,26 @@ class AttentionImplementation:
     attend: Callable[..., torch.Tensor]
     check: Optional[Callable[..., None]] = None
     description: str = ""
+    # Capabilities, declared once here and read by whoever decides before anything runs (the
+    # backends' validation, the resolution of ``auto``, memory estimates):
     # False when the tensors' shapes depend on the batch's contents (``bucketed``): a graph
-    # compiled for fixed shapes (PopTorch on the IPU) cannot run it.
+    # compiled for fixed shapes (torch.compile, PopTorch on the IPU) cannot run it.
     static_shapes: bool = True
+    # Torch device types it trains on (None: every one); ``training_needs`` names what the others
+    # lack (e.g. "FlexAttention backward"), for the refusal.
+    trains_on: Optional[Tuple[str, ...]] = None
+    training_needs: str = ""
+    # False when it has no attention dropout: training then needs attention_probs_dropout_prob 0.
+    dropout: bool = True
+    # True when it keeps the [heads, S, S] scores of a pack in memory (a dense mask's), which an
+    # activation-memory estimate counts.
+    keeps_scores: bool = False
     # True when ``prepare`` takes ``max_sequences=K`` (see the module docstring).
     takes_max_sequences: bool = False
+
+    def trains_on_device(self, device_type: str) -> bool:
+        """Whether a training step on torch device type ``device_type`` can run it."""
+        return self.trains_on is None or device_type in self.trains_on
 
 
 ATTENTION_IMPLEMENTATIONS: Dict[str, AttentionImplementation] = {}
@@ -166,6 +182,15 @@ def get_attention(name: str) -> AttentionImplementation:
         known = ", ".join(list_attention_implementations())
         raise AttentionError(f"unknown attention implementation {name!r}; choose one of: {known}")
     return impl
+
+
+def find_attention(name: str) -> Optional[AttentionImplementation]:
+    """The implementation registered as ``name``, or None (an unknown name is refused where the
+    model is configured, with the list of known ones: :func:`get_attention`)."""
+    try:
+        return get_attention(name)
+    except AttentionError:
+        return None
 
 
 def available_attention_implementations(
@@ -295,6 +320,7 @@ register_attention(
         prepare=_prepare_additive_mask,
         attend=dense_attend,
         description="explicit additive block-diagonal mask; runs everywhere, including the IPU",
+        keeps_scores=True,
     ),
 )
 
@@ -337,5 +363,6 @@ register_attention(
         prepare=_prepare_additive_mask,
         attend=sdpa_attend,
         description="torch scaled_dot_product_attention with the additive block-diagonal mask",
+        keeps_scores=True,  # no kernel without scores takes a mask (sdpa_attend)
     ),
 )

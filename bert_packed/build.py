@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from bert_packed.config import AUTO_ATTENTION
+from bert_packed.config import resolve_attention
 from bert_packed.errors import ConfigError
 
 
@@ -16,8 +16,7 @@ def bert_config(config, **overrides):
 
     names = {f.name for f in dataclasses.fields(BertConfig)}
     values = {k: v for k, v in dataclasses.asdict(config.model).items() if k in names}
-    if values.get("attention_implementation") == AUTO_ATTENTION:  # never validated for a backend: the exact default
-        values["attention_implementation"] = "dense"
+    values["attention_implementation"] = resolve_attention(config)  # auto and never validated: the default
     values["max_sequences_per_pack"] = config.data.max_sequences_per_pack
     values["max_masked_tokens_per_pack"] = config.data.max_masked_tokens_per_pack
     try:

@@ -65,10 +65,11 @@ CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 __all__ = ["ConfigError", "Config", "ModelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "FinetuneConfig",
            "register_section", "register_task_fields", "register_resolver", "section_names", "bounded", "load_config",
            "config_from_dict", "resolve_config_path",
-           "validate", "resume_harmless_keys", "input_paths", "dump",
+           "validate", "resolve_run", "resolve_attention", "ResolvedRun", "model_rules", "model_shape_error",
+           "resume_harmless_keys", "input_paths", "dump",
            "CONFIG_DIR"]
 
-AUTO_ATTENTION = "auto"  # model.attention_implementation chosen by the backend (validate)
+AUTO_ATTENTION = "auto"  # model.attention_implementation chosen by the backend (resolve_attention)
 
 
 def _choices(*values: Any) -> Dict[str, Any]:
@@ -104,7 +105,8 @@ class ModelConfig:
     max_position_embeddings: int = bounded(512, ge=1, **at_most(2**20, "16 times the longest sequence a run takes"))
     # Segment (token type) table: ids 0 and 1 (sentences A and B) are used; checkpoints hold 1 to 16.
     type_vocab_size: int = bounded(2, ge=1, **at_most(1024, "only segment ids 0 and 1 are ever used"))
-    hidden_act: str = "gelu"
+    # A name of bert_packed.modeling's activations (checked when the model is built).
+    hidden_act: str = field(default="gelu", metadata={"what": "the name of an activation (e.g. \"gelu\")"})
     hidden_dropout_prob: float = bounded(0.1, ge=0.0, lt=1.0)
     attention_probs_dropout_prob: float = bounded(0.1, ge=0.0, lt=1.0)
     # Added to a variance of order 1 (BERT: 1e-12): above 1 it outweighs it and LayerNorm stops normalising.
@@ -114,8 +116,9 @@ class ModelConfig:
     initializer_range: float = bounded(0.02, ge=0.0, **at_most(1.0, "larger initial weights overflow within a few "
                                                                     "layers (BERT: 0.02)"))
     # Name in bert_packed.attention's registry; "dense" runs everywhere (IPU included). "auto":
-    # the backend chooses when the run is validated (Backend.resolve_attention: the CPU without
-    # compile takes "bucketed", every other backend "dense"); the fine-tuning configs ask for it.
+    # the backend chooses when the run is validated (resolve_attention, Backend.resolve_attention:
+    # the CPU without compile takes "bucketed", a GPU "flex" or "sdpa", every other backend "dense");
+    # the fine-tuning configs and phase2 ask for it.
     attention_implementation: str = "dense"
     # "token": mean over the masked tokens of the step (canonical BERT);
     # "sequence": mean per sequence, then over sequences (the paper's Listing 1).
@@ -126,7 +129,7 @@ class ModelConfig:
     # Tokenizer shipped with the Hugging Face export (a tokenizer directory or vocab.txt);
     # null = the init checkpoint's.
     tokenizer: Optional[str] = None
-    # An id of the vocabulary (checked against model.vocab_size when the model is built).
+    # An id of the vocabulary (below model.vocab_size: model_shape_error).
     pad_token_id: Optional[int] = bounded(0, ge=0, **at_most(limits.VOCABULARY["le"] - 1, "an id of the vocabulary"))
     tie_word_embeddings: bool = True
     # Dropout before a task head; null = hidden_dropout_prob (Hugging Face's rule).
@@ -437,8 +440,7 @@ class Config:
         # The init checkpoint whose model shape the model section holds (set by the one function
         # that resolves it, bert_packed.task.resolve_checkpoint_shape), so it is resolved once.
         self.shape_from: Optional[str] = None
-        self.validated: Optional[tuple] = None  # what validate() was asked and found, so a run validates once
-        # model.attention_implementation was "auto" and validate() chose it for a backend; validated
+        # model.attention_implementation was "auto" and validation chose it for a backend; validated
         # for another backend, the same config chooses again (it is not that backend's choice).
         self.auto_attention = False
 
@@ -659,35 +661,97 @@ def check_bounds(config: Config) -> None:
         check_section(name, obj)
 
 
-def validate(config: Config, backend, world_size: int = 1) -> List[str]:
-    """Raise ConfigError on an inconsistent config; return warnings (one line each).
+@dataclass(frozen=True)
+class ResolvedRun:
+    """What validating a config for one backend and world size settled (:func:`resolve_run`): the
+    attention implementation the model computes with (``auto`` resolved by the backend), the
+    step's micro-batch layout (as the backend fitted it) and the warnings, one line each. The
+    loop takes it from its caller (``train(..., resolved=)``) rather than validating again."""
 
-    ``backend`` is a backend object or class (``backends.get_backend_class(name)``): it
-    validates its own section (``validate_config``) and says how many replicas a process feeds.
-    A run validates once: asked again about the same config, unchanged, for the same backend and
-    world size (``run.py`` validates before it builds the backend, the loop when it starts), it
-    returns the warnings it found the first time."""
-    if config.model.attention_implementation == AUTO_ATTENTION or config.auto_attention:
-        # Resolved here, so the run (its config.yaml, --print-config, checkpoints) names what it
-        # computes with.
-        config.auto_attention = True
-        config.model.attention_implementation = backend.resolve_attention(config)
-    key = (backend.name, world_size, config.to_dict(), {k: sorted(v) for k, v in config.cli_keys.items()})
-    if config.validated is not None and config.validated[0] == key:
-        return list(config.validated[1])
+    backend: str
+    world_size: int
+    attention: str
+    micro_batch_size: int
+    gradient_accumulation: int
+    warnings: Tuple[str, ...]
+
+    def matches(self, backend, world_size: int) -> bool:
+        """Whether it was resolved for ``backend`` (object or class) and ``world_size``."""
+        return (self.backend, self.world_size) == (backend.name, world_size)
+
+
+def resolve_attention(config: Config, backend=None) -> str:
+    """``model.attention_implementation`` as the run computes with it: a named implementation as
+    it is; ``auto`` (the user's, also when an earlier validation for another backend resolved it)
+    the backend's choice (``Backend.resolve_attention``: the one place that knows what ``auto``
+    means there); without a backend (a model built from a config no backend validated) the
+    section's default, ``dense``, the exact one everywhere."""
+    m = config.model
+    if backend is None:  # a config resolved for a backend keeps that backend's choice
+        return ModelConfig.attention_implementation if m.attention_implementation == AUTO_ATTENTION else \
+            m.attention_implementation
+    if m.attention_implementation != AUTO_ATTENTION and not config.auto_attention:
+        return m.attention_implementation
+    m.attention_implementation = AUTO_ATTENTION  # what the backend resolves is the user's auto
+    return backend.resolve_attention(config)
+
+
+def resolve_run(config: Config, backend, world_size: int = 1) -> ResolvedRun:
+    """Check ``config`` for ``backend`` (an object or class, ``backends.get_backend_class(name)``:
+    it validates its own section, ``validate_config``, and says how many replicas a process
+    feeds) and ``world_size`` processes: ConfigError (one line) on an inconsistent config, else
+    the resolved run. The config is updated to what runs (the attention ``auto`` resolved to, the
+    defaults the backend fills in), so its config.yaml, ``--print-config`` and checkpoints name it."""
+    config.auto_attention = config.auto_attention or config.model.attention_implementation == AUTO_ATTENTION
+    attention = resolve_attention(config, backend)
+    config.model.attention_implementation = attention
     warns = _check(config, backend, world_size)
-    config.validated = (key, tuple(warns))
-    return warns
+    t = config.train
+    return ResolvedRun(backend.name, world_size, attention, t.micro_batch_size, t.gradient_accumulation, tuple(warns))
+
+
+def validate(config: Config, backend, world_size: int = 1) -> List[str]:
+    """:func:`resolve_run`'s warnings."""
+    return list(resolve_run(config, backend, world_size).warnings)
+
+
+_MODEL_RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {}
+
+
+def model_rules() -> Dict[str, Tuple[Callable[[Any], bool], str]]:
+    """field -> (test, what it must be) of every field of the model section, from its declaration
+    (type, choices, the bounds that are part of its meaning: ``limits.value_rule``): the checks of
+    values that do not come through this module's parsing, a ``BertConfig`` built in code
+    (``bert_packed.modeling``) and a checkpoint's ``config.json`` (``bert_packed.hf_io``)."""
+    if not _MODEL_RULES:
+        hints = typing.get_type_hints(ModelConfig)
+        _MODEL_RULES.update({f.name: limits.value_rule(hints[f.name], dict(f.metadata))
+                             for f in dataclasses.fields(ModelConfig)})
+    return _MODEL_RULES
+
+
+def model_shape_error(values: Any, prefix: str = "model.") -> Optional[str]:
+    """The one-line reason the model's fields (``values``: an object with the model section's
+    attributes, e.g. ``config.model`` or a ``BertConfig``) do not fit together, or None: the heads
+    divide the hidden size, the padding id is one of the vocabulary's. Each field itself is checked
+    first (bounds, ``model_rules``). ``prefix`` leads every field name in the message."""
+    hidden, heads = values.hidden_size, values.num_attention_heads
+    if hidden % heads:
+        return (f"{prefix}hidden_size={hidden} is not divisible by {prefix}num_attention_heads={heads}; pick a head "
+                f"count that divides it")
+    pad, vocab = values.pad_token_id, values.vocab_size
+    if pad is not None and pad >= vocab:
+        return f"{prefix}pad_token_id={pad} is outside the vocabulary [0, {vocab}) ({prefix}vocab_size)"
+    return None
 
 
 def _check(config: Config, backend, world_size: int) -> List[str]:
     """``validate``'s checks."""
     check_bounds(config)
     m, d = config.model, config.data
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"
-        )
+    shape_error = model_shape_error(m)
+    if shape_error is not None:
+        raise ConfigError(shape_error)
     if m.type_vocab_size < 2:
         # Pre-training sequences are [CLS] A [SEP] B [SEP] with segment ids 0 and 1 (NSP).
         raise ConfigError(f"model.type_vocab_size={m.type_vocab_size} but pre-training (next-sentence "

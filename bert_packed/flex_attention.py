@@ -235,6 +235,9 @@ def _register() -> None:
             attend=attend,
             check=check,
             description="FlexAttention document mask: skips the tiles between sequences (GPU; CPU forward only)",
+            trains_on=(torch.device("cuda").type,),  # a torch device type
+            training_needs="FlexAttention backward",
+            dropout=False,
         ),
     )
 

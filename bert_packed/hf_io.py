@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -35,6 +34,8 @@ import torch
 
 # One error class for every unusable checkpoint (ours or Hugging Face's): one line, exit 2.
 from bert_packed.checkpoint import CheckpointError, safe_torch_load
+from bert_packed.config import model_rules
+from bert_packed.limits import PROBLEM_TYPE, value_rule
 from bert_packed.io import atomic_path, read_utf8, read_vocab_tokens, write_text_atomic
 
 __all__ = [
@@ -70,7 +71,6 @@ class Pretrained:
 
 # ----------------------------------------------------------------------------- checking config.json
 
-_PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 # Heads a checkpoint may lack on purpose (a new task's head starts fresh, as in transformers):
 # the MLM/NSP heads, a classifier, a QA head, the pooler (QA and token-classification models
 # have none). Everything else (embeddings, encoder layers) must come from the checkpoint.
@@ -84,32 +84,19 @@ def _kind_name(value: Any) -> str:
             dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-# field -> (test, what it must be)
-_FIELD_RULES = {
-    **{name: (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer")
-       for name in SHAPE_FIELDS},
-    "hidden_act": (lambda v: isinstance(v, str) and bool(v), "the name of an activation (e.g. \"gelu\")"),
-    "hidden_dropout_prob": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "attention_probs_dropout_prob": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "classifier_dropout": (lambda v: v is None or (_is_number(v) and 0 <= v < 1), "null or a number in [0, 1)"),
-    "layer_norm_eps": (lambda v: _is_number(v) and v > 0, "a positive number"),
-    "initializer_range": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
-    "pad_token_id": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-                     "null or an integer >= 0"),
-    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
-    "problem_type": (lambda v: v is None or v in _PROBLEM_TYPES, f"null or one of {', '.join(_PROBLEM_TYPES)}"),
-}
+def _field_rules() -> Dict[str, Any]:
+    """field -> (test, what it must be) of the architecture fields a ``config.json`` gives: the
+    model section's declared rules (bert_packed.config.model_rules), and ``problem_type``'s."""
+    rules = model_rules()
+    return {**{name: rules[name] for name in (*SHAPE_FIELDS, *BEHAVIOUR_FIELDS) if name in rules},
+            "problem_type": value_rule(Optional[str], PROBLEM_TYPE)}
 
 
 def check_hf_config(hf_config: Mapping[str, Any], where: str) -> None:
     """Refuse a ``config.json`` field of the wrong type or range (``"hidden_size": "768"``,
     ``"num_hidden_layers": 2.5``, ``null``) and an ``id2label`` that is not a mapping of class
     ids 0..n-1 to distinct names: ``CheckpointError`` naming ``where`` and the field."""
-    for name, (test, expected) in _FIELD_RULES.items():
+    for name, (test, expected) in _field_rules().items():
         if name in hf_config and not test(hf_config[name]):
             value = hf_config[name]
             raise CheckpointError(f"{where}: {name} must be {expected}, got {json.dumps(value)} "

@@ -13,8 +13,10 @@ bounds of every section (``check_section``) and re-exports :func:`bounded`.
 """
 from __future__ import annotations
 
+import math
+import typing
 from dataclasses import field
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 BOUND_KEYS = ("ge", "gt", "lt", "le")
 
@@ -68,6 +70,75 @@ def bound_message(key: str, value: Any, meta: Dict[str, Any]) -> Optional[str]:
     if low:
         return f"{key} must be {'>=' if ge is not None else '>'} {_number(ge if ge is not None else gt)}{hint}, got {value}"
     return f"{key} must be {'<' if lt is not None else '<='} {_number(lt if lt is not None else le)}{hint}, got {value}"
+
+
+def meaning_bounds(meta: Dict[str, Any]) -> Dict[str, Any]:
+    """The bounds in ``meta`` that are part of the value's meaning: all but a maximum given with a
+    reason (``why``: a sanity limit of a run's config, not of the value, e.g. a checkpoint's)."""
+    bounds = {k: meta[k] for k in BOUND_KEYS if meta.get(k) is not None}
+    if meta.get("why"):
+        bounds.pop("le", None)
+        bounds.pop("lt", None)
+    return bounds
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _range_words(noun: str, bounds: Dict[str, Any]) -> str:
+    """"a positive integer", "an integer >= 0", "a number in [0, 1)", "a positive number"."""
+    ge, gt, lt, le = (bounds.get(k) for k in BOUND_KEYS)
+    article = "an" if noun[0] in "aeiou" else "a"
+    if (ge is not None or gt is not None) and (lt is not None or le is not None):
+        low = f"[{_number(ge)}" if ge is not None else f"({_number(gt)}"
+        high = f"{_number(lt)})" if lt is not None else f"{_number(le)}]"
+        return f"{article} {noun} in {low}, {high}"
+    if (noun == "integer" and ge == 1) or gt == 0:
+        return f"a positive {noun}"
+    for op, bound in ((">=", ge), (">", gt), ("<", lt), ("<=", le)):
+        if bound is not None:
+            return f"{article} {noun} {op} {_number(bound)}"
+    return f"{article} {noun}"
+
+
+def value_rule(tp: Any, meta: Dict[str, Any]) -> Tuple[Callable[[Any], bool], str]:
+    """(test, what the value must be) of a field of type ``tp`` declared with ``meta``: its type,
+    its choices and the bounds that are part of its meaning (:func:`meaning_bounds`), for values
+    that arrive without the config's parsing (a checkpoint's ``config.json``, a ``BertConfig``
+    built in code). ``meta["what"]`` words a text value's rule ("the name of an activation")."""
+    optional = typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
+    if optional:
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    choices = meta.get("choices")
+    bounds = meaning_bounds(meta)
+    if choices is not None:
+        names = [c for c in choices if c is not None]
+        optional = optional or None in choices
+        test, what = (lambda v: v in names), f"one of {', '.join(map(str, names))}"
+    elif tp is bool:
+        test, what = (lambda v: isinstance(v, bool)), "true or false"
+    elif tp in (int, float):
+        typed = _integer if tp is int else _finite
+        test = lambda v: typed(v) and bound_message("", v, bounds) is None  # noqa: E731
+        what = _range_words("integer" if tp is int else "number", bounds)
+    elif tp is str:
+        test, what = (lambda v: isinstance(v, str) and bool(v)), meta.get("what", "a text")
+    else:
+        test, what = (lambda v: True), "anything"
+    if optional:
+        return (lambda v: v is None or test(v)), f"null or {what}"
+    return test, what
+
+
+# Hugging Face's names of a sequence classification's problem (``BertConfig.problem_type``).
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+# A problem_type field's declaration (null: resolved from the labels, as Hugging Face does).
+PROBLEM_TYPE = {"choices": (None, *PROBLEM_TYPES)}
 
 
 # ---------------------------------------------------------------------------------------

@@ -40,8 +40,11 @@ from torch import nn
 
 from bert_packed import attention as attention_registry
 from bert_packed.attention import profiler_scope
+from bert_packed.config import model_rules, model_shape_error
 from bert_packed.dropout import Dropout
-from bert_packed.losses import (MLM_LOSS_NORMALIZATIONS, PRETRAINING_COUNTS, PRETRAINING_METRICS,
+# PROBLEM_TYPES: Hugging Face's names (``BertConfig.problem_type``); None resolves as Hugging Face does.
+from bert_packed.limits import PROBLEM_TYPE, PROBLEM_TYPES, value_rule
+from bert_packed.losses import (PRETRAINING_COUNTS, PRETRAINING_METRICS,
                                  add_step_normalizers, mlm_loss_terms, normalize, nsp_loss_terms)
 
 __all__ = [
@@ -78,8 +81,6 @@ PRETRAINING_FIELDS = (
     "nsp_weights",  # [B,K] 1.0 where sequence k exists
 )
 OPTIONAL_FIELDS = ("mlm_normalizer", "nsp_normalizer")  # [B] float, the step's global counts
-# Hugging Face's names (``BertConfig.problem_type``); None resolves as Hugging Face does.
-PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 
 
 class ModelConfigError(ValueError):
@@ -131,51 +132,20 @@ class BertConfig:
     vocab_padding_multiple: int = 1  # word embeddings and MLM decoder get V rounded up to this; 1 = none
 
     def __post_init__(self) -> None:
-        positive = (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-            "type_vocab_size",
-            "num_labels",
-            "max_sequences_per_pack",
-            "max_masked_tokens_per_pack",
-            "vocab_padding_multiple",
-        )
-        for name in positive:
+        # Each field by the model section's declared rule (bert_packed.config.model_rules), the
+        # packing and head fields by their own; then the rules between fields, as a config's.
+        for name, (test, expected) in _field_rules().items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ModelConfigError(f"model config: {name} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ModelConfigError(
-                f"model config: hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads}; pick a head count that divides it"
-            )
+            if not test(value):
+                raise ModelConfigError(f"model config: {name} must be {expected}, got {value!r}")
+        shape_error = model_shape_error(self, prefix="")
+        if shape_error is not None:
+            raise ModelConfigError(f"model config: {shape_error}")
         if self.hidden_act not in _ACTIVATIONS:
             raise ModelConfigError(f"model config: hidden_act must be one of {sorted(_ACTIVATIONS)}, got {self.hidden_act!r}")
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            value = getattr(self, name)
-            if not 0.0 <= float(value) < 1.0:
-                raise ModelConfigError(f"model config: {name} must be in [0, 1), got {value!r}")
-        if self.classifier_dropout is not None and not 0.0 <= float(self.classifier_dropout) < 1.0:
-            raise ModelConfigError(f"model config: classifier_dropout must be in [0, 1) or null, got {self.classifier_dropout!r}")
-        if self.mlm_loss_normalization not in MLM_LOSS_NORMALIZATIONS:
-            raise ModelConfigError(
-                f"model config: mlm_loss_normalization must be one of {MLM_LOSS_NORMALIZATIONS}, "
-                f"got {self.mlm_loss_normalization!r}"
-            )
-        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ModelConfigError(f"model config: pad_token_id={self.pad_token_id} is outside the vocabulary")
-        if self.problem_type is not None and self.problem_type not in PROBLEM_TYPES:
-            raise ModelConfigError(f"model config: problem_type must be one of {', '.join(PROBLEM_TYPES)} or null, "
-                                   f"got {self.problem_type!r}")
         if self.problem_type == "single_label_classification" and self.num_labels < 2:
             raise ModelConfigError("model config: single_label_classification needs num_labels >= 2 (one label is "
                                    "a constant: its loss would be 0); use problem_type regression for one score")
-        if self.problem_type == "multi_label_classification" and self.num_labels < 1:
-            raise ModelConfigError("model config: multi_label_classification needs num_labels >= 1")
         try:
             attention_registry.get_attention(self.attention_implementation)
         except attention_registry.AttentionError as error:
@@ -234,6 +204,22 @@ class BertConfig:
         if self.problem_type is not None:
             out["problem_type"] = self.problem_type
         return out
+
+
+_FIELD_RULES: Dict[str, Any] = {}
+
+
+def _field_rules() -> Dict[str, Any]:
+    """name -> (test, what it must be) of every ``BertConfig`` field with a rule: the model
+    section's (bert_packed.config.model_rules) and those of the fields it does not have."""
+    if not _FIELD_RULES:
+        positive = value_rule(int, {"ge": 1})
+        names = {f.name for f in dataclasses.fields(BertConfig)}
+        _FIELD_RULES.update({name: rule for name, rule in model_rules().items() if name in names})
+        _FIELD_RULES.update({name: positive for name in ("num_labels", "max_sequences_per_pack",
+                                                          "max_masked_tokens_per_pack")})
+        _FIELD_RULES["problem_type"] = value_rule(Optional[str], PROBLEM_TYPE)
+    return _FIELD_RULES
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

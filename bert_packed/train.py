@@ -35,7 +35,7 @@ import torch.distributed as dist
 from bert_packed.backend import StepAbandoned
 from bert_packed.build import build_optimizer
 from bert_packed.checkpoint import set_rng_state
-from bert_packed.config import Config, ConfigError, input_paths, validate
+from bert_packed.config import Config, ConfigError, ResolvedRun, input_paths, resolve_run
 from bert_packed.io import DirectoryLock, check_output_dir, remove_orphans, write_text_atomic
 from bert_packed.loop.checkpointer import Checkpointer
 from bert_packed.loop.data_wait import DataWait
@@ -54,7 +54,8 @@ SUMMARY_NAME = "summary.json"
 
 
 def train(config: Config, backend, *, output_dir: Optional[str] = None, resume: bool = False,
-          resume_force: bool = False, show_progress: bool = True) -> Dict[str, Any]:
+          resume_force: bool = False, show_progress: bool = True,
+          resolved: Optional[ResolvedRun] = None) -> Dict[str, Any]:
     """Train ``config`` on ``backend`` (an unprepared backend object, see ``bert_packed.backend``;
     ``run.py`` resolves names with ``backends.get_backend``); returns the summary (also in
     summary.json).
@@ -63,7 +64,11 @@ def train(config: Config, backend, *, output_dir: Optional[str] = None, resume: 
     refused without it). A checkpoint whose configuration differs in keys that change the
     computation is refused (listing them) unless ``resume_force``. Raises ``ConfigError`` /
     ``CheckpointError`` / ``DataError`` (ValueErrors, one line) for user mistakes,
-    ``DivergenceError`` on a non-finite step, ``Interrupted`` after SIGINT/SIGTERM."""
+    ``DivergenceError`` on a non-finite step, ``Interrupted`` after SIGINT/SIGTERM.
+
+    ``resolved``: the caller's validation of ``config`` (``bert_packed.config.resolve_run``, as
+    ``run.py`` does before it builds the backend); without it, or made for another backend or
+    world size, the loop validates the config itself."""
     if isinstance(backend, str):
         raise TypeError(f"train() takes a backend object, not the name {backend!r}: "
                         f"resolve it with backends.get_backend({backend!r})")
@@ -74,7 +79,7 @@ def train(config: Config, backend, *, output_dir: Optional[str] = None, resume: 
     run = None
     try:
         run = _Run(config, backend, output_dir=output_dir, resume=resume, resume_force=resume_force,
-                   show_progress=show_progress)
+                   show_progress=show_progress, resolved=resolved)
         return run.execute()
     except BaseException as exc:
         if run is not None and run.logger is None:  # refused before anything was written: leave no trace
@@ -163,14 +168,17 @@ class _Run:
     """One invocation of the loop: the state its parts share, built in ``__init__`` (output
     directory, lock, checkpoint to resume) and ``_setup`` (task, plan, model, backend)."""
 
-    def __init__(self, config: Config, backend, *, output_dir, resume, resume_force, show_progress):
+    def __init__(self, config: Config, backend, *, output_dir, resume, resume_force, show_progress, resolved=None):
         self.config, self.backend, self.resume, self.show_progress = config, backend, resume, show_progress
         self.resume_force = resume_force  # also lets a data source continue on changed data
         t = config.train
         self.given = config.to_dict()  # before any task shapes it: what a resume compares
-        # Validate (once: run.py's validation counts) before touching the process group, so config
-        # mistakes are reported the same way in every process.
-        warnings = validate(config, backend, planned_world_size(backend))
+        # Validate (once: the caller's resolved run counts) before touching the process group, so
+        # config mistakes are reported the same way in every process.
+        world_size = planned_world_size(backend)
+        if resolved is None or not resolved.matches(backend, world_size):
+            resolved = resolve_run(config, backend, world_size)
+        warnings = resolved.warnings
         self.rank, self.world_size = setup_distributed(backend, t.collective_timeout_minutes)
         self.is_main = self.rank == 0
         for line in warnings if self.is_main else ():

@@ -160,6 +160,9 @@ def _register() -> None:
             attend=attend,
             check=check,
             description="torch's variable-length (Flash) attention over the pack's sequences (CUDA, fp16/bf16)",
+            trains_on=(torch.device("cuda").type,),  # a torch device type
+            training_needs="varlen_attn (Flash) kernel",
+            dropout=False,
             takes_max_sequences=True,
         ),
     )

@@ -122,3 +122,23 @@ def test_a_bad_fit_switch_is_one_line_error(capsys):
     assert run.main(["--print-config", "phase2", "--backend", "cuda", "--set", "cuda.fit_micro_batch=maybe"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "fit_micro_batch" in err[0]
+
+
+def test_auto_resolved_for_the_cpu_is_resolved_afresh_for_a_gpu(gpu):
+    """One config validated for the cpu (bucketed), then for a GPU: the GPU resolves the user's
+    ``auto``, not the CPU's choice (which cannot compile and would have kept the step eager)."""
+    config = load_config("phase2")
+    validate(config, get_backend_class("cpu"))
+    assert config.model.attention_implementation == "bucketed"
+    validate(config, get_backend_class("cuda"))
+    assert (config.model.attention_implementation, config.cuda.compile) == ("flex", True)
+
+
+def test_the_resolved_run_says_what_runs(gpu):
+    from bert_packed.config import resolve_run
+
+    config = load_config("phase2")
+    resolved = resolve_run(config, get_backend_class("cuda"), 1)
+    assert (resolved.attention, resolved.micro_batch_size, resolved.gradient_accumulation) == ("flex", 128, 16)
+    assert resolved.matches(get_backend_class("cuda"), 1) and not resolved.matches(get_backend_class("cuda"), 2)
+    assert any("train.micro_batch_size=128" in w for w in resolved.warnings)
