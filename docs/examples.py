@@ -81,7 +81,7 @@ TINY_CHECKPOINT = (
 HEADER_AND_DONE = _lines_matching(r"training ", r"done: ")
 PHASE2_CPU = ("python run.py --backend cpu --config phase2 --steps 3 --set model.num_hidden_layers=2 "
               "--set model.hidden_size=128 \\\n    --set model.num_attention_heads=2 --set model.intermediate_size=512 "
-              "--set train.gradient_accumulation=2 --set data.num_sequences=2000")
+              "--set train.gradient_accumulation=2 --set data.num_sequences=2000 \\\n    --output-dir runs/phase2-cpu")
 MOCK_SMOKE = ("python run.py --backend mock --config phase2.yaml --steps 3 --set model.num_hidden_layers=4 \\\n"
               "    --set \"ipu.layers_per_ipu=[1,1,1,1]\" --set train.gradient_accumulation=9 "
               "--set model.hidden_size=64 \\\n"
