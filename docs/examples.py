@@ -81,13 +81,13 @@ TINY_CHECKPOINT = (
 HEADER_AND_DONE = _lines_matching(r"training ", r"done: ")
 PHASE2_CPU = ("python run.py --backend cpu --config phase2 --steps 3 --set model.num_hidden_layers=2 "
               "--set model.hidden_size=128 \\\n    --set model.num_attention_heads=2 --set model.intermediate_size=512 "
-              "--set train.gradient_accumulation=2 --set data.num_sequences=2000")
+              "--set train.gradient_accumulation=2 --set data.num_sequences=2000 \\\n    --output-dir runs/phase2-cpu")
 MOCK_SMOKE = ("python run.py --backend mock --config phase2.yaml --steps 3 --set model.num_hidden_layers=4 \\\n"
               "    --set \"ipu.layers_per_ipu=[1,1,1,1]\" --set train.gradient_accumulation=9 "
               "--set model.hidden_size=64 \\\n"
               "    --set model.num_attention_heads=4 --set model.intermediate_size=256 --set model.vocab_size=1024 \\\n"
-              "    --set data.max_sequence_length=128 --set data.num_sequences=2000")
-KJV_CREATE = ("python -m bert_packed.data create --input kjv.txt --vocab vocab.txt --output {out} \\\n"
+              "    --set data.max_sequence_length=128 --set data.num_sequences=2000 --output-dir runs/phase2-mock")
+KJV_CREATE = ("python -m bert_packed.data create --input data/kjv.txt --vocab data/vocab.txt --output {out} \\\n"
               "      --max-seq-length 128 --max-predictions 20 --dupe-factor 5 --seed 0")
 
 EXAMPLES = [
@@ -96,7 +96,7 @@ EXAMPLES = [
     Example("phase2-cpu", "README.md", [Command(PHASE2_CPU, keep=HEADER_AND_DONE)]),
     Example("torchrun", "README.md", [Command(
         "torchrun --nproc_per_node 2 run.py --backend cpu --config demo --steps 20 --set train.global_batch_size=16 "
-        "--set train.micro_batch_size=8", keep=_lines_matching(r"done: "))]),
+        "--set train.micro_batch_size=8 --output-dir runs/demo-torchrun", keep=_lines_matching(r"done: "))]),
     Example("errors", "README.md", [
         Command("python run.py --config demo --set train.micro_batchsize=8", cut=150, exit_code=2),
         Command("python run.py --config phase2 --backend mock --set model.num_hidden_layers=4", exit_code=2),
@@ -106,25 +106,25 @@ EXAMPLES = [
     Example("packing-report", "README.md", [Command(
         "python -m packing report --algorithm none spfhp lpfhp lp --max-sequences-per-pack 3 max")]),
     Example("real-data", "README.md", [
-        Command("python -m bert_packed.data kjv --output kjv.txt"),
-        Command("python -m bert_packed.data vocab --input kjv.txt --size 4096 --output vocab.txt"),
-        Command(KJV_CREATE.format(out="train.h5")),
-        Command("python -m bert_packed.data pack --input train.h5 --output packed.h5 --algorithm lp "
+        Command("python -m bert_packed.data kjv --output data/kjv.txt"),
+        Command("python -m bert_packed.data vocab --input data/kjv.txt --size 4096 --output data/vocab.txt"),
+        Command(KJV_CREATE.format(out="data/train.h5")),
+        Command("python -m bert_packed.data pack --input data/train.h5 --output data/packed.h5 --algorithm lp "
                 "--max-sequences-per-pack 3"),
-        Command("python -m bert_packed.data stats packed.h5 --plot packed.png",
+        Command("python -m bert_packed.data stats data/packed.h5 --plot data/packed.png",
                 keep=lambda line: not re.match(r"\s+(sequence lengths:|\d+-\d+\s)", line)),
-        Command("python run.py --config demo --steps 10 --set data.path=packed.h5 --set model.vocab_size=4096 "
-                "--set train.eval_every=0", keep=_lines_matching(r"done: ")),
+        Command("python run.py --config demo --steps 10 --set data.path=data/packed.h5 --set model.vocab_size=4096 "
+                "--set train.eval_every=0 --output-dir runs/demo-kjv", keep=_lines_matching(r"done: ")),
     ], needs=_needs_bible),
     Example("real-data-shards", "README.md", [
-        Command(KJV_CREATE.format(out="train") + " --output-shards 4"),
-        Command("python -m bert_packed.data pack --input train --output packed --algorithm lp "
+        Command(KJV_CREATE.format(out="data/train") + " --output-shards 4"),
+        Command("python -m bert_packed.data pack --input data/train --output data/packed --algorithm lp "
                 "--max-sequences-per-pack 3"),
-        Command("python run.py --config demo --steps 10 --set data.path=packed --set data.eval_path=packed "
-                "--set model.vocab_size=4096", keep=_lines_matching(r"done: ")),
+        Command("python run.py --config demo --steps 10 --set data.path=data/packed --set data.eval_path=data/packed "
+                "--set model.vocab_size=4096 --output-dir runs/demo-kjv-shards", keep=_lines_matching(r"done: ")),
     ], needs=_needs_bible, setup=[
-        Command("python -m bert_packed.data kjv --output kjv.txt"),
-        Command("python -m bert_packed.data vocab --input kjv.txt --size 4096 --output vocab.txt")]),
+        Command("python -m bert_packed.data kjv --output data/kjv.txt"),
+        Command("python -m bert_packed.data vocab --input data/kjv.txt --size 4096 --output data/vocab.txt")]),
     # Step lines only: under load a slow step also prints progress lines inside it.
     Example("profile-table", "README.md", [Command("python run.py --backend mock --config phase2 --profile "
                                                    "--output-dir runs/profile")],
@@ -146,6 +146,30 @@ EXAMPLES = [
     Example("mock-smoke", "README.md", [Command(MOCK_SMOKE, keep=_lines_matching(r"training ", r"step +\d+/",
                                                                                  r"done: "))]),
 ]
+
+
+# What a re-run prints differently on another machine, or under another load (README.md, after the
+# quick start's block, says so): timings, and losses and accuracies (floating-point rounding of
+# other library builds and versions). tests/run/test_readme_in_order.py re-runs the README's
+# commands and compares everything else: counts, packs, sequences per pack, the LP bound, messages.
+VARIES = [
+    (re.compile(r"\b\d+ (seq/s|sequences/s)\b"), r"N \1"),
+    (re.compile(r"\bin \d+ s of training\b"), "in N s of training"),
+    (re.compile(r"\b(loss|mlm|nsp|mlm_acc|mlm_loss|eval) \d+\.\d+"), r"\1 X"),
+    (re.compile(r"-> \d+\.\d+"), "-> X"),
+]
+# Examples whose counts may differ too, and why (the doc says so after the block).
+COUNTS_VARY = {
+    "real-data": "vocab's WordPiece trainer breaks ties between equally frequent merges in hash order",
+    "real-data-shards": "vocab's WordPiece trainer breaks ties between equally frequent merges in hash order",
+}
+
+
+def reproducible(line: str) -> str:
+    """``line`` with what ``VARIES`` lists replaced by placeholders: what every machine prints."""
+    for pattern, placeholder in VARIES:
+        line = pattern.sub(placeholder, line)
+    return line
 
 
 # Lines that appear only when the machine is slow: progress inside a long step and its estimate.

@@ -7,6 +7,8 @@ import signal
 import threading
 import time
 
+from packing.entry import _raise_signal as _cli_sigterm
+
 
 class TrainingStopped(Exception):
     """The run stopped before its last step on purpose; ``str(exc)`` is one line for the user,
@@ -37,12 +39,20 @@ class CollectiveTimeout(TrainingStopped):
     """Distributed run: a collective outlived ``train.collective_timeout_minutes``."""
 
 
+# The interpreter's own dispositions (SIGINT raises KeyboardInterrupt, SIGTERM ends the process;
+# either ignored, or None: set outside Python) and packing.entry.run_cli's SIGTERM handler.
+REPLACEABLE = (signal.default_int_handler, signal.SIG_DFL, signal.SIG_IGN, None, _cli_sigterm)
+
+
 class StopSignals:
     """SIGINT/SIGTERM set a flag the loop reads at the next step boundary (and, with ``mid_step``,
     between the micro-batches of a long step: ``loop.within_step``); another one more than
     ``GRACE_SECONDS`` later aborts at once (KeyboardInterrupt). Signals within the grace period
     are the same request: Ctrl-C under torchrun reaches a worker twice, from the terminal and
-    forwarded by the agent. Only in the main thread (handlers cannot be set elsewhere)."""
+    forwarded by the agent. Only in the main thread (handlers cannot be set elsewhere), and only
+    over the handlers of a plain Python program or of our command line (``REPLACEABLE``): a
+    handler the program that called ``train()`` installed itself (a test runner that must stop on
+    Ctrl-C, a notebook kernel) keeps its signal."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     GRACE_SECONDS = 2.0
@@ -54,7 +64,8 @@ class StopSignals:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
-                self.previous[signum] = signal.signal(signum, self._handle)
+                if signal.getsignal(signum) in REPLACEABLE:
+                    self.previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame):

@@ -9,7 +9,7 @@ from backends.cpu import CPUBackend
 from bert_packed.config import load_config
 from bert_packed.train import train
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # one_thread: see tests/conftest.py; slow: compiles (minutes)
 STEPS = 50
 TINY = ["data.num_sequences=600", "data.packing_algorithm=lpfhp", "train.micro_batch_size=4",
         f"train.steps={STEPS}", "train.eval_every=25", "train.eval_batches=2", "train.checkpoint_every=0",

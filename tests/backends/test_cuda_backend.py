@@ -150,6 +150,7 @@ class EagerCompileBackend(CUDABackend):
         return torch.compile(model, backend="eager", dynamic=False)
 
 
+@pytest.mark.slow
 def test_compiled_training_has_no_recompiles_after_warmup():
     torch._dynamo.reset()
     backend = EagerCompileBackend(device="cpu")
@@ -163,6 +164,7 @@ def test_compiled_training_has_no_recompiles_after_warmup():
     assert backend.train_step([batches[5]])["recompiles_after_warmup"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_shape_change_after_warmup_is_a_recompile_error():
     torch._dynamo.reset()
     backend = EagerCompileBackend(device="cpu")
@@ -175,6 +177,7 @@ def test_a_shape_change_after_warmup_is_a_recompile_error():
     assert "\n" not in str(info.value) and "cuda.max_recompiles_after_warmup" in str(info.value)
 
 
+@pytest.mark.slow
 def test_recompile_budget_is_configurable():
     torch._dynamo.reset()
     backend = EagerCompileBackend(device="cpu")

@@ -93,6 +93,7 @@ def test_cpu_compile_with_inductor_through_the_backend(tmp_path):
     assert row["graphs_compiled"] >= 1 and row["recompiles_while_timed"] == 0 and row["recompiles_after_warmup"] == 0
 
 
+@pytest.mark.slow
 def test_without_compile_no_row_claims_compilation(tmp_path):
     code, rows = _rows(tmp_path, ["--setups", "packed-dense"])
     assert code == 0
@@ -115,6 +116,7 @@ def test_scaling_rows_run_under_torchrun_and_count_every_rank(tmp_path):
     assert two["sequences_timed"] > 1.5 * one["sequences_timed"]
 
 
+@pytest.mark.slow
 def test_a_setup_over_its_timeout_is_a_failed_row_and_earlier_rows_are_kept(tmp_path, capsys):
     """--setup-timeout kills a setup's process (a GPU run has minutes, not hours); the rows before
     it are already in --output, and --table prints the rows of several files as one table."""

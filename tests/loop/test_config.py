@@ -119,6 +119,7 @@ def test_dump_round_trips(tmp_path):
     assert again.to_dict() == config.to_dict()
 
 
+@pytest.mark.slow
 def test_cli_prints_resolved_config_and_rejects_bad_ones():
     run = lambda *args: subprocess.run([sys.executable, "-m", "bert_packed.config", *args], cwd=ROOT,
                                        capture_output=True, text=True)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from hostile import TINY, run_ok
 
@@ -29,6 +31,7 @@ def _wait_for_steps(process, metrics, count, timeout=120):
     raise AssertionError(f"the run did not reach {count} steps: {process.poll()}")
 
 
+@pytest.mark.slow
 def test_sigint_and_sigterm_stop_at_a_step_boundary_with_a_checkpoint(tmp_path, capsys):
     # Both signals at once, in two runs side by side (the process start-up dominates the time).
     runs = {signum: (tmp_path / signal.Signals(signum).name, None) for signum in (signal.SIGINT, signal.SIGTERM)}
@@ -64,10 +67,8 @@ def _run_with(code_before, argv, signum_hint=""):
     return result.returncode, [line for line in result.stderr.strip().splitlines() if not line.startswith("note:")]
 
 
-import pytest  # noqa: E402
-
-
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.slow
 def test_a_signal_while_the_final_export_is_written_is_handled_the_same(tmp_path, signum):
     # Was: SIGTERM here killed the process outright (no summary.json, the export's temporary
     # file left behind) while Ctrl-C at the same moment was handled. The signal arrives while

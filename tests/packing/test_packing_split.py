@@ -136,6 +136,7 @@ def test_the_global_lp_duals_bound_every_shard_without_a_solve():
     assert sum(bounds) >= result.lp_bound_packs
 
 
+@pytest.mark.slow
 def test_a_shard_takes_its_split_unplanned_only_within_the_tolerance():
     shards = wikipedia_shards(3, 0.002, seed=4)
     result = packing.pack(packing.Histogram(shards.sum(axis=0)), algorithm="lp", max_sequences_per_pack=3,
@@ -157,6 +158,7 @@ def test_a_shard_takes_its_split_unplanned_only_within_the_tolerance():
             assert strict[1] == "global" or strict[0].num_packs < split.num_packs
 
 
+@pytest.mark.slow
 def test_a_shard_is_planned_cheapest_first_and_stops_at_the_first_plan_within_the_tolerance(monkeypatch):
     """With ``polish`` (as `pack` runs lp): the split with its leftover rounded, then with the
     leftover polished by the MILP (never more packs, fewer over these shards), then the shard's

@@ -249,7 +249,7 @@ def test_the_estimate_line_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatc
     assert warnings[0].endswith("--set train.gradient_accumulation=2 --steps 3")
 
 
-def test_a_stop_mid_step_on_the_mock_drops_the_step_and_resumes_exactly(tmp_path, monkeypatch):
+def test_a_stop_mid_step_on_the_mock_drops_the_step_and_resumes_exactly(tmp_path, monkeypatch, sigint_to_the_code):
     """The mock runs the IPU path's micro-batches on the host and reports each one: the same stop."""
     from backends.mock import MockBackend
 

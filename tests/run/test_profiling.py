@@ -223,6 +223,7 @@ def test_mock_executes_through_cycle_count_and_reads_pva(tmp_path):
     assert report["pva_cycles"] == 42
 
 
+@pytest.mark.slow
 def test_run_py_profile_prints_the_table_and_the_files_and_no_bar_when_piped(tmp_path, capfd):
     """`run.py --profile` used to write overhead.md silently, draw a 0 % bar into a pipe and let
     torch's profiler print a 'USDT: ... profiler_start' line at every scope measurement."""
