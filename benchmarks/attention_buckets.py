@@ -11,7 +11,7 @@ length buckets (``model.attention_implementation=bucketed``) saves against ``den
    the fine-tuning benchmark): forward + backward of ``BertForSequenceClassification``.
 
 Each at attention dropout 0.1 and 0. The packs: S = 128, B = 4 packs per micro-batch, filled
-first-fit with lengths drawn like the Rotten Tomatoes snippets of benchmarks/vs_hf_trainer.py
+first-fit with lengths drawn like the Rotten Tomatoes snippets of benchmarks/vs_hf_trainer_classification.py
 (mean ~27 tokens, at most 72): about 4.5 sequences per pack.
 
 Timing: variants alternate repeat by repeat (a busy shared machine slows both alike); the
