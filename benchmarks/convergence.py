@@ -26,7 +26,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, ROOT)
 
 PRESETS = {
     # Fits ~15 minutes on a busy 2-core machine: a 2-layer, hidden-128 BERT.
@@ -158,7 +159,7 @@ def plot(results, output_path, title):
         figure.savefig(tmp, dpi=110, format="png")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--steps", type=int, help="override the preset's optimizer steps")
@@ -169,7 +170,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--sequential", action="store_true",
                         help="run one after the other (default: side by side)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     preset = dict(PRESETS[args.preset])
     if args.steps:
         preset["steps"] = args.steps

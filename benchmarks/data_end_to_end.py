@@ -116,7 +116,8 @@ def main(argv=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     kjv, corpus = write_corpus(folder, args.megabytes, whole_copies=not args.dry_run)
     vocab = os.path.join(folder, "vocab.txt")
-    subprocess.run([sys.executable, "-m", "bert_packed.data", "vocab", "--input", corpus if args.dry_run else kjv, "--size", str(args.vocab_size),
+    vocab_input = corpus if args.dry_run else kjv
+    subprocess.run([sys.executable, "-m", "bert_packed.data", "vocab", "--input", vocab_input, "--size", str(args.vocab_size),
                     "--output", vocab], check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
     unpacked, packed = os.path.join(folder, "train"), os.path.join(folder, "packed")
     rows = []

@@ -27,7 +27,8 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bert_packed.collate import collate, masked_tokens_per_pack, one_per_pack  # noqa: E402
 from bert_packed.modeling import BertConfig, BertForPreTraining  # noqa: E402

@@ -119,7 +119,7 @@ def _outcome(case, record, args):
     return f"{record['result']} {'sequences' if case == 'from_lengths' else 'packs/rows'}"
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-sequence-length", type=int, default=10**8)
     parser.add_argument("--memory-limit-gib", type=float, default=8.0,
@@ -129,7 +129,7 @@ def main():
                         help="a directory holding another version of packing/: each case runs with it first, "
                              "then with this checkout's")
     parser.add_argument("--json", default=None, help="also write the records to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     roots = ([("other", os.path.abspath(args.compare_with))] if args.compare_with else []) + [("this", ROOT)]
     records = []
     print(f"L = {args.max_sequence_length:,}, lengths {LENGTHS}, address space capped at "

@@ -32,7 +32,8 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, ROOT)
 
 CASES = ["wikipedia-512", "squad-384", "longtail-8192", "mixture-8192", "longtail-32768", "mixture-32768"]
 OURS = ["lp", "lpfhp", "spfhp", "bfd", "greedy"]

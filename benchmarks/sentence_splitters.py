@@ -57,11 +57,11 @@ def paragraphs(corpus, mib):
     return out, size
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--corpus", default=None, help="one sentence per line corpus (default: KJV)")
     parser.add_argument("--mib", type=float, default=2.0, help="text to time, MiB")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     texts, size = paragraphs(args.corpus, args.mib)
     print(f"| splitter | MB/s ({size / 1e6:.1f} MB) | tricky cases right | failures |")
     print("|---|---|---|---|")
