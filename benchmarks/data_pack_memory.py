@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
     sys.path.insert(0, ROOT)
 
-CHILD = """
+CHILD = r"""
 import json, re, sys, time
 from bert_packed.data.pack import pack_file
 start = time.perf_counter()
