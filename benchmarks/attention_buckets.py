@@ -11,7 +11,7 @@ length buckets (``model.attention_implementation=bucketed``) saves against ``den
    the fine-tuning benchmark): forward + backward of ``BertForSequenceClassification``.
 
 Each at attention dropout 0.1 and 0. The packs: S = 128, B = 4 packs per micro-batch, filled
-first-fit with lengths drawn like the Rotten Tomatoes snippets of benchmarks/vs_hf_trainer.py
+first-fit with lengths drawn like the Rotten Tomatoes snippets of benchmarks/vs_hf_trainer_classification.py
 (mean ~27 tokens, at most 72): about 4.5 sequences per pack.
 
 Timing: variants alternate repeat by repeat (a busy shared machine slows both alike); the
@@ -26,15 +26,16 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import markdown_header, markdown_row, spread  # noqa: E402
 from bert_packed.attention import get_attention  # noqa: E402
 from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
 from bert_packed.modeling import BertConfig  # noqa: E402
@@ -144,10 +145,11 @@ def rows(title, times, baseline="dense"):
     out = []
     for name, values in times.items():
         reference = times[name.replace(name.split()[0], baseline)] if " " in name else times[baseline]
-        paired = statistics.median(r / v for r, v in zip(reference, values))
-        out.append(f"| {title} | {name} | {min(values):.2f} | {statistics.median(values):.2f} | "
-                   f"{min(reference) / min(values):.2f} | {statistics.median(reference) / statistics.median(values):.2f} | "
-                   f"{paired:.2f} |")
+        paired = spread(r / v for r, v in zip(reference, values))["median"]
+        mine, theirs = spread(values), spread(reference)
+        out.append(markdown_row([title, name, f"{mine['min']:.2f}", f"{mine['median']:.2f}",
+                                 f"{theirs['min'] / mine['min']:.2f}", f"{theirs['median'] / mine['median']:.2f}",
+                                 f"{paired:.2f}"]))
     return out
 
 
@@ -166,8 +168,8 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {args.threads} threads, B={args.packs} packs of S={args.seq_len}: "
           f"{len(lengths) / len(packs):.2f} sequences per pack, mean length {np.mean(lengths):.1f}, "
           f"{sum(lengths) / (args.packs * args.seq_len):.1%} of the slots real; {args.repeats} alternated repeats")
-    table = ["| measured | variant | min ms | median ms | dense / variant (min) | dense / variant (median) | "
-             "dense / variant (paired median) |", "|---|---|---:|---:|---:|---:|---:|"]
+    table = [markdown_header(["measured", "variant", "min ms", "median ms", "dense / variant (min)",
+                              "dense / variant (median)", "dense / variant (paired median)"], align="llrrrrr")]
     for dropout_p in (0.1, 0.0):
         times = alternate(attention_cases(batch, dropout_p), args.repeats)
         table += rows(f"attention fwd+bwd, dropout {dropout_p}", times)

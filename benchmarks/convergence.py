@@ -2,6 +2,7 @@
 
     python benchmarks/convergence.py                       # the quick run (~11-15 min, 2 shared cores)
     python benchmarks/convergence.py --preset full         # 4 layers, hidden 256, 1500 steps
+    python benchmarks/convergence.py --preset dry --workdir /tmp/conv --plot /tmp/conv.png   # the plumbing
 
 Corpus: the King James Bible (Debian bible-kjv): Genesis..Jude for training, Revelation
 held out for evaluation; chapters are documents. Pipeline: `vocab` -> `create` (S=128,
@@ -26,7 +27,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, ROOT)
+
+from benchmarks.common import markdown_table  # noqa: E402
 
 PRESETS = {
     # Fits ~15 minutes on a busy 2-core machine: a 2-layer, hidden-128 BERT.
@@ -35,6 +39,9 @@ PRESETS = {
     # The issue's model: 4 layers, hidden 256 (hours on a laptop CPU, minutes on a GPU).
     "full": dict(layers=4, hidden=256, heads=4, steps=1500, micro_batch_size=32, eval_every=100,
                  vocab_size=4096, learning_rate=0.006),
+    # The plumbing only (--preset dry): Genesis 1-10 and Revelation 1-5, 1 layer, hidden 32, 4 steps.
+    "dry": dict(layers=1, hidden=32, heads=2, steps=4, micro_batch_size=8, eval_every=2, vocab_size=400,
+                learning_rate=0.01, train=("Gen1:1", "Gen10:32"), eval=("Rev1:1", "Rev5:14")),
 }
 
 
@@ -46,15 +53,16 @@ def sh(*args, **kwargs):
     return result.stdout.strip()
 
 
-def prepare_data(workdir, vocab_size, dupe_factor, seed):
-    """Corpus -> vocab -> create -> pack (skipped where the file exists)."""
+def prepare_data(workdir, vocab_size, dupe_factor, seed, train=("Gen1:1", "Jude1:25"), held_out=("Rev1:1", "Rev22:21")):
+    """Corpus -> vocab -> create -> pack (skipped where the file exists); ``train`` and ``held_out``:
+    the KJV's (first, last) verses of each."""
     paths = {name: os.path.join(workdir, name) for name in
              ("train.txt", "eval.txt", "vocab.txt", "train.h5", "eval.h5", "packed.h5")}
     steps = [
         ("train.txt", ["-m", "bert_packed.data", "kjv", "--output", paths["train.txt"],
-                       "--first", "Gen1:1", "--last", "Jude1:25"]),
+                       "--first", train[0], "--last", train[1]]),
         ("eval.txt", ["-m", "bert_packed.data", "kjv", "--output", paths["eval.txt"],
-                      "--first", "Rev1:1", "--last", "Rev22:21"]),
+                      "--first", held_out[0], "--last", held_out[1]]),
         ("vocab.txt", ["-m", "bert_packed.data", "vocab", "--input", paths["train.txt"],
                        "--size", vocab_size, "--output", paths["vocab.txt"]]),
         ("train.h5", ["-m", "bert_packed.data", "create", "--input", paths["train.txt"],
@@ -158,7 +166,7 @@ def plot(results, output_path, title):
         figure.savefig(tmp, dpi=110, format="png")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--steps", type=int, help="override the preset's optimizer steps")
@@ -169,13 +177,14 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--sequential", action="store_true",
                         help="run one after the other (default: side by side)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     preset = dict(PRESETS[args.preset])
     if args.steps:
         preset["steps"] = args.steps
     workdir = os.path.join(args.workdir, args.preset)
     os.makedirs(workdir, exist_ok=True)
-    paths = prepare_data(workdir, preset["vocab_size"], args.dupe_factor, args.seed)
+    paths = prepare_data(workdir, preset["vocab_size"], args.dupe_factor, args.seed,
+                         **({"train": preset["train"], "held_out": preset["eval"]} if "train" in preset else {}))
 
     import h5py
 
@@ -236,11 +245,10 @@ def main():
         json.dump({"report": report, "runs": results}, handle, indent=1)
     plot(results, args.plot, f"KJV Bible, S=128, {preset['layers']} layers, hidden {preset['hidden']}: "
          f"packed (p={packing_factor:.2f}) vs unpacked, ~{batch} sequences per update")
-    print("| run | micro-batch | sequences seen | eval MLM acc | eval NSP acc | eval MLM loss | sequences/s |")
-    print("|---|---|---|---|---|---|---|")
-    for name in runs:
-        print(f"| {name} | {report['micro_batch_size'][name]} | {final[name][0]:.0f} | "
-              f"{final[name][1]:.4f} | {final[name][2]:.4f} | {final[name][3]:.4f} | {speed[name]:.2f} |")
+    print(markdown_table(["run", "micro-batch", "sequences seen", "eval MLM acc", "eval NSP acc", "eval MLM loss",
+                          "sequences/s"],
+                         [[name, report["micro_batch_size"][name], f"{final[name][0]:.0f}", f"{final[name][1]:.4f}",
+                           f"{final[name][2]:.4f}", f"{final[name][3]:.4f}", f"{speed[name]:.2f}"] for name in runs]))
     print(f"\nlargest eval MLM accuracy gap at equal steps: {100 * max(gaps):.2f} points; "
           f"wall-time speed-up of the packed run: {report['speedup']:.3f}x "
           f"(packing factor {packing_factor:.3f})")

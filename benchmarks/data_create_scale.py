@@ -1,6 +1,7 @@
 """How `create` scales with the corpus: wall time, MB/s and peak memory of all its processes.
 
     python benchmarks/data_create_scale.py --copies 1 4 16 --workers 1 2 [--single-file]
+    python benchmarks/data_create_scale.py --dry-run     # 40 KB of the KJV, once (seconds: the plumbing)
 
 The corpus is the King James Bible (Debian bible-kjv, ~4.3 MB) concatenated N times (each copy's
 chapters are new documents). Each run is `python -m bert_packed.data create` in a subprocess;
@@ -18,42 +19,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
-import psutil
+if __package__ in (None, ""):  # run as a script: the project root first, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import ROOT, markdown_header, markdown_row, run_measured  # noqa: E402
 
-
-def run_measured(argv, env=None, interval=0.1):
-    """(wall seconds, peak summed RSS bytes, stdout, CPU seconds) of a subprocess and its descendants
-    (CPU: user + system of every waited-for descendant, from getrusage(RUSAGE_CHILDREN))."""
-    import resource
-
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-    watched = psutil.Process(process.pid)
-    peak = 0
-    while process.poll() is None:
-        total = 0
-        try:
-            for member in [watched] + watched.children(recursive=True):
-                try:
-                    total += member.memory_info().rss
-                except psutil.Error:
-                    pass
-        except psutil.Error:
-            pass
-        peak = max(peak, total)
-        time.sleep(interval)
-    out, err = process.communicate()
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    if process.returncode:
-        raise SystemExit(f"failed ({process.returncode}): {' '.join(argv)}\n{err[-2000:]}")
-    return wall, peak, out, cpu
+HEADER = ["copies", "input MB", "output", "workers", "wall s", "MB/s", "CPU s", "MB per CPU s",
+          "peak RSS MiB (all processes)", "sequences", "sha256 of the shards"]
 
 
 def digest(output):
@@ -68,13 +41,20 @@ def digest(output):
     return hasher.hexdigest()[:12]
 
 
-def prepare(folder, corpus, vocab_size, vocab=None):
-    """The KJV corpus (or ``corpus``) and a vocabulary trained on it (or ``vocab``: `tokenizers`'
-    trainer can differ in a few tokens from run to run, so runs to compare share one file)."""
+def prepare(folder, corpus, vocab_size, vocab=None, head_bytes=None):
+    """The KJV corpus (or ``corpus``; its first ``head_bytes``, cut at a blank line, when given) and a
+    vocabulary trained on it (or ``vocab``: `tokenizers`' trainer can differ in a few tokens from run
+    to run, so runs to compare share one file)."""
     if corpus is None:
         corpus = os.path.join(folder, "kjv.txt")
         subprocess.run([sys.executable, "-m", "bert_packed.data", "kjv", "--output", corpus], check=True, cwd=ROOT,
                        stdout=subprocess.DEVNULL)
+    if head_bytes is not None:
+        with open(corpus, "rb") as source:
+            text = source.read(head_bytes)
+        corpus = os.path.join(folder, "head.txt")
+        with open(corpus, "wb") as out:
+            out.write(text[:text.rfind(b"\n\n") + 1] if b"\n\n" in text else text)
     if vocab is not None:
         return corpus, os.path.abspath(vocab)
     vocab = os.path.join(folder, "vocab.txt")
@@ -93,7 +73,7 @@ def concatenated(folder, corpus, copies):
     return path
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
@@ -107,13 +87,15 @@ def main():
     parser.add_argument("--block-bytes", type=int, default=None, help="default: create's (8 MiB tokenising blocks)")
     parser.add_argument("--single-file", action="store_true", help="also time today's one-file create (.h5)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (its path is printed)")
-    args = parser.parse_args()
+    parser.add_argument("--dry-run", action="store_true", help="the first 40 KB of the KJV, one copy, one worker, "
+                        "a 300-token vocabulary, dupe factor 1 (seconds: checks the plumbing, not the speed)")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.copies, args.workers, args.vocab_size, args.dupe_factor = [1], [1], 300, 1
     folder = tempfile.mkdtemp(prefix="create-scale-")
-    corpus, vocab = prepare(folder, args.corpus, args.vocab_size, args.vocab)
+    corpus, vocab = prepare(folder, args.corpus, args.vocab_size, args.vocab, head_bytes=40_000 if args.dry_run else None)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    print(f"| copies | input MB | output | workers | wall s | MB/s | CPU s | MB per CPU s | peak RSS MiB (all processes) "
-          f"| sequences | sha256 of the shards |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(markdown_header(HEADER))
     for copies in args.copies:
         path = concatenated(folder, corpus, copies)
         megabytes = os.path.getsize(path) / 1e6
@@ -130,10 +112,12 @@ def main():
                     argv += ["--output-shards", str(args.output_shards)]
                 if args.block_bytes:
                     argv += ["--block-bytes", str(args.block_bytes)]
-            wall, peak, out, cpu = run_measured(argv, env=env)
+            run = run_measured(argv, env=env).check(argv)
+            wall, peak, out, cpu = run.seconds, run.peak_rss, run.stdout, run.cpu_seconds
             sequences = out.split(": ", 1)[1].split(" sequences")[0] if ": " in out else "?"
-            print(f"| {copies} | {megabytes:.1f} | {mode} | {workers} | {wall:.1f} | {megabytes / wall:.2f} | {cpu:.1f} | "
-                  f"{megabytes / cpu:.3f} | {peak / 2**20:.0f} | {sequences} | {digest(output)} |", flush=True)
+            print(markdown_row([copies, f"{megabytes:.1f}", mode, workers, f"{wall:.1f}", f"{megabytes / wall:.2f}",
+                                f"{cpu:.1f}", f"{megabytes / cpu:.3f}", f"{peak / 2**20:.0f}", sequences,
+                                digest(output)]), flush=True)
             if mode == "shards":
                 with open(os.path.join(output, "manifest.json")) as handle:
                     assert json.load(handle)["num_sequences"] == int(sequences)

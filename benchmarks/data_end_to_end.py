@@ -1,6 +1,7 @@
 """The main job end to end at a size that exercises it: create -> pack -> train -> SIGKILL -> resume.
 
     python benchmarks/data_end_to_end.py --megabytes 1000 --steps 400 --kill-after 250
+    python benchmarks/data_end_to_end.py --dry-run    # 0.05 MB, the tiny model, 6 steps, killed after 3
 
 The corpus is the King James Bible (Debian bible-kjv, ~4.3 MB) written out N times until it
 holds at least ``--megabytes`` MB, each copy with its chapters in another seeded order (so the
@@ -28,54 +29,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
-import psutil
+if __package__ in (None, ""):  # run as a script: the project root first, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tree_rss(process):
-    total = 0
-    try:
-        members = [process] + process.children(recursive=True)
-    except psutil.Error:
-        return 0
-    for member in members:
-        try:
-            total += member.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
+from benchmarks.common import ROOT, markdown_table, run_measured  # noqa: E402
 
 
 def run_phase(argv, env, kill_when=None, interval=0.1):
     """Run ``argv`` to its end (or SIGKILL it once ``kill_when()`` is true); (wall s, CPU s, peak RSS, rc, stdout)."""
-    import resource
-
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
-                               start_new_session=True)
-    watched = psutil.Process(process.pid)
-    peak = 0
-    output = []
-    import threading
-
-    reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
-    reader.start()
-    while process.poll() is None:
-        peak = max(peak, tree_rss(watched))
-        if kill_when is not None and kill_when():
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            break
-        time.sleep(interval)
-    reader.join(timeout=10)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu, peak, process.returncode, "".join(output)
+    run = run_measured(argv, env=env, kill_when=kill_when, interval=interval, merge_stderr=True)
+    return run.seconds, run.cpu_seconds, run.peak_rss, (-signal.SIGKILL if run.killed else run.returncode), run.stdout
 
 
 def checked(result, argv):
@@ -85,8 +49,9 @@ def checked(result, argv):
     return result
 
 
-def write_corpus(folder, megabytes, seed=0):
-    """KJV copies (chapters shuffled per copy, seeded) until the file holds ``megabytes`` MB."""
+def write_corpus(folder, megabytes, seed=0, whole_copies=True):
+    """KJV copies (chapters shuffled per copy, seeded) until the file holds ``megabytes`` MB (without
+    ``whole_copies``: stops at the chapter that reaches it)."""
     kjv = os.path.join(folder, "kjv.txt")
     subprocess.run([sys.executable, "-m", "bert_packed.data", "kjv", "--output", kjv], check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL)
@@ -101,6 +66,8 @@ def write_corpus(folder, megabytes, seed=0):
             for document in documents:
                 out.write(document.strip(b"\n") + b"\n\n")
                 written += len(document) + 2
+                if not whole_copies and written >= megabytes * 1e6:
+                    break
     return kjv, path
 
 
@@ -120,7 +87,7 @@ def losses(metrics_path):
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megabytes", type=float, default=1000, help="corpus size in MB (at least)")
     parser.add_argument("--workers", type=int, default=2)
@@ -135,13 +102,22 @@ def main():
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--check", action="store_true", help="also train without a kill and compare the losses")
     parser.add_argument("--work", default=None, help="work folder (default: a new temporary one, removed at the end)")
-    args = parser.parse_args()
+    parser.add_argument("--dry-run", action="store_true", help="0.05 MB of corpus, 4 shards, 1 worker, the tiny "
+                        "model for 6 steps killed after step 3 (seconds: checks the plumbing, not the speed)")
+    args = parser.parse_args(argv)
+    config = "demo"
+    if args.dry_run:
+        config = "tiny"
+        args.megabytes, args.workers, args.output_shards, args.vocab_size = 0.05, 1, 4, 300
+        args.steps, args.kill_after, args.checkpoint_every = 6, 3, 1
+        args.max_seq_length, args.max_predictions = 64, 3
     folder = args.work or tempfile.mkdtemp(prefix="end-to-end-")
     os.makedirs(folder, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    kjv, corpus = write_corpus(folder, args.megabytes)
+    kjv, corpus = write_corpus(folder, args.megabytes, whole_copies=not args.dry_run)
     vocab = os.path.join(folder, "vocab.txt")
-    subprocess.run([sys.executable, "-m", "bert_packed.data", "vocab", "--input", kjv, "--size", str(args.vocab_size),
+    vocab_input = corpus if args.dry_run else kjv
+    subprocess.run([sys.executable, "-m", "bert_packed.data", "vocab", "--input", vocab_input, "--size", str(args.vocab_size),
                     "--output", vocab], check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
     unpacked, packed = os.path.join(folder, "train"), os.path.join(folder, "packed")
     rows = []
@@ -157,7 +133,7 @@ def main():
     with open(os.path.join(packed, "manifest.json")) as handle:
         manifest = json.load(handle)
     run_dir = os.path.join(folder, "run")
-    train = [sys.executable, "run.py", "--config", "demo", "--no-progress", "--steps", str(args.steps),
+    train = [sys.executable, "run.py", "--config", config, "--no-progress", "--steps", str(args.steps),
              "--output-dir", run_dir, "--set", f"data.path={packed}", "--set", f"model.vocab_size={args.vocab_size}",
              "--set", f"train.checkpoint_every={args.checkpoint_every}", "--set", "train.eval_every=0"]
     metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -168,15 +144,13 @@ def main():
     rows.append(("resume", checked(run_phase(train + ["--resume"], env), train)))
     with open(os.path.join(run_dir, "summary.json")) as handle:
         summary = json.load(handle)
-    print(f"corpus {os.path.getsize(corpus) / 1e6:.0f} MB, {manifest['num_sequences']} sequences in "
+    print(f"corpus {os.path.getsize(corpus) / 1e6:.{2 if args.dry_run else 0}f} MB, {manifest['num_sequences']} sequences in "
           f"{manifest['num_packs']} packs over {len(manifest['shards'])} shards; gap to the LP bound "
           f"{manifest.get('gap_percent')} %; data wait {summary.get('data_wait_fraction')}")
-    print("| phase | wall s | CPU s | peak RSS MiB (all processes) |")
-    print("|---|---|---|---|")
-    for name, (wall, cpu, peak, _, _) in rows:
-        print(f"| {name} | {wall:.1f} | {cpu:.1f} | {peak / 2**20:.0f} |")
-    print(f"| all | {sum(r[1][0] for r in rows):.1f} | {sum(r[1][1] for r in rows):.1f} | "
-          f"{max(r[1][2] for r in rows) / 2**20:.0f} |")
+    print(markdown_table(["phase", "wall s", "CPU s", "peak RSS MiB (all processes)"],
+                         [[name, f"{wall:.1f}", f"{cpu:.1f}", f"{peak / 2**20:.0f}"] for name, (wall, cpu, peak, _, _) in rows]
+                         + [["all", f"{sum(r[1][0] for r in rows):.1f}", f"{sum(r[1][1] for r in rows):.1f}",
+                             f"{max(r[1][2] for r in rows) / 2**20:.0f}"]]))
     if args.check:
         straight = os.path.join(folder, "run-straight")
         argv = [a if a != run_dir else straight for a in train]

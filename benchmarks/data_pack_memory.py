@@ -17,9 +17,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, ROOT)
 
-CHILD = """
+CHILD = r"""
 import json, re, sys, time
 from bert_packed.data.pack import pack_file
 start = time.perf_counter()
@@ -31,13 +32,13 @@ print(json.dumps(stats))
 """
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-sequences", type=int, default=1_000_000)
     parser.add_argument("--algorithm", default="lpfhp")
     parser.add_argument("--workdir", default=None, help="where the files go (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the files")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from bert_packed.data.synthetic import write_synthetic_unpacked
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="pack-bench-")

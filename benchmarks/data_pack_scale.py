@@ -2,6 +2,7 @@
 
     python benchmarks/data_pack_scale.py [--shards 8] [--sequences-per-shard 250000] \
         [--workers 1 2] [--algorithm lp] [--input DIR] [--workdir DIR] [--keep]
+    python benchmarks/data_pack_scale.py --dry-run   # 2 shards of 500 sequences, 1 worker (seconds)
 
 Writes a synthetic unpacked sharded dataset (NVIDIA layout, S=128, lengths from the Wikipedia
 histogram scaled to 128, one manifest.json), then runs `python -m bert_packed.data pack
@@ -17,13 +18,18 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script: the project root first, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import markdown_header, markdown_row, run_measured  # noqa: E402
+
+HEADER = ["workers", "seconds", "sequences/s", "CPU s", "sequences per CPU s", "peak RSS, all processes (MiB)",
+          "largest process (MiB)", "packs", "efficiency %", "gap to LP bound %", "sharding gap %",
+          "gap to the shards' bounds %"]
 
 
 def make_dataset(folder, shards, per_shard):
@@ -42,36 +48,11 @@ def make_dataset(folder, shards, per_shard):
 
 def measure(command, interval=0.02):
     """(seconds, peak summed RSS MiB, peak single-process RSS MiB, stdout, CPU seconds) of ``command``
-    and its descendants (CPU: user + system, from getrusage(RUSAGE_CHILDREN))."""
-    import resource
-
-    import psutil
-
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    process = psutil.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak_sum = peak_one = 0
-    while process.poll() is None:
-        try:
-            family = [process] + process.children(recursive=True)
-        except psutil.Error:
-            family = [process]
-        sizes = []
-        for member in family:
-            try:
-                sizes.append(member.memory_info().rss)
-            except psutil.Error:
-                pass
-        if sizes:
-            peak_sum, peak_one = max(peak_sum, sum(sizes)), max(peak_one, max(sizes))
-        time.sleep(interval)
-    out, err = process.communicate()
-    seconds = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if process.returncode != 0:
-        sys.exit(f"pack failed ({process.returncode}): {err.strip()[-2000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return seconds, peak_sum / 2**20, peak_one / 2**20, out.strip(), cpu
+    and its descendants (benchmarks.common.run_measured); exits with the tail of stderr if it fails."""
+    run = run_measured(command, interval=interval)
+    if run.returncode != 0:
+        sys.exit(f"pack failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
+    return run.seconds, run.peak_rss / 2**20, run.peak_rss_one / 2**20, run.stdout.strip(), run.cpu_seconds
 
 
 def digest(folder):
@@ -83,7 +64,7 @@ def digest(folder):
     return hasher.hexdigest()
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--sequences-per-shard", type=int, default=250_000)
@@ -93,7 +74,11 @@ def main():
     parser.add_argument("--input", default=None, help="pack this unpacked dataset instead of synthetic shards")
     parser.add_argument("--workdir", default=None, help="where the files go (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the files")
-    args = parser.parse_args()
+    parser.add_argument("--dry-run", action="store_true",
+                        help="2 synthetic shards of 500 sequences (seconds: checks the plumbing, not the speed)")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.shards, args.sequences_per_shard, args.workers = 2, 500, [1]
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="pack-scale-")
     if args.input:
@@ -111,10 +96,7 @@ def main():
     digests = set()
     print(f"`pack` of {num_sequences:,} sequences in {args.shards} shards ({args.algorithm}, "
           f"K={args.max_sequences_per_pack})\n")
-    print("| workers | seconds | sequences/s | CPU s | sequences per CPU s | peak RSS, all processes (MiB) | "
-          "largest process (MiB) | packs | efficiency % | gap to LP bound % | sharding gap % | "
-          "gap to the shards' bounds % |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print(markdown_header(HEADER), flush=True)
     for workers in args.workers:
         output = os.path.join(workdir, f"packed-w{workers}")
         command = [sys.executable, "-m", "bert_packed.data", "pack", "--input", source, "--output", output,
@@ -125,10 +107,11 @@ def main():
         with open(os.path.join(output, "manifest.json"), encoding="utf-8") as handle:
             manifest = json.load(handle)
         digests.add(digest(output))
-        print(f"| {workers} | {seconds:.1f} | {num_sequences / seconds:,.0f} | {cpu:.1f} | {num_sequences / cpu:,.0f} | "
-            f"{peak_sum:.0f} | {peak_one:.0f} | "
-            f"{manifest['num_packs']} | {100 * manifest['efficiency']:.3f} | {manifest['gap_percent']:.4f} | "
-            f"{manifest['sharding_gap_percent']:.4f} | {manifest['gap_to_shards_bound_percent']:.4f} |", flush=True)
+        print(markdown_row([workers, f"{seconds:.1f}", f"{num_sequences / seconds:,.0f}", f"{cpu:.1f}",
+                            f"{num_sequences / cpu:,.0f}", f"{peak_sum:.0f}", f"{peak_one:.0f}", manifest["num_packs"],
+                            f"{100 * manifest['efficiency']:.3f}", f"{manifest['gap_percent']:.4f}",
+                            f"{manifest['sharding_gap_percent']:.4f}",
+                            f"{manifest['gap_to_shards_bound_percent']:.4f}"]), flush=True)
     print(f"\noutputs byte-identical across worker counts: {len(digests) == 1}")
     if not args.keep and args.workdir is None:
         shutil.rmtree(workdir)

@@ -25,7 +25,10 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, ROOT)
+
+from benchmarks.common import markdown_header, markdown_row  # noqa: E402
 
 DIMS = dict(max_sequence_length=512, max_sequences_per_pack=3, max_masked_tokens_per_pack=78)
 
@@ -96,14 +99,14 @@ def rate(make, seconds, micro_batch_size):
     return count * micro_batch_size / elapsed, count
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--packs", type=int, default=262144)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--workdir", default=None, help="where the files go (default: a temp dir)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from bert_packed.data.hdf5 import HDF5Source
     from bert_packed.data.sharded import ShardedSource
 
@@ -120,10 +123,10 @@ def main():
              (f"ShardedSource, rank 0 of {args.shards}",
               lambda: ShardedSource(directory, rank=0, world_size=args.shards, **common))]
     print(f"\n{args.packs} packs, S=512, micro-batch {args.micro_batch}, up to {args.seconds:g} s each\n")
-    print("| reader | packs/s per rank | micro-batches timed |\n|---|---:|---:|")
+    print(markdown_header(["reader", "packs/s per rank", "micro-batches timed"], align="lrr"))
     for name, make in cases:
         packs_per_second, count = rate(make, args.seconds, args.micro_batch)
-        print(f"| {name} | {packs_per_second:,.0f} | {count} |", flush=True)
+        print(markdown_row([name, f"{packs_per_second:,.0f}", count]), flush=True)
 
 
 if __name__ == "__main__":

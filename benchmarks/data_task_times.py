@@ -15,7 +15,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.append(ROOT)  # after PYTHONPATH: another version given there wins
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.append(ROOT)  # after PYTHONPATH: another version given there wins
 
 from benchmarks.common import markdown_table  # noqa: E402
 

@@ -20,15 +20,16 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import spread  # noqa: E402
 from bert_packed.collate import collate, masked_tokens_per_pack, one_per_pack  # noqa: E402
 from bert_packed.modeling import BertConfig, BertForPreTraining  # noqa: E402
 
@@ -155,10 +156,10 @@ def main(argv=None):
             ours.load_hf_state_dict(hf.state_dict())
             variants[f"ours unpacked ({attention})"] = (ours, batch, lambda out: out["loss"])
         times = compare(variants, args.repeats)
-        reference = statistics.median(times["transformers (sdpa)"])
+        reference = spread(times["transformers (sdpa)"])["median"]
         print(f"\n[1] unpacked fwd+bwd, S={S}, B={B}: ratio = transformers time / our time")
         for name, values in times.items():
-            median = statistics.median(values)
+            median = spread(values)["median"]
             print(f"  {name:28s} median {median * 1e3:8.1f} ms   ratio {reference / median:5.2f}")
 
     if args.skip_packed:
@@ -174,10 +175,10 @@ def main(argv=None):
             # Same weights; the model reads K and M from the batch shapes.
             variants[f"packed (K={K})"] = (base, packed_batch(rng, B, S, K, dims["vocab_size"]), lambda out: out["loss"])
         times = compare(variants, args.repeats)
-        reference = statistics.median(times["unpacked (K=1)"])
+        reference = spread(times["unpacked (K=1)"])["median"]
         print(f"\n[2] {attention}: fwd+bwd at the same [B,S] = [{B},{S}]: overhead = packed / unpacked - 1")
         for name, values in times.items():
-            median = statistics.median(values)
+            median = spread(values)["median"]
             print(f"  {name:28s} median {median * 1e3:8.1f} ms   overhead {100 * (median / reference - 1):+5.1f} %")
 
 

@@ -11,26 +11,29 @@ host read), and ``grad_norm_`` + ``step_unless_non_finite`` (the device-side ski
 fused AdamW.
 
     python benchmarks/optimizer_step.py [--rounds 5] [--threads 2] [--json out.json]
+    python benchmarks/optimizer_step.py --dry-run --rounds 1    # a 2-layer, hidden-32 shape (seconds)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import markdown_header, markdown_row, spread  # noqa: E402
 from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
 from bert_packed.modeling import BertConfig  # noqa: E402
 from bert_packed.optim import build_optimizer, grad_norm_, step_unless_non_finite  # noqa: E402
 
 MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
               intermediate_size=1536, max_position_embeddings=512, type_vocab_size=2, num_labels=2)
+TINY = dict(MINILM, vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 VARIANTS = [("adamw", "single_tensor"), ("adamw", "foreach"), ("adamw", "fused"),
             ("lamb", "single_tensor"), ("lamb", "foreach")]
 
@@ -40,9 +43,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of 3 steps per variant (default 5)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--dry-run", action="store_true", help="a tiny shape (2 layers, hidden 32): seconds, "
+                        "checks the plumbing, not the speed")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    config = BertConfig(**MINILM)
+    config = BertConfig(**(TINY if args.dry_run else MINILM))
     variants = [v for v in VARIANTS if v != ("adamw", "fused") or _has_fused()]
     models, optimizers = {}, {}
     for name, implementation in variants:
@@ -82,21 +87,20 @@ def main(argv=None) -> int:
     count = sum(p.numel() for p in params)
     print(f"{count:,} parameters in {len(params)} tensors; torch {torch.__version__}, {args.threads} threads; "
           f"{3 * args.rounds} steps per variant, interleaved; load average {os.getloadavg()[0]:.1f}")
-    print("\n| what | implementation | median ms | min ms | median vs single_tensor | min vs single_tensor |")
-    print("|---|---|---|---|---|---|")
+    print("\n" + markdown_header(["what", "implementation", "median ms", "min ms", "median vs single_tensor",
+                                  "min vs single_tensor"]))
     rows = []
     for v in variants:
-        reference = times[(v[0], "single_tensor")]
-        row = {"optimizer": v[0], "implementation": v[1], "median_ms": statistics.median(times[v]) * 1e3,
-               "min_ms": min(times[v]) * 1e3,
-               "median_speedup": statistics.median(reference) / statistics.median(times[v]),
-               "min_speedup": min(reference) / min(times[v])}
+        mine, reference = spread(times[v]), spread(times[(v[0], "single_tensor")])
+        row = {"optimizer": v[0], "implementation": v[1], "median_ms": mine["median"] * 1e3, "min_ms": mine["min"] * 1e3,
+               "median_speedup": reference["median"] / mine["median"], "min_speedup": reference["min"] / mine["min"]}
         rows.append(row)
-        print(f"| {v[0]} step | {v[1]} | {row['median_ms']:.1f} | {row['min_ms']:.1f} | "
-              f"{row['median_speedup']:.2f}x | {row['min_speedup']:.2f}x |")
+        print(markdown_row([f"{v[0]} step", v[1], f"{row['median_ms']:.1f}", f"{row['min_ms']:.1f}",
+                            f"{row['median_speedup']:.2f}x", f"{row['min_speedup']:.2f}x"]))
     for what, values in norms.items():
-        rows.append({"what": what, "median_ms": statistics.median(values) * 1e3, "min_ms": min(values) * 1e3})
-        print(f"| {what} | | {statistics.median(values) * 1e3:.1f} | {min(values) * 1e3:.1f} | | |")
+        mine = spread(values)
+        rows.append({"what": what, "median_ms": mine["median"] * 1e3, "min_ms": mine["min"] * 1e3})
+        print(markdown_row([what, "", f"{mine['median'] * 1e3:.1f}", f"{mine['min'] * 1e3:.1f}", "", ""]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"parameters": count, "tensors": len(params), "torch": torch.__version__,

@@ -26,7 +26,10 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import ROOT, markdown_header, markdown_row  # noqa: E402
 
 LENGTHS = [3, 5, 5, 7, 11]
 
@@ -119,7 +122,7 @@ def _outcome(case, record, args):
     return f"{record['result']} {'sequences' if case == 'from_lengths' else 'packs/rows'}"
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-sequence-length", type=int, default=10**8)
     parser.add_argument("--memory-limit-gib", type=float, default=8.0,
@@ -129,18 +132,18 @@ def main():
                         help="a directory holding another version of packing/: each case runs with it first, "
                              "then with this checkout's")
     parser.add_argument("--json", default=None, help="also write the records to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     roots = ([("other", os.path.abspath(args.compare_with))] if args.compare_with else []) + [("this", ROOT)]
     records = []
     print(f"L = {args.max_sequence_length:,}, lengths {LENGTHS}, address space capped at "
           f"{args.memory_limit_gib:g} GiB per case")
-    print("| case | code | outcome | seconds | traced peak | peak RSS |\n|---|---|---|---:|---:|---:|")
+    print(markdown_header(["case", "code", "outcome", "seconds", "traced peak", "peak RSS"], align="lllrrr"))
     for case in args.cases:
         for label, root in roots:
             record = _run(case, root, args)
             record["code"] = label
-            print(f"| {case} | {label} | {_outcome(case, record, args)} | {record.get('seconds', 0):.3f} | "
-                  f"{_bytes(record.get('traced_peak_bytes', 0))} | {_bytes(record.get('peak_rss_bytes', 0))} |",
+            print(markdown_row([case, label, _outcome(case, record, args), f"{record.get('seconds', 0):.3f}",
+                                _bytes(record.get("traced_peak_bytes", 0)), _bytes(record.get("peak_rss_bytes", 0))]),
                   flush=True)
             records.append(record)
     if args.json:

@@ -2,10 +2,12 @@
 scipy's linprog re-solving from scratch every column-generation round (``"scipy"``).
 
     python benchmarks/packing_lp_master.py
+    python benchmarks/packing_lp_master.py --dry-run     # squad-384 at depth 8 only (seconds)
 
 Same cases, same rounds (the two give the same LP); run alternately in one process, so
 the ratio is comparable on a shared machine. target_gap=0: the LP runs to convergence.
 """
+import argparse
 import os
 import sys
 import time
@@ -30,8 +32,12 @@ def cases():
     yield "geometric-4096 (256 lengths)", Histogram.from_lengths(lengths, 4096), 8
 
 
-def main(selected=None):
-    """Every case, or the ``selected`` (name, depth) pairs."""
+def main(argv=None):
+    """Every case, or (``--dry-run``) the smallest."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="squad-384 at depth 8 only (seconds)")
+    args = parser.parse_args(argv)
+    selected = [("squad-384", 8)] if args.dry_run else None
     print(f"{'case':30} {'depth':>5} {'master':>6} {'rounds':>6} {'packs':>10} {'bound':>10} {'seconds':>8}")
     for name, histogram, depth in cases():
         if selected is not None and (name, depth) not in selected:
@@ -47,7 +53,8 @@ def main(selected=None):
                   f"{last.num_packs:>10,} {last.lp_bound_packs:>10,} {elapsed:>8.2f}", flush=True)
         best = {master: spread(times)["min"] for master, times in seconds.items()}
         print(f"{'':30} {'':>5} scipy / highs (best of 2 each): {best['scipy'] / best['highs']:.2f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

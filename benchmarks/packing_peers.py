@@ -25,14 +25,18 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, ROOT)
+
+from benchmarks.common import result_line, run_worker  # noqa: E402
+
+RECORD = "RECORD "  # the worker's result line: this prefix, then the record as JSON
 
 CASES = ["wikipedia-512", "squad-384", "longtail-8192", "mixture-8192", "longtail-32768", "mixture-32768"]
 OURS = ["lp", "lpfhp", "spfhp", "bfd", "greedy"]
@@ -103,7 +107,7 @@ def worker(case, algorithm, depth, sample, time_limit):
         seconds = time.perf_counter() - started
         record.update(packs=packs, seconds=seconds, bound=bound, gap=packs / bound - 1)
     record["peak_rss"] = _peak_rss()
-    print(json.dumps(record))
+    print(result_line(RECORD, record))
 
 
 def _run_peer(name, lengths, L):
@@ -138,15 +142,11 @@ def run(case, algorithm, depth, sample=None, time_limit=None, timeout=600):
     command = [sys.executable, os.path.abspath(__file__), "--worker", case, algorithm, depth,
                str(sample or 0), str(time_limit or 0)]
     started = time.perf_counter()
-    try:
-        completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
-    except subprocess.TimeoutExpired:
-        return {"case": case, "algorithm": algorithm, "depth": depth, "error": f"did not finish in {timeout} s"}
-    if completed.returncode != 0:
-        tail = (completed.stderr.strip().splitlines() or ["?"])[-1]
-        return {"case": case, "algorithm": algorithm, "depth": depth, "error": tail}
-    record = json.loads(completed.stdout.strip().splitlines()[-1])
+    record = run_worker(command, RECORD, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if str(record.get("status", "")).startswith("failed: "):
+        error = record["status"][len("failed: "):]
+        error = f"did not finish in {timeout} s" if error.startswith("timeout after") else error
+        return {"case": case, "algorithm": algorithm, "depth": depth, "error": error}
     record["wall_seconds"] = time.perf_counter() - started
     return record
 

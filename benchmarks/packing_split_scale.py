@@ -15,7 +15,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.append(ROOT)  # after PYTHONPATH: a version given there wins
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.append(ROOT)  # after PYTHONPATH: a version given there wins
 
 import numpy as np  # noqa: E402
 

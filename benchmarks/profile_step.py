@@ -27,7 +27,8 @@ import time
 from torch.profiler import ProfilerActivity, profile, record_function
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, ROOT)
 
 SCOPES = ("step/forward+backward", "step/grad_norm+clip", "step/optimizer.step", "step/scheduler",
           "step/zero_grad")

@@ -13,6 +13,11 @@ import subprocess
 import sys
 import time
 
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import ROOT, markdown_header, markdown_row  # noqa: E402
+
 CASES = [
     ("Mr. Smith went to Washington. He arrived at 3 p.m. on Monday.",
      ["Mr. Smith went to Washington.", "He arrived at 3 p.m. on Monday."]),
@@ -45,7 +50,7 @@ def paragraphs(corpus, mib):
         corpus = "/tmp/kjv-splitters.txt"
         if not os.path.exists(corpus):
             subprocess.run([sys.executable, "-m", "bert_packed.data", "kjv", "--output", corpus], check=True,
-                           stdout=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL, cwd=ROOT)
     out, size = [], 0
     with open(corpus, encoding="utf-8") as handle:
         for chapter in handle.read().split("\n\n"):
@@ -57,21 +62,20 @@ def paragraphs(corpus, mib):
     return out, size
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--corpus", default=None, help="one sentence per line corpus (default: KJV)")
     parser.add_argument("--mib", type=float, default=2.0, help="text to time, MiB")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     texts, size = paragraphs(args.corpus, args.mib)
-    print(f"| splitter | MB/s ({size / 1e6:.1f} MB) | tricky cases right | failures |")
-    print("|---|---|---|---|")
+    print(markdown_header(["splitter", f"MB/s ({size / 1e6:.1f} MB)", "tricky cases right", "failures"]))
     for name, split in splitters().items():
         start = time.perf_counter()
         for text in texts:
             split(text)
         speed = size / 1e6 / (time.perf_counter() - start)
         wrong = [i for i, (text, want) in enumerate(CASES) if split(text) != want]
-        print(f"| {name} | {speed:.2f} | {len(CASES) - len(wrong)}/{len(CASES)} | {wrong} |")
+        print(markdown_row([name, f"{speed:.2f}", f"{len(CASES) - len(wrong)}/{len(CASES)}", wrong]))
         for i in wrong:
             print(f"  {name} case {i}: {split(CASES[i][0])}", file=sys.stderr)
 

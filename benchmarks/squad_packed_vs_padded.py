@@ -21,13 +21,14 @@ ratio, not the absolute seconds. Output: WORKDIR/results.json and a Markdown tab
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from benchmarks.common import markdown_table, run_measured, spread  # noqa: E402
 
 
 def prepare(workdir, args):
@@ -93,9 +94,8 @@ def main(argv=None):
             cmd, out = command(args.workdir, checkpoint, args, packed)
             out = f"{out}{repeat}"
             cmd[cmd.index("--output-dir") + 1] = out
-            with open(out + ".log", "w") as log:
-                if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode != 0:
-                    sys.exit(f"error: the {name} run failed; see {out}.log")
+            if run_measured(cmd, env=env, log_path=out + ".log", sample_memory=False).returncode != 0:
+                sys.exit(f"error: the {name} run failed; see {out}.log")
             runs[name].append(json.load(open(os.path.join(out, "summary.json"))))
             print(f"{name} run {repeat + 1}: {runs[name][-1]['train_seconds']:.0f} s", file=sys.stderr, flush=True)
     results = {}
@@ -107,18 +107,17 @@ def main(argv=None):
             "windows": summary["data_packing"]["num_sequences"],
             "windows_per_row": summary["data_packing"]["packing_factor"],
             "steps": summary["steps"], "rows": summary["total_packs"],
-            "train_seconds": statistics.median(seconds), "train_seconds_all": seconds,
+            "train_seconds": spread(seconds)["median"], "train_seconds_all": seconds,
             "exact_match": summary["eval"]["exact_match"], "f1": summary["eval"]["f1"],
             "has_ans_f1": summary["eval"].get("has_ans_f1"), "no_ans_f1": summary["eval"].get("no_ans_f1"),
         }
     with open(os.path.join(args.workdir, "results.json"), "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
     a, b = results["packed"], results["padded"]
-    print(f"| run | windows | rows/epoch | windows/row | steps | train s | EM | F1 |")
-    print(f"|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, r in results.items():
-        print(f"| {name} | {r['windows']} | {r['rows_per_epoch']} | {r['windows_per_row']:.2f} | {r['steps']} | "
-              f"{r['train_seconds']:.0f} | {r['exact_match']:.1f} | {r['f1']:.1f} |")
+    print(markdown_table(["run", "windows", "rows/epoch", "windows/row", "steps", "train s", "EM", "F1"],
+                         [[name, r["windows"], r["rows_per_epoch"], f"{r['windows_per_row']:.2f}", r["steps"],
+                           f"{r['train_seconds']:.0f}", f"{r['exact_match']:.1f}", f"{r['f1']:.1f}"]
+                          for name, r in results.items()], align="lrrrrrrr"))
     print(f"\npadded/packed: rows per epoch {b['rows_per_epoch'] / a['rows_per_epoch']:.2f}x, "
           f"training time {b['train_seconds'] / a['train_seconds']:.2f}x")
 

@@ -15,11 +15,13 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: the project root on the path, so `benchmarks` is the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from backends import get_backend  # noqa: E402
+from benchmarks.common import markdown_table  # noqa: E402
 from bert_packed.config import load_config  # noqa: E402
 from bert_packed.data import build_data_source  # noqa: E402
 from bert_packed.build import build_model, build_optimizer  # noqa: E402
@@ -93,11 +95,9 @@ def main(argv=None):
         return 0
     print(f"{args.config} on {args.backend} ({torch.get_num_threads()} threads), {args.steps} measured steps each, "
           f"alternating blocks of {args.block}")
-    print("| variant | K | sequences/pack | s/step | sequences/s | real tokens/s |")
-    print("|---|---|---|---|---|---|")
-    for name, r in rows.items():
-        print(f"| {name} | {r['max_sequences_per_pack']} | {r['packing_factor']:.3f} | {r['seconds_per_step']:.4f} | "
-              f"{r['sequences_per_second']:.1f} | {r['tokens_per_second']:.0f} |")
+    print(markdown_table(["variant", "K", "sequences/pack", "s/step", "sequences/s", "real tokens/s"],
+                         [[name, r["max_sequences_per_pack"], f"{r['packing_factor']:.3f}", f"{r['seconds_per_step']:.4f}",
+                           f"{r['sequences_per_second']:.1f}", f"{r['tokens_per_second']:.0f}"] for name, r in rows.items()]))
     print(f"packed / padded sequences/s: {ratio:.2f}x")
     return 0
 

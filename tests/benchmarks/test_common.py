@@ -75,3 +75,29 @@ def test_markdown_table_pads_short_rows_and_aligns():
     table = common.markdown_table(["a", "b", "c"], [[1, 2, 3], ["only"]], align="lr")
     assert table.splitlines() == ["| a | b | c |", "|---|---:|---|", "| 1 | 2 | 3 |", "| only |  |  |"]
     json.dumps(table)
+
+
+def test_run_measured_output_status_memory_log_and_kill(tmp_path):
+    ok = common.run_measured([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
+                             interval=0.01)
+    assert (ok.returncode, ok.stdout, ok.stderr, ok.killed) == (0, "out\n", "err\n", False)
+    assert ok.seconds > 0 and ok.cpu_seconds >= 0 and ok.peak_rss >= ok.peak_rss_one >= 0
+    assert ok.check(["x"]) is ok
+    failed = common.run_measured([sys.executable, "-c", "import sys; sys.exit('error: broken')"], sample_memory=False)
+    with pytest.raises(SystemExit, match=r"failed \(1\): prog\nerror: broken"):
+        failed.check(["prog"])
+    with pytest.raises(RuntimeError):
+        failed.check(["prog"], RuntimeError)
+    log = tmp_path / "log.txt"
+    logged = common.run_measured([sys.executable, "-c", "import sys; print('a'); print('b', file=sys.stderr)"],
+                                 log_path=str(log), sample_memory=False)
+    assert logged.stdout == "" and sorted(log.read_text().split()) == ["a", "b"]
+    killed = common.run_measured([sys.executable, "-c", "import time; time.sleep(30)"], interval=0.05,
+                                 kill_when=lambda: True)
+    assert killed.killed and killed.returncode != 0 and killed.seconds < 20
+    assert killed.check(["sleep"]) is killed  # a kill asked for is not a failure
+
+
+def test_markdown_header_and_rows_make_the_table():
+    assert common.markdown_header(["a", "b"], "r") + "\n" + common.markdown_row([1], 2) == \
+        common.markdown_table(["a", "b"], [[1]], "r")

@@ -1,16 +1,13 @@
-"""benchmarks/vs_hf_trainer.py, ``--task qa`` and ``--bf16``: the parts that run without the
-registry or a training run (QuAC conversion, the split, run_qa.py's features and post-processing,
+"""benchmarks/vs_hf_trainer_qa.py and ``--bf16`` (vs_hf_trainer_common.py): the parts that run without
+the registry or a training run (QuAC conversion, the split, run_qa.py's features and post-processing,
 argument errors)."""
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import vs_hf_trainer as bench  # noqa: E402
+from benchmarks import vs_hf_trainer_common as shared
+from benchmarks import vs_hf_trainer_qa as bench
 
 PASSAGE = ("In May 1983, she married Nikos Karvelas, a composer, with whom she collaborated in 1975 and in "
            "November she gave birth to her daughter Sofia. In 1986 she left EMI.")
@@ -135,28 +132,36 @@ def test_precision_settings_pair_the_two_sides():
     class Args:
         device, bf16, threads = "cpu", True, 2
 
-    assert bench.precision_settings(Args) == ({"device": "cpu", "bf16": True}, "cpu", ["cpu.precision=bf16"])
+    assert shared.precision_settings(Args) == ({"device": "cpu", "bf16": True}, "cpu", ["cpu.precision=bf16"])
     Args.bf16 = False
-    assert bench.precision_settings(Args) == ({"device": "cpu", "bf16": False}, "cpu", [])
+    assert shared.precision_settings(Args) == ({"device": "cpu", "bf16": False}, "cpu", [])
     Args.device = "cuda"
-    assert bench.precision_settings(Args) == ({"device": "cuda", "bf16": False}, "cuda",
+    assert shared.precision_settings(Args) == ({"device": "cuda", "bf16": False}, "cuda",
                                               ["cuda.precision=fp32", "cuda.allow_tf32=false"])
-    assert bench._where(Args) == "fp32, one GPU"
+    assert shared._where(Args) == "fp32, one GPU"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--task", "ner", "--data", "quac"], "--data quac is a QA set; use it with --task qa"),
-    (["--task", "qa", "--data", "wnut16"], "--data wnut16 is a NER set; use it with --task ner"),
-    (["--task", "qa"], "--task qa needs --data or --train-file and --dev-file"),
-    (["--task", "qa", "--data", "quac", "--doc-stride", "-1"], "--doc-stride -1: the context tokens"),
-    (["--task", "qa", "--data", "quac", "--doc-stride", "317"], "context room (317 = --max-length - 64"),
-    (["--task", "qa", "--data", "quac", "--max-length", "64"], "--doc-stride 128: the context tokens"),
-    (["--task", "qa", "--data", "quac", "--train-file", "x.json"], "--data and --train-file / --dev-file exclude"),
-    (["--task", "qa", "--train-file", "a.json", "--dev-file", "b.json", "--checkpoint", ".", "--rows", "packed"],
-     "unknown row(s) packed; with --task qa choose from hf-qa-max-length"),
+@pytest.mark.parametrize("script, argv, message", [
+    ("ner", ["--data", "quac"], "argument --data: invalid choice: 'quac'"),
+    ("qa", ["--data", "wnut16"], "argument --data: invalid choice: 'wnut16'"),
+    ("qa", [], "needs --data or --train-file and --dev-file"),
+    ("qa", ["--data", "quac", "--doc-stride", "-1"], "--doc-stride -1: the context tokens"),
+    ("qa", ["--data", "quac", "--doc-stride", "317"], "context room (317 = --max-length - 64"),
+    ("qa", ["--data", "quac", "--max-length", "64"], "--doc-stride 128: the context tokens"),
+    ("qa", ["--data", "quac", "--train-file", "x.json"], "--data and --train-file / --dev-file exclude"),
+    ("qa", ["--train-file", "a.json", "--dev-file", "b.json", "--checkpoint", ".", "--rows", "packed"],
+     "unknown row(s) packed; choose from hf-qa-max-length"),
+    ("ner", ["--rows", "packed"], "unknown row(s) packed; choose from hf-ner-random"),
+    ("classification", ["--rows", "packed-baseline"], "the packed-baseline row needs --baseline-root"),
+    ("pretraining", ["--rows", "packed"], "unknown row(s) packed; choose from hf-pretrain-grouped"),
 ])
-def test_bad_qa_arguments_are_one_line_errors(argv, message, capsys, tmp_path):
+def test_bad_arguments_are_one_line_errors_before_anything_is_fetched(script, argv, message, capsys, tmp_path):
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.vs_hf_trainer_{script}").main
+    out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv + ["--output-dir", str(tmp_path)])
+        main(argv + ["--output-dir", str(out), "--cache-dir", str(tmp_path / "cache")])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists() and not out.exists()  # nothing fetched, nothing written

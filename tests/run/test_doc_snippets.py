@@ -545,6 +545,11 @@ def _entry_source(argv: List[str]) -> str:
         assert os.path.isfile(os.path.join(ROOT, argv[0])), f"no script {argv[0]}"
         source = open(os.path.join(ROOT, argv[0])).read()
     assert re.search(r"""__name__ == ["']__main__["']""", source), f"{' '.join(argv[:2])} runs nothing"
+    # A benchmark's options may come from a module of benchmarks/ it shares (vs_hf_trainer_common.py).
+    for m in re.finditer(r"^from benchmarks(?:\.(\w+) import| import (\w+))", source, re.MULTILINE):
+        shared = os.path.join(ROOT, "benchmarks", (m.group(1) or m.group(2)) + ".py")
+        if os.path.isfile(shared):
+            source += open(shared).read()
     return source
 
 
