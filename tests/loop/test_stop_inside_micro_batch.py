@@ -242,8 +242,8 @@ ACCUMULATING = ["train.steps=4", "train.gradient_accumulation=3", "train.packing
                 "data.num_eval_sequences=60", "data.packing_algorithm=lpfhp", "model.num_hidden_layers=3"]
 
 
-def test_a_stop_in_a_backward_pass_drops_the_step_and_the_resume_equals_the_uninterrupted_run(tmp_path,
-                                                                                                monkeypatch):
+def test_a_stop_in_a_backward_pass_drops_the_step_and_the_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch,
+                                                                                                sigint_to_the_code):
     monkeypatch.setattr(within_step, "ABANDON_FROM_SECONDS", 0.0)  # every step counts as long
     monkeypatch.setattr(within_step, "LAYERS_FROM_SECONDS", 0.0)  # and every micro-batch
     config = load_config("tiny", ACCUMULATING)
@@ -264,7 +264,7 @@ def test_a_stop_in_a_backward_pass_drops_the_step_and_the_resume_equals_the_unin
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
-def test_a_stop_in_a_fast_step_still_finishes_it_with_a_checkpoint(tmp_path, monkeypatch):
+def test_a_stop_in_a_fast_step_still_finishes_it_with_a_checkpoint(tmp_path, monkeypatch, sigint_to_the_code):
     """Layers of milliseconds: the rest of the step is short, so it is finished and checkpointed
     (today's step-boundary stop), not dropped."""
     monkeypatch.setattr(within_step, "LAYERS_FROM_SECONDS", 0.0)  # the layers keep reporting
