@@ -7,14 +7,14 @@ BertForPreTraining``); they are loaded on first use so that light modules such a
 """
 
 _LAZY = {
-    "BertConfig": "bert_packed.modeling",
-    "BertModel": "bert_packed.modeling",
-    "BertForPreTraining": "bert_packed.modeling",
+    "BertConfig": "bert_packed.model.modeling",
+    "BertModel": "bert_packed.model.modeling",
+    "BertForPreTraining": "bert_packed.model.modeling",
     "BertForSequenceClassification": "bert_packed.finetune.classification.model",
-    "ModelConfigError": "bert_packed.modeling",
-    "register_attention": "bert_packed.attention",
-    "AttentionImplementation": "bert_packed.attention",
-    "AttentionError": "bert_packed.attention",
+    "ModelConfigError": "bert_packed.model.modeling",
+    "register_attention": "bert_packed.model.attention",
+    "AttentionImplementation": "bert_packed.model.attention",
+    "AttentionError": "bert_packed.model.attention",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,6 +1,6 @@
 """The backend contract: every member the training loop, the tasks and run.py use (:class:`Backend`),
 and two optional capabilities the loop never needs: :class:`Profiling` (``run.py --profile``,
-``bert_packed.profiling``) and :class:`OfflineCompile` (``run.py --compile-only``). A backend
+``bert_packed.analysis.profiling``) and :class:`OfflineCompile` (``run.py --compile-only``). A backend
 has a capability by subclassing it; whoever needs one checks ``isinstance`` and refuses a
 backend without it in one line (exit 2).
 
@@ -19,7 +19,7 @@ M = max masked tokens per pack; batch fields as in docs/internals.md.
 - ``train_step(micro_batches)``: ``micro_batches`` is a list of dicts of numpy arrays, the
   ``micro_batches_per_step x steps_per_call`` micro-batches this process contributes to one
   call (step-major; within a step replica-major for a backend that feeds several replicas).
-  The backend fills in the global-count normalisers (``bert_packed.losses.step_normalizers``,
+  The backend fills in the global-count normalisers (``bert_packed.model.losses.step_normalizers``,
   counts summed over processes), runs forward+backward over all of them, reduces gradients
   across processes, and applies one optimizer (and schedule) update per step. Returns the
   step's metrics over ALL processes (a list of them when ``steps_per_call > 1``; a
@@ -272,7 +272,7 @@ class Backend:
 
 
 class Profiling:
-    """Optional capability: what ``run.py --profile`` (``bert_packed.profiling``) asks of a
+    """Optional capability: what ``run.py --profile`` (``bert_packed.analysis.profiling``) asks of a
     backend besides the contract: the cost of one forward+backward, how to read it, and the
     backend's own extras for the report. Mix it into a :class:`Backend` subclass."""
 

@@ -57,7 +57,7 @@ from bert_packed.errors import ConfigError, excerpt
 from bert_packed import limits
 from bert_packed.limits import BOUND_KEYS, at_most, bound_message, bounded
 from bert_packed.loop.plan import check_global_batch
-from bert_packed.yaml_io import YamlError, YamlSyntaxError, load_yaml, loads_yaml
+from bert_packed.io.yaml_io import YamlError, YamlSyntaxError, load_yaml, loads_yaml
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
@@ -105,7 +105,7 @@ class ModelConfig:
     max_position_embeddings: int = bounded(512, ge=1, **at_most(2**20, "16 times the longest sequence a run takes"))
     # Segment (token type) table: ids 0 and 1 (sentences A and B) are used; checkpoints hold 1 to 16.
     type_vocab_size: int = bounded(2, ge=1, **at_most(1024, "only segment ids 0 and 1 are ever used"))
-    # A name of bert_packed.modeling's activations (checked when the model is built).
+    # A name of bert_packed.model.modeling's activations (checked when the model is built).
     hidden_act: str = field(default="gelu", metadata={"what": "the name of an activation (e.g. \"gelu\")"})
     hidden_dropout_prob: float = bounded(0.1, ge=0.0, lt=1.0)
     attention_probs_dropout_prob: float = bounded(0.1, ge=0.0, lt=1.0)
@@ -115,7 +115,7 @@ class ModelConfig:
     # activations by about 32, and fp16 overflows within a few layers.
     initializer_range: float = bounded(0.02, ge=0.0, **at_most(1.0, "larger initial weights overflow within a few "
                                                                     "layers (BERT: 0.02)"))
-    # Name in bert_packed.attention's registry; "dense" runs everywhere (IPU included). "auto":
+    # Name in bert_packed.model.attention's registry; "dense" runs everywhere (IPU included). "auto":
     # the backend chooses when the run is validated (resolve_attention, Backend.resolve_attention:
     # the CPU without compile takes "bucketed", a GPU "flex" or "sdpa", every other backend "dense");
     # the fine-tuning configs and phase2 ask for it.
@@ -124,7 +124,7 @@ class ModelConfig:
     # "sequence": mean per sequence, then over sequences (the paper's Listing 1).
     mlm_loss_normalization: str = field(default="token", metadata=_choices("token", "sequence"))
     # Hugging Face BERT directory or this project's checkpoint to start from (null = random
-    # init); the model's shape then comes from the checkpoint (bert_packed/hf_io.py).
+    # init); the model's shape then comes from the checkpoint (bert_packed/io/hf_io.py).
     init_checkpoint: Optional[str] = None
     # Tokenizer shipped with the Hugging Face export (a tokenizer directory or vocab.txt);
     # null = the init checkpoint's.
@@ -135,7 +135,7 @@ class ModelConfig:
     # Dropout before a task head; null = hidden_dropout_prob (Hugging Face's rule).
     classifier_dropout: Optional[float] = bounded(None, ge=0.0, lt=1.0)
     # GPU levers (off by default until a GPU measures them; docs/cuda.md, "Levers"). Checkpoints
-    # load into either layout and the Hugging Face export is the same (bert_packed/modeling.py).
+    # load into either layout and the Hugging Face export is the same (bert_packed/model/modeling.py).
     # One Linear(H, 3H) for the query, key and value projections instead of three Linear(H, H).
     fused_qkv: bool = field(default=False, metadata=HARMLESS)  # the same parameters: a resume may switch it
     # The word embeddings and the MLM decoder get this many rows per block (64: 30,522 -> 30,528):
@@ -588,7 +588,7 @@ def config_from_dict(values: Dict[str, Any], name: str = "checkpoint") -> Config
 
 def _read_yaml(path: str) -> Any:
     """The YAML document of ``path``: a repeated key, alias expansion past its bound and bytes
-    that are not UTF-8 are refused in one line naming the file (``bert_packed.yaml_io``)."""
+    that are not UTF-8 are refused in one line naming the file (``bert_packed.io.yaml_io``)."""
     try:
         data = load_yaml(path)
     except YamlError as exc:
@@ -722,7 +722,7 @@ def model_rules() -> Dict[str, Tuple[Callable[[Any], bool], str]]:
     """field -> (test, what it must be) of every field of the model section, from its declaration
     (type, choices, the bounds that are part of its meaning: ``limits.value_rule``): the checks of
     values that do not come through this module's parsing, a ``BertConfig`` built in code
-    (``bert_packed.modeling``) and a checkpoint's ``config.json`` (``bert_packed.hf_io``)."""
+    (``bert_packed.model.modeling``) and a checkpoint's ``config.json`` (``bert_packed.io.hf_io``)."""
     if not _MODEL_RULES:
         hints = typing.get_type_hints(ModelConfig)
         _MODEL_RULES.update({f.name: limits.value_rule(hints[f.name], dict(f.metadata))

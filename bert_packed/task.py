@@ -1,4 +1,4 @@
-"""Tasks: what the ONE training loop (``bert_packed.train``) trains.
+"""Tasks: what the ONE training loop (``bert_packed.loop.train``) trains.
 
 The loop owns the mechanics (backend steps, timing, metrics.jsonl, checkpoints, resume,
 progress); a *task* says what is trained and how it is judged, and owns everything of its
@@ -12,7 +12,7 @@ pre-training). A task provides:
 - ``setup(...)``: read its data, resolve the config (checkpoint shape, labels);
 - ``num_steps(packs_per_step)``: optimizer steps (e.g. from epochs);
 - ``model_class()`` / ``build_model()``: the model (``model.init_checkpoint`` loaded, see
-  ``bert_packed.hf_io``); the model declares ``metric_names`` / ``count_names`` (what the
+  ``bert_packed.io.hf_io``); the model declares ``metric_names`` / ``count_names`` (what the
   backends sum), ``add_step_normalizers`` and its ``pipeline_layout``;
 - ``data_source(split, ...)``: endless micro-batches of packs with the data-source
   contract of ``bert_packed.data`` (sharding, ``state_dict``, ``packing_factor``);
@@ -85,7 +85,7 @@ def resolve_init_checkpoint(config) -> None:
     path = config.model.init_checkpoint
     if not path or config.shape_from == path:
         return
-    from bert_packed import hf_io
+    from bert_packed.io import hf_io
 
     defaults = type(config.model)()
     for key in hf_io.SHAPE_FIELDS:
@@ -103,7 +103,7 @@ def resolve_checkpoint_shape(config, pretrained) -> None:
     it was loaded) is left as it is."""
     if config.shape_from == pretrained.path:
         return
-    from bert_packed import hf_io
+    from bert_packed.io import hf_io
 
     hf_io.resolve_model_config(config.model, pretrained)
     config.shape_from = pretrained.path
@@ -150,7 +150,7 @@ class Task:
 
     def __init__(self, config):
         self.config = config
-        self.pretrained = None  # bert_packed.hf_io.Pretrained when model.init_checkpoint is set
+        self.pretrained = None  # bert_packed.io.hf_io.Pretrained when model.init_checkpoint is set
         self.is_main = True
         self.show_progress = True
         self.best_model = BestModel()
@@ -166,7 +166,7 @@ class Task:
         self.best_model.greater_is_better = self.greater_is_better
         path = self.config.model.init_checkpoint
         if path:
-            from bert_packed import hf_io
+            from bert_packed.io import hf_io
 
             self.pretrained = hf_io.read_pretrained(path)
             resolve_checkpoint_shape(self.config, self.pretrained)
@@ -193,11 +193,11 @@ class Task:
 
     def build_model(self):
         """The task's model from the config, with the init checkpoint's weights loaded."""
-        from bert_packed.build import bert_config
+        from bert_packed.model.build import bert_config
 
         model = self.model_class()(bert_config(self.config, **self.bert_config_overrides()))
         if self.pretrained is not None:
-            from bert_packed import hf_io
+            from bert_packed.io import hf_io
 
             self.note(hf_io.load_weights(model, self.pretrained.state_dict, source=self.pretrained.path))
             self.pretrained.state_dict = {}  # the model holds the weights now
@@ -249,7 +249,7 @@ class Task:
         best = self.best_model.best
         use_best = self.config.finetune.load_best_model_at_end and "step" in best
         if use_best and best["step"] != self.last_eval.get("step"):
-            from bert_packed import hf_io
+            from bert_packed.io import hf_io
 
             saved = hf_io.read_pretrained(os.path.join(output_dir, "best"))
             hf_io.load_weights(model, saved.state_dict, source=saved.path)
@@ -265,7 +265,7 @@ class Task:
     # -- end of run -------------------------------------------------------------------------
     def tokenizer(self):
         """The tokenizer to ship with the export: ``model.tokenizer``, else the init checkpoint's; or None."""
-        from bert_packed import hf_io
+        from bert_packed.io import hf_io
 
         path = self.config.model.tokenizer or (self.pretrained.tokenizer_path if self.pretrained else None)
         init = self.config.model.init_checkpoint
@@ -282,7 +282,7 @@ class Task:
 
     def export(self, model, directory: str) -> str:
         """Hugging Face export of ``model`` (weights on the host) to ``directory``."""
-        from bert_packed import hf_io
+        from bert_packed.io import hf_io
 
         return hf_io.save_pretrained(model, directory, tokenizer=self.tokenizer(), id2label=self.export_labels())
 
@@ -328,7 +328,7 @@ class PretrainingTask(Task):
         self.eval_batches: List[Dict[str, Any]] = []
 
     def model_class(self):
-        from bert_packed.modeling import BertForPreTraining
+        from bert_packed.model.modeling import BertForPreTraining
 
         return BertForPreTraining
 

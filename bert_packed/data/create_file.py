@@ -10,7 +10,7 @@ import os
 import shutil
 import tempfile
 
-from ..io import TEMP_PREFIX, publish
+from bert_packed.io.files import TEMP_PREFIX, publish
 from . import shards
 from .create_shards import DEFAULT_BLOCK_BYTES, WriteFailed, create_shards
 from .errors import DataError, refuse_output_over_input

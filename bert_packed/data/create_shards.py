@@ -48,7 +48,7 @@ from . import engine, formats, h5io, shards
 from .create import Documents, check_options, create_instances
 from .errors import DataError, refuse_output_over_input
 from .vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
-from ..io import TEMP_PREFIX, DirectoryLock, OutputInUseError, atomic_path, write_text_atomic
+from bert_packed.io.files import TEMP_PREFIX, DirectoryLock, OutputInUseError, atomic_path, write_text_atomic
 
 DEFAULT_BLOCK_BYTES = 8 << 20  # 20 GB: 2,500 tasks; small enough to balance 2 workers on 80 MB
 DEFAULT_SHARD_BYTES = 4 << 20

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..collate import MLM_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS
 from .errors import DataError
-from ..io import atomic_path
+from bert_packed.io.files import atomic_path
 
 # field -> (second dimension: S tokens, P masked slots, None for [N]; dtype written).
 UNPACKED_LAYOUT = {"input_ids": ("S", np.int32), "input_mask": ("S", np.int8), "segment_ids": ("S", np.int8),

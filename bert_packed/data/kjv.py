@@ -10,7 +10,7 @@ import shutil
 import subprocess
 
 from .errors import DataError
-from ..io import write_text_atomic
+from bert_packed.io.files import write_text_atomic
 
 _VERSE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+)\s+(.*)$")
 

@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import h5io
-from ..io import make_folder, make_temp
+from bert_packed.io.files import make_folder, make_temp
 from ..limits import SEQUENCES_PER_PACK
 from .errors import DataError, refuse_output_over_input
 

@@ -73,7 +73,7 @@ from .pack import _check_depth, _record_dtype, _statistics, read_lengths, unpack
     packed_digests, write_packed
 from .shards import CHECKSUM, MANIFEST, finished_shard, load_manifest, receipt_path, remove_receipts, shard_entry, \
     shard_name, shard_paths, verify_shard, write_manifest, write_receipt
-from ..io import TEMP_PREFIX, make_folder, write_text_atomic
+from bert_packed.io.files import TEMP_PREFIX, make_folder, write_text_atomic
 
 STATE = ".pack-state.json"
 # lp's MILP stops at a wall-clock limit by default, so its plan could depend on the machine's

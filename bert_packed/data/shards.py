@@ -44,7 +44,7 @@ import numpy as np
 
 from . import h5io
 from .errors import DataError
-from ..io import atomic_path, write_text_atomic
+from bert_packed.io.files import atomic_path, write_text_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "packed-bert/shards-v1"

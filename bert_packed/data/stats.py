@@ -167,7 +167,7 @@ def plot_stats(stats, output_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..io import atomic_path
+    from bert_packed.io.files import atomic_path
 
     packed = stats["kind"] == "packed"
     figure, axes = plt.subplots(1, 2 if packed else 1, figsize=(11 if packed else 6, 4),

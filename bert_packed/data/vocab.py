@@ -5,7 +5,7 @@ the id), so Google's and Hugging Face's vocabularies work as they are.
 """
 import os
 
-from ..io import read_vocab_tokens, write_text_atomic
+from bert_packed.io.files import read_vocab_tokens, write_text_atomic
 from . import formats
 from .errors import DataError, refuse_output_over_input
 

@@ -23,7 +23,7 @@ import sys
 from typing import List, Optional
 
 from packing.entry import ArgumentParser, run_cli
-from bert_packed.io import write_text_atomic
+from bert_packed.io.files import write_text_atomic
 
 RUN_FILES = ("checkpoint.pt", "metrics.jsonl")  # what makes a directory a run's own
 
@@ -86,8 +86,8 @@ def refuse_output(output: str, option: str, *, inputs=(), input_dirs=(), kind: s
 
 def export(checkpoint: str, output: str, tokenizer: Optional[str] = None) -> str:
     """Hugging Face export of this project's checkpoint (file or run directory)."""
-    from bert_packed import hf_io
-    from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+    from bert_packed.io import hf_io
+    from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
     from bert_packed.config import config_from_dict
     from bert_packed.task import get_task, register_config_sections
 
@@ -123,7 +123,7 @@ def check_sequence_classifier(model_dir: str, pretrained) -> None:
     """A one-line ``CheckpointError`` unless ``model_dir`` holds a sequence classifier: its
     config.json's ``architectures`` name another task head, or its classifier's outputs are not
     as many as ``id2label``'s labels."""
-    from bert_packed import hf_io
+    from bert_packed.io import hf_io
 
     architectures = [a for a in pretrained.hf_config.get("architectures") or [] if isinstance(a, str)]
     if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
@@ -149,12 +149,12 @@ def predict(model_dir: str, input_path: str, output: str, *, text_column: str = 
     import numpy as np
     import torch
 
-    from bert_packed import hf_io
+    from bert_packed.io import hf_io
     from bert_packed.finetune import data as ft_data
     from bert_packed.finetune.classification.data import collate_classification
     from bert_packed.finetune.classification.metrics import prediction_lines
     from bert_packed.finetune.classification.model import BertForSequenceClassification
-    from bert_packed.modeling import BertConfig
+    from bert_packed.model.modeling import BertConfig
 
     refuse_output(output, "--output", inputs=[("--input file", input_path)],
                   input_dirs=[("--model directory", model_dir)], kind="file")

@@ -32,7 +32,7 @@ import numpy as np
 
 from bert_packed.data import DataError
 from bert_packed.errors import ConfigError
-from bert_packed.io import utf8_lines
+from bert_packed.io.files import utf8_lines
 
 __all__ = ["read_table", "encode_texts", "Encoded", "PackedDataset", "held_out", "TRUNCATION"]
 

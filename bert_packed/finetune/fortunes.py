@@ -16,7 +16,7 @@ import random
 from typing import Dict, List, Sequence, Tuple
 
 from bert_packed.data import DataError
-from bert_packed.io import write_text_atomic
+from bert_packed.io.files import write_text_atomic
 
 FORTUNES_DIR = "/usr/share/games/fortunes"
 DEFAULT_CATEGORIES = ("computers", "definitions", "politics", "science", "songs-poems")

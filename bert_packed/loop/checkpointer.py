@@ -1,14 +1,14 @@
 """The checkpointer: where a run's checkpoint lives, whether a run may resume from it, and
 writing it (every rank's data position, host RNG state and backend device state such as an
 IPU executable's RNG, the backend's optimizer state, the task's state; never from non-finite
-weights). The file format is ``bert_packed.checkpoint``'s."""
+weights). The file format is ``bert_packed.io.checkpoint``'s."""
 from __future__ import annotations
 
 import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from bert_packed.checkpoint import (CHECKPOINT_NAME, CheckpointError, config_differences, load_checkpoint,
+from bert_packed.io.checkpoint import (CHECKPOINT_NAME, CheckpointError, config_differences, load_checkpoint,
                                     rng_state, save_checkpoint)
 from bert_packed.config import ConfigError, resume_harmless_keys
 from bert_packed.loop.distributed import barrier, gather

@@ -14,7 +14,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional
 
 from bert_packed.backend import Deferred, StepMetrics
-from bert_packed.io import write_text_atomic
+from bert_packed.io.files import write_text_atomic
 
 METRICS_NAME = "metrics.jsonl"
 

@@ -21,7 +21,7 @@ import os
 import stat
 from typing import Iterator, List, Optional, Tuple
 
-from ...io import not_utf8_message
+from bert_packed.io.files import not_utf8_message
 from ..errors import DataError
 
 BOM = b"\xef\xbb\xbf"
@@ -180,6 +180,6 @@ def decode_block(path, start, stop) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        # The project's one message for a byte that is not UTF-8 (bert_packed.io).
+        # The project's one message for a byte that is not UTF-8 (bert_packed.io.files).
         raise DataError(not_utf8_message(path, data, exc.start, first_line=first_line(path, start),
                                          base_offset=start)) from None

@@ -27,7 +27,7 @@ from bert_packed.finetune import data as ft_data
 from bert_packed.finetune.base import PackedTask
 from bert_packed.finetune.classification import metrics as ft_metrics
 from bert_packed.finetune.classification.data import MAX_LABELS, Labels, split_rows
-from bert_packed.io import write_text_atomic
+from bert_packed.io.files import write_text_atomic
 from bert_packed.limits import bounded
 
 PREDICTIONS_NAME = "predictions.jsonl"
@@ -85,7 +85,7 @@ class ClassificationTask(PackedTask):
             validation_where = f"{f.train_file} (validation part)"
         checkpoint_labels = None
         if self.pretrained is not None and self.pretrained.hf_config.get("id2label"):
-            from bert_packed.hf_io import label_maps
+            from bert_packed.io.hf_io import label_maps
 
             checkpoint_labels = label_maps(self.pretrained.hf_config)[0]
         self.labels = Labels.from_training(train[f.label_column], f.problem_type, f.num_labels, f.label_separator,

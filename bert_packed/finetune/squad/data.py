@@ -267,7 +267,7 @@ def read_squad(path: str, *, notes: bool = True, moved: Optional[Moved] = None) 
 
 def _read_squad_file(path: str, moved: Moved) -> List[SquadExample]:
     from bert_packed.finetune.data import no_duplicate_keys
-    from bert_packed.io import read_utf8
+    from bert_packed.io.files import read_utf8
 
     if not os.path.isfile(path):
         raise DataError(f"SQuAD file {path} does not exist")

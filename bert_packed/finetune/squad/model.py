@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert_packed.attention import profiler_scope
-from bert_packed.losses import add_sequence_normalizer, normalize
-from bert_packed.modeling import BertConfig, BertModel, BertPreTrainedModel, PipelineLayout
+from bert_packed.model.attention import profiler_scope
+from bert_packed.model.losses import add_sequence_normalizer, normalize
+from bert_packed.model.modeling import BertConfig, BertModel, BertPreTrainedModel, PipelineLayout
 
 __all__ = ["BertForQuestionAnswering", "span_loss_terms"]
 

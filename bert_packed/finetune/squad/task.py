@@ -193,7 +193,7 @@ class SquadTask(PackedTask):
 
     # -- end of run -------------------------------------------------------------------------
     def finish(self, backend, model, output_dir: str, summary: Dict[str, Any]) -> None:
-        from bert_packed.io import write_text_atomic
+        from bert_packed.io.files import write_text_atomic
 
         predictions = self.chosen_evaluation(model, output_dir, summary)
         summary["squad_version"] = "v2.0" if self.version_2 else "v1.1"

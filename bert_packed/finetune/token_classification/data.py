@@ -19,7 +19,7 @@ import numpy as np
 
 from bert_packed.data import DataError
 from bert_packed.finetune import data as ft_data
-from bert_packed.io import utf8_lines
+from bert_packed.io.files import utf8_lines
 
 __all__ = ["Sentences", "read_sentences", "check_sentences", "TagSet", "EncodedSentences", "encode_sentences",
            "collate_token_classification", "split_sentences", "IGNORE_INDEX", "JSON_LINES"]

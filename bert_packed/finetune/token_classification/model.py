@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert_packed.attention import profiler_scope
-from bert_packed.dropout import Dropout
+from bert_packed.model.attention import profiler_scope
+from bert_packed.model.dropout import Dropout
 from bert_packed.finetune.token_classification.data import IGNORE_INDEX
-from bert_packed.losses import add_sequence_normalizer, normalize
-from bert_packed.modeling import BertConfig, BertModel, BertPreTrainedModel, PipelineLayout
+from bert_packed.model.losses import add_sequence_normalizer, normalize
+from bert_packed.model.modeling import BertConfig, BertModel, BertPreTrainedModel, PipelineLayout
 
 __all__ = ["BertForTokenClassification", "token_loss_terms"]
 

@@ -48,7 +48,7 @@ from bert_packed.finetune.token_classification.data import (IGNORE_INDEX, Encode
                                                             check_sentences, collate_token_classification,
                                                             encode_sentences, read_sentences, split_sentences)
 from bert_packed.finetune.token_classification.metrics import entity_scores, word_predictions
-from bert_packed.io import write_text_atomic
+from bert_packed.io.files import write_text_atomic
 
 __all__ = ["TokenClassificationTask", "TokenClassificationFields", "scored_token_loss", "PREDICTIONS_NAME"]
 
@@ -127,7 +127,7 @@ class TokenClassificationTask(PackedTask):
     def _checkpoint_labels(self) -> Optional[Dict[int, str]]:
         if self.pretrained is None or not self.pretrained.hf_config.get("id2label"):
             return None
-        from bert_packed.hf_io import label_maps
+        from bert_packed.io.hf_io import label_maps
 
         return label_maps(self.pretrained.hf_config)[0]
 

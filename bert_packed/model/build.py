@@ -12,7 +12,7 @@ from bert_packed.errors import ConfigError
 
 def bert_config(config, **overrides):
     """The model's ``BertConfig``: the model section, the data section's packed shapes, ``overrides``."""
-    from bert_packed.modeling import BertConfig, ModelConfigError
+    from bert_packed.model.modeling import BertConfig, ModelConfigError
 
     names = {f.name for f in dataclasses.fields(BertConfig)}
     values = {k: v for k, v in dataclasses.asdict(config.model).items() if k in names}
@@ -22,7 +22,7 @@ def bert_config(config, **overrides):
     try:
         return BertConfig(**{**values, **overrides})
     except ModelConfigError as exc:
-        from bert_packed.attention import list_attention_implementations
+        from bert_packed.model.attention import list_attention_implementations
 
         unknown = values["attention_implementation"] not in list_attention_implementations()
         raise ConfigError(str(exc) + (", or auto (the backend chooses)" if unknown else "")) from None
@@ -30,7 +30,7 @@ def bert_config(config, **overrides):
 
 def build_model(config):
     """BertForPreTraining from the model section plus the data section's packed shapes."""
-    from bert_packed.modeling import BertForPreTraining
+    from bert_packed.model.modeling import BertForPreTraining
 
     return BertForPreTraining(bert_config(config))
 

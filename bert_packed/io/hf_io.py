@@ -33,10 +33,10 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 # One error class for every unusable checkpoint (ours or Hugging Face's): one line, exit 2.
-from bert_packed.checkpoint import CheckpointError, safe_torch_load
+from bert_packed.io.checkpoint import CheckpointError, safe_torch_load
 from bert_packed.config import model_rules
 from bert_packed.limits import PROBLEM_TYPE, value_rule
-from bert_packed.io import atomic_path, read_utf8, read_vocab_tokens, write_text_atomic
+from bert_packed.io.files import atomic_path, read_utf8, read_vocab_tokens, write_text_atomic
 
 __all__ = [
     "CheckpointError", "Pretrained", "read_pretrained", "resolve_model_config", "load_weights",
@@ -383,7 +383,7 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     A classifier whose number of labels differs is re-initialised (a new label set); any
     other shape difference is a ``CheckpointError``.
     """
-    from bert_packed.modeling import hf_parameter_name, hf_shapes, load_hf_state_dict
+    from bert_packed.model.modeling import hf_parameter_name, hf_shapes, load_hf_state_dict
 
     state = _normalise_keys(model, state_dict)
     own = model.state_dict()

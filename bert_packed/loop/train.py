@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from bert_packed.backend import StepAbandoned
-from bert_packed.build import build_optimizer
-from bert_packed.checkpoint import set_rng_state
+from bert_packed.model.build import build_optimizer
+from bert_packed.io.checkpoint import set_rng_state
 from bert_packed.config import Config, ConfigError, ResolvedRun, input_paths, resolve_run
-from bert_packed.io import DirectoryLock, check_output_dir, remove_orphans, write_text_atomic
+from bert_packed.io.files import DirectoryLock, check_output_dir, remove_orphans, write_text_atomic
 from bert_packed.loop.checkpointer import Checkpointer
 from bert_packed.loop.data_wait import DataWait
 from bert_packed.loop.distributed import all_reduce_sum, planned_world_size, setup_distributed

@@ -44,7 +44,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from bert_packed.attention import (
+from bert_packed.model.attention import (
     AttentionImplementation,
     attention_compute_dtype,
     dense_attend,

@@ -12,8 +12,8 @@ what the same sequences compute alone:
 1. positions restart at 0 for every sequence (``position_ids``; looked up, not added as
    a fixed range), so each sequence sees the position embeddings it would see alone;
 2. attention is block-diagonal: a token attends only to tokens of its own sequence
-   (``sequence_ids``; see ``bert_packed/attention.py``);
-3. losses and metrics are per sequence (``bert_packed/losses.py``): the pooler and NSP
+   (``sequence_ids``; see ``bert_packed/model/attention/__init__.py``);
+3. losses and metrics are per sequence (``bert_packed/model/losses.py``): the pooler and NSP
    head read each sequence's own [CLS], and the MLM loss is normalised per masked token or
    per sequence, by the step's global count.
 
@@ -38,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert_packed import attention as attention_registry
-from bert_packed.attention import profiler_scope
+from bert_packed.model import attention as attention_registry
+from bert_packed.model.attention import profiler_scope
 from bert_packed.config import model_rules, model_shape_error
-from bert_packed.dropout import Dropout
+from bert_packed.model.dropout import Dropout
 # PROBLEM_TYPES: Hugging Face's names (``BertConfig.problem_type``); None resolves as Hugging Face does.
 from bert_packed.limits import PROBLEM_TYPE, PROBLEM_TYPES, value_rule
-from bert_packed.losses import (PRETRAINING_COUNTS, PRETRAINING_METRICS,
+from bert_packed.model.losses import (PRETRAINING_COUNTS, PRETRAINING_METRICS,
                                  add_step_normalizers, mlm_loss_terms, normalize, nsp_loss_terms)
 
 __all__ = [
@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 # The packed batch (docs/design.md, "The packed batch"). All int64 except nsp_weights (float); the two optional
-# normaliser fields are float [B] (see bert_packed.losses.add_step_normalizers).
+# normaliser fields are float [B] (see bert_packed.model.losses.add_step_normalizers).
 PRETRAINING_FIELDS = (
     "input_ids",  # [B,S] tokens, 0 = padding
     "segment_ids",  # [B,S] token type ids
@@ -125,7 +125,7 @@ class BertConfig:
     max_sequences_per_pack: int = 3
     max_masked_tokens_per_pack: int = 78
     mlm_loss_normalization: str = "token"  # "token" (canonical BERT) | "sequence" (paper Listing 1)
-    attention_implementation: str = "dense"  # name in bert_packed.attention's registry
+    attention_implementation: str = "dense"  # name in bert_packed.model.attention's registry
     # GPU levers, off by default (docs/cuda.md, "Levers"); neither changes what the model computes
     # nor its Hugging Face names and shapes (``hf_state_dict``), and checkpoints of either kind load.
     fused_qkv: bool = False  # query, key and value projected by one GEMM (the parameters stay three)
@@ -625,7 +625,7 @@ class BertForPreTraining(BertPreTrainedModel):
             self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
 
     def add_step_normalizers(self, micro_batches, *, all_reduce=None):
-        """Give every pack of one optimizer step the step's global counts (see ``bert_packed.losses``)."""
+        """Give every pack of one optimizer step the step's global counts (see ``bert_packed.model.losses``)."""
         return add_step_normalizers(micro_batches, self.config.mlm_loss_normalization, all_reduce=all_reduce)
 
     def forward(

@@ -43,7 +43,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from bert_packed.attention import (
+from bert_packed.model.attention import (
     AttentionError,
     AttentionImplementation,
     attention_compute_dtype,

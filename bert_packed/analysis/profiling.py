@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from bert_packed.backend import Profiling, require
-from bert_packed.io import atomic_path, write_text_atomic
+from bert_packed.io.files import atomic_path, write_text_atomic
 
 DEPTHS = (1, 2, 3, 4, 8, 16)
 CATEGORIES = ("mask", "attention", "loss_unpacking", "rest")
@@ -173,7 +173,7 @@ def build_profile_model(config, backend, execute: Optional[bool] = None):
     and reads cycleCount())."""
     import torch
 
-    from bert_packed.build import build_model
+    from bert_packed.model.build import build_model
 
     if execute is None:
         execute = not backend.prices_from_shapes
@@ -332,7 +332,7 @@ def measure_throughput(config, make_backend: Callable[[], Any], packed_depth: in
     """
     import torch
 
-    from bert_packed.build import build_model, build_optimizer
+    from bert_packed.model.build import build_model, build_optimizer
     from bert_packed.data.generated import GeneratedSource
     from bert_packed.loop.plan import make_plan
 

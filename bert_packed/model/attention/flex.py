@@ -39,7 +39,7 @@ from typing import Any, Tuple
 
 import torch
 
-from bert_packed.attention import AttentionError, AttentionImplementation, register_attention
+from bert_packed.model.attention import AttentionError, AttentionImplementation, register_attention
 
 NAME = "flex"
 DEFAULT_BLOCK_SIZE = 128  # FlexAttention's default tile; the CUDA kernels are tuned for it

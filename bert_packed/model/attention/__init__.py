@@ -30,10 +30,10 @@ including the IPU through PopTorch with torch 2.0) and ``sdpa``
 row of their mask allows at least one key (padding attends to padding), so no kernel
 ever sees a fully masked row, and masked pairs get a finite value in the scores' dtype:
 padding rows stay finite in fp32, bf16 and fp16. The GPU implementations live in
-``bert_packed/flex_attention.py`` (block-sparse FlexAttention) and
-``bert_packed/varlen_attention.py`` (torch's variable-length Flash attention) and
+``bert_packed/model/attention/flex.py`` (block-sparse FlexAttention) and
+``bert_packed/model/attention/varlen.py`` (torch's variable-length Flash attention) and
 register themselves with ``register_attention``; they are imported lazily on lookup so
-that this module imports on a CPU-only torch 2.0. ``bert_packed/bucketed_attention.py``
+that this module imports on a CPU-only torch 2.0. ``bert_packed/model/attention/bucketed.py``
 (``bucketed``: the sequences of a batch in a few padded length buckets, one sdpa call per
 bucket, so the masked scores between sequences are never computed) registers the same way;
 its shapes depend on the batch, so it is for eager CPU/CUDA runs, not the IPU or torch.compile.
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from bert_packed.dropout import dropout
+from bert_packed.model.dropout import dropout
 
 __all__ = [
     "AttentionError",
@@ -74,7 +74,7 @@ __all__ = [
 # Modules that register further implementations when imported. They may need CUDA-only
 # or newer-torch features, so they are imported on demand and an ImportError just means
 # "not available here".
-_LAZY_MODULES = ("bert_packed.flex_attention", "bert_packed.varlen_attention", "bert_packed.bucketed_attention")
+_LAZY_MODULES = ("bert_packed.model.attention.flex", "bert_packed.model.attention.varlen", "bert_packed.model.attention.bucketed")
 
 
 _PROFILER_SCOPES = True

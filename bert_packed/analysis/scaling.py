@@ -23,7 +23,7 @@ paper's own two equations, whereas (1.941, 0.318) solves them and reproduces the
 stated consequences (about 1.5x on 32 devices, 1.3x on 2048). We report what the method
 gives. Command line::
 
-    python -m bert_packed.scaling [--alpha-8 1.6038] [--beta-8 0.1288] [--num-fit-devices 8]
+    python -m bert_packed.analysis.scaling [--alpha-8 1.6038] [--beta-8 0.1288] [--num-fit-devices 8]
                                   [--packing-speedup 1.913] [--max-devices 2048]
                                   [--output-dir DIR] [--json]
 """
@@ -38,7 +38,7 @@ import numpy as np
 from scipy import integrate, optimize, stats
 
 from packing.entry import ArgumentParser, run_cli
-from bert_packed.io import atomic_path, write_text_atomic
+from bert_packed.io.files import atomic_path, write_text_atomic
 
 PAPER_ALPHA_8 = 1.6038
 PAPER_BETA_8 = 0.1288
@@ -163,7 +163,7 @@ def _device_counts(max_devices: int) -> List[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = ArgumentParser(prog="python -m bert_packed.scaling", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m bert_packed.analysis.scaling", description=__doc__.split("\n")[0])
     parser.add_argument("--alpha-8", type=float, default=PAPER_ALPHA_8, help="location of the observed Gumbel")
     parser.add_argument("--beta-8", type=float, default=PAPER_BETA_8, help="scale of the observed Gumbel")
     parser.add_argument("--num-fit-devices", type=int, default=PAPER_NUM_FIT_DEVICES,

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 
-from bert_packed.io import atomic_path
+from bert_packed.io.files import atomic_path
 
 CHECKPOINT_NAME = "checkpoint.pt"
 _TRAILER_RE = re.compile(rb"\n#packed-bert-checkpoint v1 sha256=([0-9a-f]{64}) bytes=(\d{20})\n\Z")

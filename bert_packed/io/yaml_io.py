@@ -18,7 +18,7 @@ subclass (no Python objects, as ``safe_load``) that also refuses, with one-line
   (a UTF-8 byte-order mark is fine). YAML syntax errors name the file, line and column
   (``YamlSyntaxError``, a ``YamlError``).
 
-This module imports nothing of the project's but ``bert_packed.io`` (no torch, no config), so the
+This module imports nothing of the project's but ``bert_packed.io.files`` (no torch, no config), so the
 config loader can use it.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Dict
 
 import yaml
 
-from bert_packed.io import read_utf8
+from bert_packed.io.files import read_utf8
 
 __all__ = ["YamlError", "YamlSyntaxError", "load_yaml", "loads_yaml", "MAX_NODES"]
 
