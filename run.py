@@ -39,7 +39,7 @@ try:  # torch loads for seconds: Ctrl-C or SIGTERM meanwhile get the same line a
     from bert_packed import task as tasks
     from bert_packed.backend import OfflineCompile, Profiling, require
     from bert_packed.config import ConfigError, dump, input_paths, load_config, resolve_run
-    from bert_packed.io import check_output_dir
+    from bert_packed.io.files import check_output_dir
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
     sys.exit(128 + _SIGNALLED[0] if _SIGNALLED else 130)
@@ -148,7 +148,7 @@ def _main(args) -> int:
     if args.profile:
         return _profile(args, config, warnings)
     backend = get_backend(args.backend, config=config)
-    from bert_packed.train import train
+    from bert_packed.loop.train import train
 
     train(config, backend, output_dir=args.output_dir, resume=args.resume or args.resume_force,
           resume_force=args.resume_force, show_progress=not args.no_progress, resolved=resolved)
@@ -169,7 +169,7 @@ def _compile_only(args, config) -> int:
 
 def _profile(args, config, warnings) -> int:
     """--profile: the packing-overhead report (and the backend's memory estimate) instead of training."""
-    from bert_packed.profiling import format_markdown, run_profile
+    from bert_packed.analysis.profiling import format_markdown, run_profile
 
     require(get_backend_class(args.backend), Profiling, "--profile")
     backend = get_backend(args.backend, config=config)

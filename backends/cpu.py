@@ -3,7 +3,7 @@
 Data parallel with ``torchrun --nproc_per_node N run.py --backend cpu`` (gloo). Each rank
 runs its own micro-batches; the losses are normalised by the step's GLOBAL counts
 (masked tokens / sequences over all micro-batches of all ranks, see
-bert_packed.losses), so every rank's gradient is its share of the global-mean gradient
+bert_packed.model.losses), so every rank's gradient is its share of the global-mean gradient
 and the ranks' gradients are SUMMED (not averaged) with one all-reduce. The result is
 the same optimizer step a single process takes over the same global batch.
 
@@ -26,13 +26,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert_packed.attention import find_attention, get_attention, list_attention_implementations, no_profiler_scopes
-from bert_packed.dropout import host_dropout
+from bert_packed.model.attention import find_attention, get_attention, list_attention_implementations, no_profiler_scopes
+from bert_packed.model.dropout import host_dropout
 from bert_packed.config import ConfigError
 from bert_packed.backend import Backend, Profiling, StepMetrics
 from bert_packed.loop.estimate import host_flops_per_second
 from bert_packed.loop.within_step import watch_layers
-from bert_packed.losses import metric_keys, step_normalizers
+from bert_packed.model.losses import metric_keys, step_normalizers
 from bert_packed.optim import grad_norm_, step_unless_non_finite
 
 
@@ -99,7 +99,7 @@ def check_cpu_precision(config, section: str) -> None:
 
 def check_attention(config, section: str, device_type: str = "cpu") -> None:
     """The one start-up check of ``model.attention_implementation`` against a backend's step, by the
-    implementation's declared capabilities (``bert_packed.attention.AttentionImplementation``):
+    implementation's declared capabilities (``bert_packed.model.attention.AttentionImplementation``):
     ``compile`` with shapes that follow each batch (``bucketed``: every batch would compile a new
     graph, and the run would stop at the first step after warm-up with a recompile error, minutes
     of compiling later), and training on a torch device type it does not train on (flex and
@@ -185,7 +185,7 @@ class CPUBackend(Backend, Profiling):
     def tracing(self):
         """Context around a call of the (possibly compiled) model: a compiled one runs without the
         profiler scopes, which dynamo would only warn about and drop; an eager one draws its CPU
-        dropout masks from raw random bits with ``fast_dropout`` (``bert_packed.dropout``)."""
+        dropout masks from raw random bits with ``fast_dropout`` (``bert_packed.model.dropout``)."""
         if self.plan.settings.compile:
             return no_profiler_scopes()
         return host_dropout(self.plan.settings.fast_dropout)
@@ -366,7 +366,7 @@ class CPUBackend(Backend, Profiling):
         return {name: out[name].detach().float().cpu().numpy() for name in names}
 
     def scope_breakdown(self, model: torch.nn.Module, batch: Dict[str, np.ndarray]) -> Optional[Dict[str, float]]:
-        from bert_packed.profiling import scope_breakdown
+        from bert_packed.analysis.profiling import scope_breakdown
 
         return scope_breakdown(model, batch, device=str(self.device))
 

@@ -44,6 +44,6 @@ class CPUConfig:
     # Dropout masks of the eager step from raw random bits (two elements per 64-bit draw of
     # torch's CPU generator, kept with probability 1 - p to within 2**-32) instead of torch's
     # bernoulli_: the same dropout, 1.8x cheaper, about 5 % of a fine-tuning step
-    # (bert_packed/dropout.py). false: torch's masks (F.dropout), e.g. to repeat a run of an
+    # (bert_packed/model/dropout.py). false: torch's masks (F.dropout), e.g. to repeat a run of an
     # earlier version. Compiled steps and CUDA tensors always use torch's.
     fast_dropout: bool = True

@@ -11,7 +11,7 @@ micro-batch, gradients summed over processes, one update) with GPU hooks:
   ``cuda.num_warmup_steps`` steps any new graph is a recompile, reported in the metrics
   (``recompiles_after_warmup``) and an error beyond ``cuda.max_recompiles_after_warmup``;
 - block-sparse attention: ``model.attention_implementation: flex`` (FlexAttention with a
-  per-batch document mask, bert_packed/flex_attention.py); ``dense``, ``sdpa`` and
+  per-batch document mask, bert_packed/model/attention/flex.py); ``dense``, ``sdpa`` and
   ``varlen`` stay available;
 - data parallel: ``torchrun --nproc_per_node N run.py --backend cuda ...``: one process
   per GPU (``LOCAL_RANK``), each reading its own shard of the packs. The model trains
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from backends import cuda_config
 from backends.cpu import CPUBackend, RecompileError, check_attention, num_compiled_graphs  # noqa: F401
-from bert_packed.attention import get_attention
+from bert_packed.model.attention import get_attention
 from bert_packed.backend import Deferred, StepMetrics
 from bert_packed.config import ConfigError, check_section
 from bert_packed.optim import Lamb, step_unless_non_finite

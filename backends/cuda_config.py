@@ -90,7 +90,7 @@ def resolved_compile(config) -> bool:
         return bool(cuda.compile)
     if not on_gpu(config):
         return False
-    from bert_packed.attention import AttentionError, get_attention
+    from bert_packed.model.attention import AttentionError, get_attention
 
     name = config.model.attention_implementation
     try:
@@ -103,7 +103,7 @@ def default_attention(config) -> str:
     """``model.attention_implementation: auto`` on this backend (module docstring)."""
     if not on_gpu(config):
         return "dense"
-    from bert_packed.attention import available_attention_implementations
+    from bert_packed.model.attention import available_attention_implementations
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.sections["cuda"].precision, torch.float32)
     dropout = config.model.attention_probs_dropout_prob
@@ -135,7 +135,7 @@ def pack_activation_bytes(config, attention: str) -> float:
 
 
 def _keeps_scores(attention: str) -> bool:
-    from bert_packed.attention import find_attention
+    from bert_packed.model.attention import find_attention
 
     impl = find_attention(attention)
     return impl is None or impl.keeps_scores  # unknown: the larger estimate

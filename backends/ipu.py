@@ -36,11 +36,11 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from bert_packed.attention import no_profiler_scopes
+from bert_packed.model.attention import no_profiler_scopes
 from bert_packed.backend import Backend, OfflineCompile, Profiling
-from bert_packed.build import build_model
+from bert_packed.model.build import build_model
 from bert_packed.config import Config, ConfigError, check_section
-from bert_packed.losses import metric_keys, step_normalizers
+from bert_packed.model.losses import metric_keys, step_normalizers
 from ipu import config as ipu_section
 from ipu import memory
 from ipu import options as ipu_options

@@ -36,9 +36,9 @@ if __package__ in (None, ""):  # run as a script: the project root on the path, 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import markdown_header, markdown_row, spread  # noqa: E402
-from bert_packed.attention import get_attention  # noqa: E402
+from bert_packed.model.attention import get_attention  # noqa: E402
 from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
-from bert_packed.modeling import BertConfig  # noqa: E402
+from bert_packed.model.modeling import BertConfig  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001
 MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)

@@ -214,7 +214,7 @@ def run_measured(command: Sequence[str], *, cwd: str = ROOT, env: Optional[Dict[
 def write_rows(path: Optional[str], rows: List[Dict[str, Any]]) -> None:
     """The rows as a JSON list at ``path``, atomically (a kill leaves the previous version); no-op without a path."""
     if path:
-        from bert_packed.io import write_text_atomic
+        from bert_packed.io.files import write_text_atomic
 
         write_text_atomic(path, json.dumps(rows, indent=1))
 

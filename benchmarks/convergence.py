@@ -110,7 +110,7 @@ def check_same_initial_weights(sets):
     from run import register_config_sections
 
     register_config_sections()
-    from bert_packed.build import build_model
+    from bert_packed.model.build import build_model
 
     states = []
     for values in sets:
@@ -160,7 +160,7 @@ def plot(results, output_path, title):
         axis.legend(fontsize=8)
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
-    from bert_packed.io import atomic_path
+    from bert_packed.io.files import atomic_path
 
     with atomic_path(output_path) as tmp:
         figure.savefig(tmp, dpi=110, format="png")

@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from bert_packed.io import write_text_atomic
+    from bert_packed.io.files import write_text_atomic
 
     os.makedirs(args.output, exist_ok=True)
     text = markdown(report)

@@ -141,7 +141,7 @@ def unavailable_reason(setup: Setup, device: torch.device, precision: str, dropo
     if setup.family == "run.py":
         return None
     if setup.family == "ours":
-        from bert_packed.attention import AttentionError, get_attention
+        from bert_packed.model.attention import AttentionError, get_attention
 
         impl = get_attention(setup.attention)
         if impl.check is None:
@@ -298,7 +298,7 @@ def device_of(spec: Dict[str, Any]) -> torch.device:
 def _ours(spec: Dict[str, Any], setup: Setup, device: torch.device):
     """(step function, micro-batch pool, config, model config, metrics) of our backend on ``setup``."""
     from backends.cuda import CUDABackend
-    from bert_packed.build import build_model, build_optimizer
+    from bert_packed.model.build import build_model, build_optimizer
     from bert_packed.data import build_data_source
 
     rank, world_size = distributed(device)
@@ -421,7 +421,7 @@ def _hf(spec: Dict[str, Any], setup: Setup, device: torch.device):
     import transformers
 
     from bert_packed.data import build_data_source
-    from bert_packed.build import build_optimizer
+    from bert_packed.model.build import build_optimizer
 
     config = load_config(spec["model"], _overrides(spec, 1, "sdpa"))
     if config.train.num_threads is not None:

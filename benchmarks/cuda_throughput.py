@@ -227,7 +227,7 @@ def status_row(spec: Dict[str, Any], status: str, gpus: int = 1, config=None) ->
 def tile_fractions(args):
     """No GPU needed: share of 128x128 score tiles flex computes, padded vs packed data."""
     from bert_packed.data import build_data_source
-    from bert_packed.flex_attention import active_block_fraction
+    from bert_packed.model.attention.flex import active_block_fraction
 
     results = []
     for model_name in args.models:

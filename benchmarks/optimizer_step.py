@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: the project root on the path, 
 
 from benchmarks.common import markdown_header, markdown_row, spread  # noqa: E402
 from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
-from bert_packed.modeling import BertConfig  # noqa: E402
+from bert_packed.model.modeling import BertConfig  # noqa: E402
 from bert_packed.optim import build_optimizer, grad_norm_, step_unless_non_finite  # noqa: E402
 
 MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,

@@ -207,7 +207,7 @@ def fit_to_model(config, world_size: int = 1) -> List[str]:
 
 def _check_attention(name: str) -> None:
     """PopTorch compiles one static graph: an attention whose shapes follow the batch cannot run."""
-    from bert_packed.attention import AttentionError, get_attention
+    from bert_packed.model.attention import AttentionError, get_attention
 
     try:
         static = get_attention(name).static_shapes

@@ -32,7 +32,7 @@ import time
 from typing import Any, Dict, Optional
 
 from bert_packed.errors import ConfigError
-from bert_packed.io import write_text_atomic
+from bert_packed.io.files import write_text_atomic
 
 ESTIMATE_NAME, REPORT_DIR_NAME = "memory_estimate", "poplar_report"
 MODES = ("cache", "report")
@@ -80,7 +80,7 @@ def compile_only(config, backend, output_dir: str, *, mode: str = "cache") -> Di
     on the run's data, betas, steps), because the accumulation factor is part of the cache key."""
     import torch
 
-    from bert_packed.build import build_model, build_optimizer
+    from bert_packed.model.build import build_model, build_optimizer
     from bert_packed.loop.plan import make_plan
     from bert_packed.task import get_task
 

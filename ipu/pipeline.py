@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from bert_packed.config import ConfigError
-from bert_packed.losses import metric_keys
+from bert_packed.model.losses import metric_keys
 
 
 def layer_ipus(layers_per_ipu: List[int], num_layers: int) -> List[int]:
@@ -102,7 +102,7 @@ def _serialize_decoder(decoder: nn.Linear, poptorch, factor: int) -> None:
 
 def parallelize(model, ipu_config, poptorch):
     """Annotate ``model`` in place for pipelined execution from the blocks it declares
-    (``model.pipeline_layout()``, see ``bert_packed.modeling.PipelineLayout``); returns it."""
+    (``model.pipeline_layout()``, see ``bert_packed.model.modeling.PipelineLayout``); returns it."""
     layout = model.pipeline_layout()
     ipus = layer_ipus(ipu_config.layers_per_ipu, len(layout.layers))
     poptorch.BeginBlock(layout.embeddings, "Embedding", ipu_id=0)

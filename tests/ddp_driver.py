@@ -35,7 +35,7 @@ import backends  # noqa: E402
 import backends.cuda as cuda_backend  # noqa: E402
 from run import register_config_sections  # noqa: E402
 from bert_packed.config import load_config  # noqa: E402
-from bert_packed.train import Interrupted, train  # noqa: E402
+from bert_packed.loop.train import Interrupted, train  # noqa: E402
 
 
 def main() -> int:

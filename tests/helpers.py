@@ -30,9 +30,9 @@ def stop_after(backend, num_steps):
 
 
 def count_raw_bit_masks(monkeypatch):
-    """Spy on ``bert_packed.dropout``'s raw-bit mask draws: returns the list that collects the
+    """Spy on ``bert_packed.model.dropout``'s raw-bit mask draws: returns the list that collects the
     shape of every mask drawn from now on (the draws themselves still happen)."""
-    from bert_packed import dropout as dropout_module
+    from bert_packed.model import dropout as dropout_module
 
     shapes = []
     real = dropout_module._keep_mask

@@ -91,7 +91,7 @@ def prepared_pair(config, reference_config=None, backend_cls=None):
 
     from backends.cpu import CPUBackend
     from backends.mock import MockBackend
-    from bert_packed.build import build_model, build_optimizer
+    from bert_packed.model.build import build_model, build_optimizer
     from bert_packed.loop.plan import make_plan
 
     reference_config = reference_config or config

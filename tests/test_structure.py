@@ -126,8 +126,8 @@ def test_no_import_circle_anywhere():
 def test_the_circles_of_issue_22_would_be_found():
     # The check above is not vacuous: a lazy import inside a function is an arrow (the task
     # reads checkpoints only when it has one; the model is built only when asked for).
-    assert "bert_packed.hf_io" in GRAPH["bert_packed.task"] and "bert_packed.task" not in GRAPH["bert_packed.hf_io"]
-    assert "bert_packed.modeling" in GRAPH["bert_packed.build"]
+    assert "bert_packed.io.hf_io" in GRAPH["bert_packed.task"] and "bert_packed.task" not in GRAPH["bert_packed.io.hf_io"]
+    assert "bert_packed.model.modeling" in GRAPH["bert_packed.model.build"]
     # Issue 36: the task registry registers the tasks' keys with the config, never the reverse.
     assert "bert_packed.config" in GRAPH["bert_packed.task"] and "bert_packed.task" not in GRAPH["bert_packed.config"]
 
@@ -260,11 +260,11 @@ def test_every_registered_fine_tuning_task_lives_in_its_package():
 
 
 def test_user_text_is_decoded_in_one_place():
-    # bert_packed.io.read_utf8 / utf8_lines decode user text files; bert_packed/data keeps the
+    # bert_packed.io.files.read_utf8 / utf8_lines decode user text files; bert_packed/data keeps the
     # corpus readers of its own pipeline (data.vocab.utf8_lines) until it adopts them.
     found = []
     for name, path in MODULES.items():
-        if name.split(".")[0] != "bert_packed" or name in ("bert_packed.io",) or name.startswith("bert_packed.data"):
+        if name.split(".")[0] != "bert_packed" or name in ("bert_packed.io.files",) or name.startswith("bert_packed.data"):
             continue
         for node in ast.walk(_tree(path)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "decode"
@@ -276,9 +276,9 @@ def test_user_text_is_decoded_in_one_place():
 # -- issue 36: configuration as a leaf, one home for backends ------------------------------------
 
 # What the config must not pull in: tasks, backends and their IPU knowledge, the model, and the
-# readers of checkpoints and data (it reads its own YAML through bert_packed.yaml_io).
-NOT_FOR_CONFIG = ("bert_packed.task", "bert_packed.finetune", "backends", "ipu", "bert_packed.hf_io",
-                  "bert_packed.checkpoint", "bert_packed.data", "bert_packed.modeling", "bert_packed.train")
+# readers of checkpoints and data (it reads its own YAML through bert_packed.io.yaml_io).
+NOT_FOR_CONFIG = ("bert_packed.task", "bert_packed.finetune", "backends", "ipu", "bert_packed.io.hf_io",
+                  "bert_packed.io.checkpoint", "bert_packed.data", "bert_packed.model.modeling", "bert_packed.loop.train")
 
 
 def _reachable(name):
@@ -312,7 +312,7 @@ def test_config_imports_no_task_backend_torch_or_reader():
 def test_the_config_check_would_see_an_import_of_a_task():
     # Not vacuous: the task registry imports the config, the tasks and (lazily) hf_io and torch users.
     reached = _reachable("bert_packed.task")
-    assert "bert_packed.config" in reached and "bert_packed.hf_io" in reached
+    assert "bert_packed.config" in reached and "bert_packed.io.hf_io" in reached
     assert any(m.startswith(NOT_FOR_CONFIG) for m in reached - {"bert_packed.task"})
     assert any(_imports_torch(MODULES[m]) for m in reached)
 
@@ -390,7 +390,7 @@ def test_the_loop_uses_no_optional_capability():
     assert {"profile", "cost_unit", "compile_only", "memory_report"} <= members
     used = []
     for name, path in MODULES.items():
-        if name == "bert_packed.train" or name.startswith("bert_packed.loop"):
+        if name == "bert_packed.loop.train" or name.startswith("bert_packed.loop"):
             used += [f"{name}:{n.lineno} .{n.attr}" for n in ast.walk(_tree(path))
                      if isinstance(n, ast.Attribute) and n.attr in members]
     assert not used, used
@@ -435,8 +435,8 @@ def test_a_run_validates_once_and_resolves_the_checkpoint_shape_once(monkeypatch
     again when it reads the weights."""
     import run
     from bert_packed import config as config_module
-    from bert_packed import hf_io
-    from bert_packed.build import build_model
+    from bert_packed.io import hf_io
+    from bert_packed.model.build import build_model
     from bert_packed.config import load_config
 
     checkpoint = str(tmp_path / "init")

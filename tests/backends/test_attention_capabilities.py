@@ -8,7 +8,7 @@ import torch
 
 from backends import cuda_config, get_backend_class
 from backends.cuda import CUDABackend
-from bert_packed import attention
+from bert_packed.model import attention
 from bert_packed.config import ConfigError, load_config, validate
 
 
@@ -50,7 +50,7 @@ def test_a_new_gpu_only_implementation_is_refused_on_the_cpu_by_its_declaration(
 
 def test_an_implementation_without_dropout_is_refused_with_dropout_at_prepare(monkeypatch):
     """What flex's refusal was (a name in the backend) now holds for any implementation declaring no dropout."""
-    from bert_packed.build import build_model, build_optimizer
+    from bert_packed.model.build import build_model, build_optimizer
     from bert_packed.loop.plan import make_plan
 
     _register(monkeypatch, "no_dropout_test", dropout=False)

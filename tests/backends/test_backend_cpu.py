@@ -10,7 +10,7 @@ from backends import available_backends, get_backend
 from bert_packed.backend import Backend
 from bert_packed.config import ConfigError, load_config
 from bert_packed.data import build_data_source
-from bert_packed.build import build_model, build_optimizer
+from bert_packed.model.build import build_model, build_optimizer
 from bert_packed.loop.plan import make_plan
 from helpers import count_raw_bit_masks
 
@@ -144,6 +144,6 @@ def test_training_forward_draws_dropout_masks_from_raw_bits_with_fast_dropout(mo
     assert shapes == []
     metrics = backend.train_step([batch])
     assert len(shapes) == expected and np.isfinite(float(metrics["loss"]))
-    from bert_packed.dropout import uses_host_masks
+    from bert_packed.model.dropout import uses_host_masks
 
     assert not uses_host_masks(torch.ones(2), 0.1, True)  # the context ended with the step

@@ -7,7 +7,7 @@ import torch
 
 from backends.cpu import CPUBackend
 from bert_packed.config import load_config
-from bert_packed.train import train
+from bert_packed.loop.train import train
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # one_thread: see tests/conftest.py; slow: compiles (minutes)
 STEPS = 50
@@ -52,7 +52,7 @@ def test_no_recompile_after_warm_up_over_50_steps(runs):
 
 def test_a_recompile_after_warm_up_is_an_error(tmp_path):
     from backends.cpu import RecompileError
-    from bert_packed.build import build_model, build_optimizer
+    from bert_packed.model.build import build_model, build_optimizer
     from bert_packed.data import build_data_source
     from bert_packed.loop.plan import make_plan
 

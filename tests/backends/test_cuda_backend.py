@@ -20,12 +20,12 @@ import backends.cuda as cuda_module
 from backends import get_backend, get_backend_class
 from backends.cpu import CPUBackend
 from backends.cuda import CUDABackend, RecompileError, num_compiled_graphs
-from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from bert_packed.config import ConfigError, load_config
 from bert_packed.loop.logger import to_host
-from bert_packed.train import Interrupted, train
+from bert_packed.loop.train import Interrupted, train
 from bert_packed.data import build_data_source
-from bert_packed.build import build_model, build_optimizer
+from bert_packed.model.build import build_model, build_optimizer
 from bert_packed.loop.plan import make_plan
 from helpers import stop_after
 
@@ -201,7 +201,7 @@ class CPUDeviceCUDABackend(CUDABackend):
 
 
 def test_training_loop_runs_through_the_backend_and_logs_its_metrics(tmp_path):
-    from bert_packed.train import train
+    from bert_packed.loop.train import train
 
     out = str(tmp_path / "run")
     config = load_config("tiny", ["train.steps=6", "cuda.precision=fp16", "train.gradient_accumulation=2"])

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from backends.cuda import CUDABackend, float8_layer
-from bert_packed.build import build_model, build_optimizer
+from bert_packed.model.build import build_model, build_optimizer
 from bert_packed.config import ConfigError, load_config
 from bert_packed.loop.plan import make_plan
-from bert_packed.modeling import hf_state_dict
+from bert_packed.model.modeling import hf_state_dict
 from test_cuda_backend import flat_params, micro_batches, run_steps, setup
 
 FP32 = ["cuda.device=cpu", "cuda.precision=fp32", "optimizer.max_grad_norm=1.0"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backends import get_backend
-from bert_packed.build import build_model, build_optimizer
+from bert_packed.model.build import build_model, build_optimizer
 from bert_packed.config import load_config
 from bert_packed.data import build_data_source
 from bert_packed.loop.plan import make_plan

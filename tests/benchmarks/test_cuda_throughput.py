@@ -168,7 +168,7 @@ def test_useful_flops_do_not_depend_on_the_layout():
     # compares setups on equal terms (padding and cross-sequence tiles are not counted).
     from bert_packed.collate import collate, one_per_pack
     from bert_packed.config import load_config
-    from bert_packed.modeling import BertConfig
+    from bert_packed.model.modeling import BertConfig
     from test_model_fixtures import random_packed_problem
 
     samples, assignment = random_packed_problem(0, num_packs=4, max_sequence_length=64, max_sequences_per_pack=3)

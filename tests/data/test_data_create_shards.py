@@ -536,7 +536,7 @@ def test_a_killed_create_resumes_to_the_same_bytes(corpus_dir, tmp_path):
 
 
 def test_a_second_create_on_the_same_directory_is_refused(corpus_dir, tmp_path, monkeypatch):
-    from bert_packed.io import DirectoryLock
+    from bert_packed.io.files import DirectoryLock
 
     _, text, vocab = corpus_dir
     output = tmp_path / "busy"

@@ -152,7 +152,7 @@ def test_a_forced_resume_with_another_micro_batch_size_trains_each_step_on_the_u
     8-11 of the stream where the uninterrupted run read 4-7)."""
     from backends.cpu import CPUBackend
     from bert_packed.config import load_config
-    from bert_packed.train import train
+    from bert_packed.loop.train import train
 
     steps = []
 

@@ -326,9 +326,9 @@ def test_training_resumed_mid_epoch_on_shards_repeats_the_uninterrupted_run(data
     import torch
 
     from backends.cpu import CPUBackend
-    from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+    from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
     from bert_packed.config import load_config
-    from bert_packed.train import train
+    from bert_packed.loop.train import train
 
     def run(output, steps, resume=False):
         config = load_config("tiny", [f"data.path={data['dir']}", "data.max_sequence_length=128",

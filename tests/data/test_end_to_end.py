@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}

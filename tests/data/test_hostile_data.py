@@ -16,11 +16,11 @@ from bert_packed.data.create_file import create_pretraining_file
 from bert_packed.data.hdf5 import HDF5Source
 from bert_packed.data.pack import pack_file
 from bert_packed.data.vocab import train_vocab
-from bert_packed.io import _host
+from bert_packed.io.files import _host
 from hostile import TINY, assert_unchanged, main_error, snapshot
 from test_data_create import synthetic_corpus
 
-UTF8_HINT = "save the file as UTF-8, e.g. iconv -f <encoding> -t utf-8"  # bert_packed.io: one message for every reader
+UTF8_HINT = "save the file as UTF-8, e.g. iconv -f <encoding> -t utf-8"  # bert_packed.io.files: one message for every reader
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from test_data_create import synthetic_corpus
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALGORITHM = ["--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--seed", "1",
              "--workers", "1", "--no-progress"]
-UTF8_HINT = "save the file as UTF-8, e.g. iconv -f <encoding> -t utf-8"  # bert_packed.io: one message for every reader
+UTF8_HINT = "save the file as UTF-8, e.g. iconv -f <encoding> -t utf-8"  # bert_packed.io.files: one message for every reader
 
 
 @pytest.fixture(scope="module")

@@ -231,7 +231,7 @@ def test_a_vocabulary_with_a_token_twice_is_refused(work, capsys):
 
 
 def test_a_tokenizer_vocabulary_with_a_token_twice_is_refused(work):
-    from bert_packed.hf_io import CheckpointError, load_tokenizer
+    from bert_packed.io.hf_io import CheckpointError, load_tokenizer
 
     tokens = (work / "vocab.txt").read_text().split("\n")[:-1]
     (work / "vocab.txt").write_text("\n".join(tokens + ["[CLS]"]) + "\n")

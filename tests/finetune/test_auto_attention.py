@@ -3,7 +3,7 @@ once, at validation, to what it runs best; a model built without validation gets
 import pytest
 
 from backends import get_backend_class
-from bert_packed.build import bert_config
+from bert_packed.model.build import bert_config
 from bert_packed.config import load_config, validate
 
 AUTO_CONFIGS = ["finetune_classification", "finetune_token_classification", "finetune_glue_base"]

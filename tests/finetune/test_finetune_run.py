@@ -208,10 +208,10 @@ def test_interrupted_finetune_resumes_exactly_and_exports_from_its_checkpoint(ch
     import torch
 
     from backends.cpu import CPUBackend
-    from bert_packed.checkpoint import load_checkpoint
+    from bert_packed.io.checkpoint import load_checkpoint
     from bert_packed.config import load_config
     from bert_packed.finetune.__main__ import main as finetune_main
-    from bert_packed.train import train
+    from bert_packed.loop.train import train
 
     class Interrupted(CPUBackend):
         calls = 0

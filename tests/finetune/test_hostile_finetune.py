@@ -661,9 +661,9 @@ def test_weights_lacking_the_embeddings_are_an_error(capsys, checkpoint, tmp_pat
 
 def test_load_weights_refuses_a_missing_body_tensor_and_allows_a_new_head(checkpoint):
     # The backstop for what read_pretrained does not see (our own checkpoints, state dicts from code).
-    from bert_packed import hf_io
+    from bert_packed.io import hf_io
     from bert_packed.finetune.classification.model import BertForSequenceClassification
-    from bert_packed.modeling import BertConfig
+    from bert_packed.model.modeling import BertConfig
 
     pretrained = hf_io.read_pretrained(str(checkpoint))
     model = BertForSequenceClassification(BertConfig.from_hf(pretrained.hf_config, num_labels=3))
@@ -854,7 +854,7 @@ def test_a_pickle_that_runs_code_is_refused_in_one_line_and_never_run(capsys, fi
     # no proof of who wrote the file).
     import torch
 
-    from bert_packed.checkpoint import save_checkpoint
+    from bert_packed.io.checkpoint import save_checkpoint
 
     root, out = finished
     marker = tmp_path / "ran"

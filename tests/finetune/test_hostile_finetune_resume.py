@@ -153,7 +153,7 @@ def test_resume_force_with_another_micro_batch_size_runs_on(capsys, checkpoint, 
     import json
 
     import run
-    from bert_packed.checkpoint import load_checkpoint
+    from bert_packed.io.checkpoint import load_checkpoint
 
     data, out, train, dev = run_dir
     saved = load_checkpoint(str(out / "checkpoint.pt"))["data"][0]

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from bert_packed.hf_io import CheckpointError, read_pretrained
+from bert_packed.io.hf_io import CheckpointError, read_pretrained
 from finetune_fixtures import tiny_pretraining_checkpoint
 from hostile import assert_unchanged, main_error, snapshot
 
@@ -169,7 +169,7 @@ def test_predict_output_with_a_trailing_slash_names_what_was_given(capsys, check
 
 @pytest.mark.parametrize("name", ["results/", "."])
 def test_an_atomic_write_to_a_directory_name_names_it_and_writes_nothing(tmp_path, monkeypatch, name):
-    from bert_packed.io import write_text_atomic
+    from bert_packed.io.files import write_text_atomic
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(IsADirectoryError) as caught:
@@ -180,7 +180,7 @@ def test_an_atomic_write_to_a_directory_name_names_it_and_writes_nothing(tmp_pat
 
 
 def test_an_atomic_write_failing_at_publish_names_the_target_not_the_temporary_file(tmp_path):
-    from bert_packed.io import write_text_atomic
+    from bert_packed.io.files import write_text_atomic
 
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "inside").write_text("keep")

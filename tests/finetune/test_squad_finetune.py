@@ -78,9 +78,9 @@ def test_outputs_follow_the_contract(job, runs):
 
 
 def test_export_loads_in_transformers_with_our_logits(job, runs):
-    from bert_packed import hf_io
+    from bert_packed.io import hf_io
     from bert_packed.finetune.squad.model import BertForQuestionAnswering
-    from bert_packed.modeling import BertConfig
+    from bert_packed.model.modeling import BertConfig
 
     directory = runs["packed"] / "hf"
     theirs = transformers.AutoModelForQuestionAnswering.from_pretrained(directory).eval()

@@ -7,7 +7,7 @@ import torch
 from bert_packed.finetune.squad.data import collate_question_answering, feature_slots, pack_features
 from bert_packed.finetune.squad.metrics import feature_logits, postprocess_predictions
 from bert_packed.finetune.squad.model import BertForQuestionAnswering, span_loss_terms
-from bert_packed.modeling import BertConfig
+from bert_packed.model.modeling import BertConfig
 from squad_fixtures import make_features
 
 S, STRIDE, QUERY, K = 192, 64, 24, 4
@@ -114,7 +114,7 @@ def test_transformers_question_answering_checkpoint_gives_the_same_logits(data, 
     hf = transformers.BertForQuestionAnswering(hf_config).eval()
     hf.save_pretrained(tmp_path)
     # What --init-checkpoint runs: read the directory, load by name, report what was not loaded.
-    from bert_packed import hf_io
+    from bert_packed.io import hf_io
 
     pretrained = hf_io.read_pretrained(str(tmp_path))
     model = BertForQuestionAnswering(BertConfig.from_hf(pretrained.hf_config, max_sequences_per_pack=K)).eval()

@@ -73,7 +73,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(root):
-    from bert_packed.hf_io import load_tokenizer
+    from bert_packed.io.hf_io import load_tokenizer
 
     return load_tokenizer(write_ner_vocab(str(root / "vocab")))
 
@@ -149,7 +149,7 @@ def _tiny_hf(num_labels: int, vocab_size: int):
 
 
 def _ours_from(hf_model):
-    from bert_packed.modeling import BertConfig
+    from bert_packed.model.modeling import BertConfig
 
     ours = BertForTokenClassification(BertConfig.from_hf(hf_model.config.to_dict(), max_sequences_per_pack=8)).eval()
     ours.load_hf_state_dict(hf_model.state_dict())
@@ -198,7 +198,7 @@ def test_packed_logits_and_loss_equal_unpacked_and_transformers(tokenizer, one_t
 
 
 def test_step_normalizers_make_the_step_loss_the_mean_over_its_labelled_tokens(tokenizer, one_thread):
-    from bert_packed.losses import step_normalizers
+    from bert_packed.model.losses import step_normalizers
 
     sentences = ner_sentences(24, 4)
     tag_set = TagSet(dict(enumerate(sorted(TAGS))))
@@ -380,7 +380,7 @@ def test_mock_ipu_path_matches_cpu(job, tmp_path, layers_per_ipu, stages):
     """The IPU code path (mock poptorch: fixed shapes, the pipeline annotations with the head on
     the last IPU, fp32) trains the cpu run's steps and predicts its tags."""
     from backends import get_backend
-    from bert_packed.train import train
+    from bert_packed.loop.train import train
 
     cpu = train(_short_run(job), get_backend("cpu"), output_dir=str(tmp_path / "cpu"), show_progress=False)
     mock_backend = get_backend("mock")
@@ -397,7 +397,7 @@ def test_mock_ipu_path_matches_cpu(job, tmp_path, layers_per_ipu, stages):
 
 
 def test_pipeline_puts_the_head_on_the_last_ipu():
-    from bert_packed.modeling import BertConfig
+    from bert_packed.model.modeling import BertConfig
 
     layout = BertForTokenClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
                                                    num_attention_heads=2, intermediate_size=32)).pipeline_layout()
@@ -410,7 +410,7 @@ def test_pipeline_puts_the_head_on_the_last_ipu():
 def test_the_cuda_backend_on_cpu_trains_the_cpu_steps(job, tmp_path):
     from backends.cpu import CPUBackend
     from backends.cuda import CUDABackend
-    from bert_packed.train import train
+    from bert_packed.loop.train import train
 
     config = _short_run(job, ["cuda.precision=fp32"])
     cuda = train(config, CUDABackend(device="cpu"), output_dir=str(tmp_path / "cuda"), show_progress=False)

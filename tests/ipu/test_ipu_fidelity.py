@@ -24,7 +24,7 @@ import ipu.mock_poptorch as poptorch
 import run
 from backends import get_backend_class
 from backends.mock import MockBackend
-from bert_packed.build import bert_config, build_model, build_optimizer
+from bert_packed.model.build import bert_config, build_model, build_optimizer
 from bert_packed.config import ConfigError, load_config, validate
 from bert_packed.loop.plan import make_plan
 from bert_packed.optim import build_optimizer as build_host_optimizer

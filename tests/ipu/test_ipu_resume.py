@@ -22,7 +22,7 @@ import torch
 
 import run
 from backends.mock import MockBackend
-from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
 
 STEPS = 8
 ARGS = ["--config", "tiny", "--backend", "mock", "--no-progress", "--steps", str(STEPS),

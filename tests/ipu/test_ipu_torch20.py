@@ -9,7 +9,7 @@ We cannot install torch 2.0.1 here (a 600 MB wheel), so two checks run on the in
    (pytorch.org/docs/2.0). A new call fails the test until someone checks it and adds it.
 2. Static, a tripwire: the sources of the model and IPU path (bert_packed model files, ipu/) are
    scanned for attribute chains and keywords that PyTorch added after 2.0 (hand-curated from
-   the 2.1-2.6 release notes; not exhaustive). ``bert_packed/flex_attention.py`` is exempt: it is
+   the 2.1-2.6 release notes; not exhaustive). ``bert_packed/model/attention/flex.py`` is exempt: it is
    the CUDA-only path, imported lazily and guarded.
 """
 import ast
@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from backends.mock import MockBackend
 from bert_packed.config import load_config
-from bert_packed.build import build_model, build_optimizer
+from bert_packed.model.build import build_model, build_optimizer
 from bert_packed.loop.plan import make_plan
 from ipu_helpers import TINY_MODEL, random_micro_batches
 
@@ -76,8 +76,8 @@ POST_2_0 = {
 POST_2_0_KEYWORDS = {("scaled_dot_product_attention", "scale"): "2.1",
                      ("scaled_dot_product_attention", "enable_gqa"): "2.5"}
 
-SCANNED = ["bert_packed/modeling.py", "bert_packed/attention.py", "bert_packed/losses.py", "bert_packed/optim.py",
-           "bert_packed/collate.py", "bert_packed/bucketed_attention.py"] + sorted(
+SCANNED = ["bert_packed/model/modeling.py", "bert_packed/model/attention/__init__.py", "bert_packed/model/losses.py", "bert_packed/optim.py",
+           "bert_packed/collate.py", "bert_packed/model/attention/bucketed.py"] + sorted(
     os.path.relpath(os.path.join(d, f), ROOT) for d, _, files in os.walk(os.path.join(ROOT, "ipu"))
     for f in files if f.endswith(".py"))
 

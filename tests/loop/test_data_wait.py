@@ -8,7 +8,7 @@ import bert_packed.loop.data_wait as data_wait
 from backends.cpu import CPUBackend
 from bert_packed.config import load_config
 from bert_packed.loop.data_wait import DataWait
-from bert_packed.train import train
+from bert_packed.loop.train import train
 
 
 class _Clock:

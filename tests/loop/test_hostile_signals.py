@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from hostile import TINY, run_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,7 +103,7 @@ def test_a_signal_while_the_run_is_set_up_leaves_no_trace(tmp_path, signum):
              f"    os.kill(os.getpid(), {int(signum)})\n"
              "    time.sleep(5)\n"
              "    return real(config)\n"
-             "task_module.get_task = get_task\nimport bert_packed.train as train_module\n"
+             "task_module.get_task = get_task\nimport bert_packed.loop.train as train_module\n"
              "train_module.get_task = get_task\n")
     out = tmp_path / "run"
     code, lines = _run_with(patch, TINY + ["--steps", "4", "--output-dir", str(out)])

@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from bert_packed.io import DirectoryLock
+from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.io.files import DirectoryLock
 from hostile import TINY, assert_unchanged, main_error, run_ok, snapshot
 
 
@@ -67,7 +67,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
     # refuses to write that checkpoint (the previous one stays).
     from backends.cpu import CPUBackend
     from bert_packed.config import load_config
-    from bert_packed.train import DivergenceError, train
+    from bert_packed.loop.train import DivergenceError, train
 
     class PoisoningBackend(CPUBackend):
         def train_step(self, micro_batches):
@@ -90,7 +90,7 @@ def test_fp16_skipped_steps_are_logged_and_too_many_in_a_row_stop_the_run(tmp_pa
     # fp16 loss scaling on the cuda backend's code path (on the CPU): a loss scale so large that
     # every scaled gradient overflows makes GradScaler skip every update.
     from bert_packed.config import load_config
-    from bert_packed.train import DivergenceError, train
+    from bert_packed.loop.train import DivergenceError, train
     from test_cuda_backend import CPUDeviceCUDABackend
 
     config = load_config("tiny", ["train.steps=20", "cuda.precision=fp16", "cuda.loss_scale_init=3e38", "data.packing_algorithm=lpfhp",
@@ -117,7 +117,7 @@ def test_non_finite_config_numbers_are_refused_at_config_time(tmp_path, capsys, 
 
 def test_lamb_defaults_to_no_trust_ratio_for_biases_and_layernorm():
     from bert_packed.config import load_config
-    from bert_packed.build import build_model, build_optimizer
+    from bert_packed.model.build import build_model, build_optimizer
 
     config = load_config("tiny")
     optimizer, _ = build_optimizer(config, build_model(config))
@@ -560,7 +560,7 @@ def test_stale_lock_and_orphan_temp_files_of_dead_processes_are_cleaned(tmp_path
     import subprocess
     import sys
 
-    from bert_packed.io import _host
+    from bert_packed.io.files import _host
 
     out = tmp_path / "run"
     out.mkdir()
@@ -591,7 +591,7 @@ def test_process_group_gets_the_configured_collective_timeout(monkeypatch):
     import torch.distributed as dist
 
     from backends.cpu import CPUBackend
-    from bert_packed.train import setup_distributed
+    from bert_packed.loop.train import setup_distributed
 
     seen = {}
     for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29500")):
@@ -710,7 +710,7 @@ def test_a_full_disk_during_a_checkpoint_names_the_file_and_keeps_the_previous_o
     # Was: "error: No space left on device", no file named; the temporary file's fate unsaid.
     import errno
 
-    from bert_packed import checkpoint as checkpoint_module
+    from bert_packed.io import checkpoint as checkpoint_module
 
     real, calls = checkpoint_module.torch.save, []
 

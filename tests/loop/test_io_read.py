@@ -1,14 +1,14 @@
-"""The one reader of user text files (bert_packed.io.read_utf8 / utf8_lines, issue 36): what the
+"""The one reader of user text files (bert_packed.io.files.read_utf8 / utf8_lines, issue 36): what the
 config loader, the fine-tuning readers and the checkpoint reader share."""
 import json
 
 import pytest
 
-from bert_packed import hf_io
-from bert_packed.checkpoint import CheckpointError
+from bert_packed.io import hf_io
+from bert_packed.io.checkpoint import CheckpointError
 from bert_packed.data import DataError
-from bert_packed.io import read_utf8, utf8_lines
-from bert_packed.yaml_io import YamlError, load_yaml
+from bert_packed.io.files import read_utf8, utf8_lines
+from bert_packed.io.yaml_io import YamlError, load_yaml
 
 
 def test_read_utf8_drops_a_leading_bom_unless_asked_to_keep_it(tmp_path):

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from backends.cpu import CPUBackend
-from bert_packed import train as train_module
-from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.loop import train as train_module
+from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from bert_packed.config import load_config
 from bert_packed.data import build_data_source
 from bert_packed.loop.logger import to_host
 from bert_packed.loop.prefetch import Prefetcher
-from bert_packed.train import DivergenceError, train
+from bert_packed.loop.train import DivergenceError, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 TINY = ["data.num_sequences=300", "data.packing_algorithm=lpfhp", "train.micro_batch_size=4"]
@@ -146,7 +146,7 @@ def test_divergence_between_reads_stops_at_the_step_where_it_happened(tmp_path):
 def test_the_cpu_step_never_reads_a_number_on_the_host(optimizer, monkeypatch):
     """No host synchronisation inside a step: nothing in train_step turns a tensor into a python
     number (item, float, bool, tolist); the loss and gradient norm come back as device tensors."""
-    from bert_packed.build import build_model, build_optimizer
+    from bert_packed.model.build import build_model, build_optimizer
     from bert_packed.loop.plan import make_plan
 
     config = load_config("tiny", TINY + [f"optimizer.name={optimizer}", "optimizer.max_grad_norm=1.0"])

@@ -16,11 +16,11 @@ import torch
 import bert_packed.loop.within_step as within_step
 from backends.cpu import CPUBackend
 from bert_packed.backend import StepAbandoned
-from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from bert_packed.config import load_config
 from bert_packed.loop.stops import Interrupted
 from bert_packed.loop.within_step import StepWatch
-from bert_packed.train import train
+from bert_packed.loop.train import train
 from hostile import TINY, run_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,7 +33,7 @@ LAYERS = 8
 SLOW_LAYERS = f"""
 import time, torch
 import backends.cpu as cpu
-from bert_packed import modeling
+from bert_packed.model import modeling
 calls = [0]
 real_step, real_forward = cpu.CPUBackend.train_step, modeling.BertLayer.forward
 def train_step(self, micro_batches):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from backends.cpu import CPUBackend
-from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from bert_packed.config import load_config
-from bert_packed.train import train
+from bert_packed.loop.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # One thread per process: the machine running tests is shared, and spinning OpenMP

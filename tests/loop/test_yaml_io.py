@@ -1,4 +1,4 @@
-"""bert_packed.yaml_io: YAML with duplicate keys refused (both lines named), alias expansion
+"""bert_packed.io.yaml_io: YAML with duplicate keys refused (both lines named), alias expansion
 bounded (a "billion laughs" document refused quickly in little memory, anchors still fine),
 and files that are not UTF-8 refused naming the file, line and byte."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from bert_packed.yaml_io import MAX_NODES, YamlError, YamlSyntaxError, load_yaml, loads_yaml
+from bert_packed.io.yaml_io import MAX_NODES, YamlError, YamlSyntaxError, load_yaml, loads_yaml
 
 
 def write(tmp_path, content, name="c.yaml"):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from bert_packed import attention
-from bert_packed.attention import (
+from bert_packed.model import attention
+from bert_packed.model.attention import (
     AttentionError,
     AttentionImplementation,
     available_attention_implementations,
@@ -17,7 +17,7 @@ from bert_packed.attention import (
     list_attention_implementations,
     register_attention,
 )
-from bert_packed.modeling import BertForPreTraining, ModelConfigError
+from bert_packed.model.modeling import BertForPreTraining, ModelConfigError
 from test_model_fixtures import packed_and_unpacked, random_packed_problem, tiny_config
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from bert_packed import bucketed_attention
-from bert_packed.attention import get_attention, mask_value
-from bert_packed.bucketed_attention import bucket_lengths
+from bert_packed.model.attention import bucketed as bucketed_attention
+from bert_packed.model.attention import get_attention, mask_value
+from bert_packed.model.attention.bucketed import bucket_lengths
 from backends import get_backend_class
 from bert_packed.config import ConfigError, load_config, validate
 from ipu.config import validate as validate_ipu_section

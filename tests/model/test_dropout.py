@@ -1,4 +1,4 @@
-"""The model's dropout (bert_packed/dropout.py): torch's F.dropout outside host_dropout(); inside
+"""The model's dropout (bert_packed/model/dropout.py): torch's F.dropout outside host_dropout(); inside
 it, CPU masks from raw random bits with the same keep probability, scaling and gradient."""
 import math
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert_packed import dropout as dropout_module
-from bert_packed.dropout import Dropout, dropout, host_dropout, uses_host_masks
+from bert_packed.model import dropout as dropout_module
+from bert_packed.model.dropout import Dropout, dropout, host_dropout, uses_host_masks
 from helpers import count_raw_bit_masks
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -119,7 +119,7 @@ def test_inplace_module_keeps_torchs_inplace_dropout():
 
 def test_attention_dropout_goes_through_it(monkeypatch):
     """dense_attend's attention-probability dropout uses the same function (counted)."""
-    from bert_packed.attention import dense_attend
+    from bert_packed.model.attention import dense_attend
 
     calls = count_raw_bit_masks(monkeypatch)
     q = k = v = torch.randn(2, 3, 8, 4)

@@ -12,8 +12,8 @@ import torch
 
 flex_module = pytest.importorskip("torch.nn.attention.flex_attention", reason="needs torch >= 2.5 (FlexAttention)")
 
-from bert_packed import flex_attention as fa  # noqa: E402
-from bert_packed.attention import AttentionError, get_attention  # noqa: E402
+from bert_packed.model.attention import flex as fa  # noqa: E402
+from bert_packed.model.attention import AttentionError, get_attention  # noqa: E402
 
 
 def pack_ids(lengths_per_pack, seq_len):
@@ -291,7 +291,7 @@ def test_whole_model_with_flex_equals_dense_in_eval_on_cpu():
 
     from bert_packed.config import load_config
     from bert_packed.data import build_data_source
-    from bert_packed.build import build_model
+    from bert_packed.model.build import build_model
 
     config = load_config("tiny", ["data.num_sequences=300"])
     batches = list(itertools.islice(iter(build_data_source(config, split="train", micro_batch_size=4)), 2))
@@ -314,13 +314,13 @@ def test_dense_model_never_imports_flex():
 
     code = (
         "import sys, torch\n"
-        "from bert_packed.modeling import BertConfig, BertForPreTraining\n"
+        "from bert_packed.model.modeling import BertConfig, BertForPreTraining\n"
         "model = BertForPreTraining(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,"
         " num_attention_heads=2, intermediate_size=32, max_sequences_per_pack=2, max_masked_tokens_per_pack=4,"
         " attention_implementation='dense'))\n"
         "model.bert(torch.ones(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long),"
         " torch.arange(8)[None], torch.ones(1, 8, dtype=torch.long))\n"
-        "print(sorted(m for m in ('bert_packed.flex_attention', 'torch.nn.attention.flex_attention')"
+        "print(sorted(m for m in ('bert_packed.model.attention.flex', 'torch.nn.attention.flex_attention')"
         " if m in sys.modules))\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

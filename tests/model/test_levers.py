@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bert_packed.modeling import BertConfig, BertForPreTraining, ModelConfigError
+from bert_packed.model.modeling import BertConfig, BertForPreTraining, ModelConfigError
 from bert_packed.optim import build_optimizer, grad_norm_, step_unless_non_finite
 from test_model_fixtures import VOCAB_SIZE, packed_and_unpacked, random_packed_problem, tiny_config
 
@@ -148,7 +148,7 @@ def test_fused_qkv_trains_like_three_projections_with_lamb():
 
 def test_fused_qkv_round_trips_through_save_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from bert_packed import hf_io
+    from bert_packed.io import hf_io
 
     config = tiny_config(fused_qkv=True, vocab_padding_multiple=64)
     torch.manual_seed(2)

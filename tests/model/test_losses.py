@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert_packed.losses import add_step_normalizers, mlm_loss_terms, normalize, nsp_loss_terms, step_counts
+from bert_packed.model.losses import add_step_normalizers, mlm_loss_terms, normalize, nsp_loss_terms, step_counts
 
 K, M, V = 5, 12, 11
 

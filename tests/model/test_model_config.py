@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bert_packed.attention import set_profiler_scopes
-from bert_packed.modeling import BertConfig, BertForPreTraining, ModelConfigError
+from bert_packed.model.attention import set_profiler_scopes
+from bert_packed.model.modeling import BertConfig, BertForPreTraining, ModelConfigError
 from test_model_fixtures import packed_and_unpacked, random_packed_problem, tiny_config
 
 
@@ -87,7 +87,7 @@ def test_every_declared_minimum_of_the_model_section_is_bert_configs():
 def test_a_rule_declared_on_the_model_section_reaches_bert_config(monkeypatch):
     """Changing the declaration changes BertConfig's check: there is no copy to forget."""
     from bert_packed import config as config_module
-    from bert_packed import modeling
+    from bert_packed.model import modeling
 
     tiny_config(layer_norm_eps=0.5)
     rules = dict(config_module.model_rules())
@@ -132,7 +132,7 @@ def test_the_model_sections_loss_choices_are_the_losses():
     import dataclasses
 
     from bert_packed.config import ModelConfig
-    from bert_packed.losses import MLM_LOSS_NORMALIZATIONS
+    from bert_packed.model.losses import MLM_LOSS_NORMALIZATIONS
 
     field = {f.name: f for f in dataclasses.fields(ModelConfig)}["mlm_loss_normalization"]
     assert tuple(field.metadata["choices"]) == tuple(MLM_LOSS_NORMALIZATIONS)

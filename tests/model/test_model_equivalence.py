@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from bert_packed.losses import add_step_normalizers
-from bert_packed.modeling import BertForPreTraining, BertModel
+from bert_packed.model.losses import add_step_normalizers
+from bert_packed.model.modeling import BertForPreTraining, BertModel
 from bert_packed.optim import Lamb, parameter_groups
 from test_model_fixtures import packed_and_unpacked, random_packed_problem, tiny_config
 

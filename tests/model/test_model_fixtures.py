@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from bert_packed.collate import PackSlice, collate, collate_unpacked, sample_lengths
-from bert_packed.modeling import BertConfig
+from bert_packed.model.modeling import BertConfig
 
 VOCAB_SIZE = 99
 CLS_ID = 2

@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
-from bert_packed.modeling import BertConfig, BertForPreTraining  # noqa: E402
+from bert_packed.model.modeling import BertConfig, BertForPreTraining  # noqa: E402
 from test_model_fixtures import packed_and_unpacked, random_packed_problem, tiny_config  # noqa: E402
 
 MAX_PREDICTIONS = 20
@@ -141,7 +141,7 @@ def test_old_checkpoint_names_and_bare_encoder_load():
     fresh.load_hf_state_dict(old_style)
     for name, value in ours.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
-    from bert_packed.modeling import BertModel
+    from bert_packed.model.modeling import BertModel
 
     encoder = BertModel(config)
     result = encoder.load_hf_state_dict(hf.state_dict(), strict=False)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from bert_packed.scaling import (ScalingError, expected_cluster_speedup, fit_single_device, main,
+from bert_packed.analysis.scaling import (ScalingError, expected_cluster_speedup, fit_single_device, main,
                                  monte_carlo_cluster_speedup)
 
 

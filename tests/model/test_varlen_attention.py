@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from bert_packed.attention import get_attention
+from bert_packed.model.attention import get_attention
 
-varlen = pytest.importorskip("bert_packed.varlen_attention")
+varlen = pytest.importorskip("bert_packed.model.attention.varlen")
 
 
 def random_sequence_ids(seed, batch_size, seq_len, max_sequences):
@@ -112,7 +112,7 @@ def test_a_row_with_more_segments_than_the_bound_stops_instead_of_merging_sequen
 def test_the_model_passes_its_k_and_equals_dense(monkeypatch):
     """A whole encoder forward with the bounded layout (the reference kernel in place of the GPU
     one): the kernel sees B*(K+1) + 1 boundaries and the output equals dense attention's."""
-    from bert_packed.modeling import BertConfig, BertModel
+    from bert_packed.model.modeling import BertConfig, BertModel
 
     seen = []
 
@@ -123,7 +123,7 @@ def test_the_model_passes_its_k_and_equals_dense(monkeypatch):
     monkeypatch.setattr(varlen, "_varlen_kernel", lambda: spy)
     import dataclasses
 
-    from bert_packed.attention import ATTENTION_IMPLEMENTATIONS
+    from bert_packed.model.attention import ATTENTION_IMPLEMENTATIONS
 
     # The GPU-only check stands aside; prepare and attend are the real ones.
     monkeypatch.setitem(ATTENTION_IMPLEMENTATIONS, "varlen", dataclasses.replace(get_attention("varlen"), check=None))
@@ -171,7 +171,7 @@ def test_check_refuses_with_one_line(kwargs, expected):
 
 
 def test_not_offered_on_cpu():
-    from bert_packed.attention import available_attention_implementations
+    from bert_packed.model.attention import available_attention_implementations
 
     assert "varlen" not in available_attention_implementations(torch.device("cpu"), needs_grad=False)
 

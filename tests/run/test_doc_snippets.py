@@ -301,9 +301,9 @@ RUNS = {
         "--steps", "2", "--set", "train.eval_every=0"),
     # Module entry points: main(argv) of the module; the printed table must be the doc's.
     "python -m packing report --algorithm none spfhp lpfhp lp --max-sequences-per-pack 3 max": (),
-    "python -m bert_packed.scaling --output-dir runs/scaling": (),
+    "python -m bert_packed.analysis.scaling --output-dir runs/scaling": (),
 }
-MODULE_MAINS = {"packing": "packing.cli", "bert_packed.scaling": "bert_packed.scaling"}
+MODULE_MAINS = {"packing": "packing.cli", "bert_packed.analysis.scaling": "bert_packed.analysis.scaling"}
 SLOW = "minutes of CPU time; docs/examples.py runs it and records the output"
 
 

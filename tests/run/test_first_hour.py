@@ -15,11 +15,11 @@ import torch
 
 import bert_packed.loop.within_step as within_step
 from backends.cpu import CPUBackend
-from bert_packed.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from bert_packed.config import load_config
 from bert_packed.loop.stops import Interrupted
 from bert_packed.loop.within_step import StepWatch, duration_text
-from bert_packed.train import train
+from bert_packed.loop.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
@@ -195,7 +195,7 @@ def test_question_answering_logs_span_accuracy_start_and_end_both_right():
     """QA logged ``accuracy 0.000`` with nothing saying what it was: it is the share of windows
     whose predicted start AND end are both the labelled ones, now named ``span_accuracy``."""
     from bert_packed.finetune.squad.model import BertForQuestionAnswering, span_loss_terms
-    from bert_packed.losses import normalize
+    from bert_packed.model.losses import normalize
 
     assert BertForQuestionAnswering.metric_names == ("loss", "span_accuracy")
     # One pack of two windows: tokens 0-3 are window 1, 4-7 window 2.

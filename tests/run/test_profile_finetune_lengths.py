@@ -3,7 +3,7 @@ the previous held-out round: it took its packing factors from the Wikipedia hist
 import numpy as np
 import pytest
 
-from bert_packed import profiling
+from bert_packed.analysis import profiling
 from bert_packed.config import load_config
 from finetune_fixtures import classification_rows, tiny_pretraining_checkpoint, write_rows
 

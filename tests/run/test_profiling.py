@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from backends import get_backend
-from bert_packed import profiling
+from bert_packed.analysis import profiling
 from bert_packed.config import load_config
 
 TINY = ["model.num_hidden_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
