@@ -412,7 +412,9 @@ def test_the_cuda_backend_on_cpu_trains_the_cpu_steps(job, tmp_path):
     from backends.cuda import CUDABackend
     from bert_packed.loop.train import train
 
-    config = _short_run(job, ["cuda.precision=fp32"])
+    # cuda.device=cpu: the config says where the backend runs (its defaults, attention "auto"
+    # included, are resolved for that device)
+    config = _short_run(job, ["cuda.precision=fp32", "cuda.device=cpu"])
     cuda = train(config, CUDABackend(device="cpu"), output_dir=str(tmp_path / "cuda"), show_progress=False)
     cpu = train(config, CPUBackend(), output_dir=str(tmp_path / "cpu"), show_progress=False)
     assert cuda["backend"] == "cuda" and cuda["status"] == "completed" and cuda["steps"] == 3

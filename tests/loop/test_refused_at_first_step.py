@@ -1,5 +1,5 @@
-"""A run refused at its first step (an attention this device cannot run, found when the model
-first runs) writes nothing: no metrics.jsonl, no tensorboard folder, no lock, no folder it made
+"""A run refused at its start (an attention this device cannot run: refused from the
+implementation's declared capabilities, before the model first runs) writes nothing: no metrics.jsonl, no tensorboard folder, no lock, no folder it made
 (issue 46: "a refused attention choice leaves an empty metrics.jsonl")."""
 import os
 
@@ -8,8 +8,8 @@ import pytest
 from hostile import main_error
 
 
-@pytest.mark.parametrize("attention, needle", [("varlen", "attention 'varlen' runs only on a CUDA GPU"),
-                                               ("flex", "attention 'flex' cannot train on CPU")])
+@pytest.mark.parametrize("attention, needle", [("varlen", "cannot train model.attention_implementation=varlen"),
+                                               ("flex", "cannot train model.attention_implementation=flex")])
 def test_an_attention_the_cpu_cannot_run_leaves_nothing(tmp_path, capsys, attention, needle):
     output = tmp_path / "runs" / "demo"
     argv = ["--config", "demo", "--backend", "cpu", "--steps", "1", "--output-dir", str(output),
