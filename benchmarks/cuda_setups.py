@@ -327,6 +327,9 @@ def _ours(spec: Dict[str, Any], setup: Setup, device: torch.device):
         backend.forward_module = torch.compile(backend.model, backend=spec["compile_backend"], dynamic=False)
         backend.train_module = (backend.forward_module if backend.ddp is None else
                                 torch.compile(backend.ddp, backend=spec["compile_backend"], dynamic=False))
+        for handle in backend.layer_handles:  # the eager run's layer hooks: a compiled graph must not trace them
+            handle.remove()
+        backend.layer_handles = []
     # Page-locked on a GPU, as the training loop's prefetch thread stages them.
     pool = [backend.stage_batch(batch) for batch in pool]
     last: Dict[str, Any] = {}
