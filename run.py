@@ -36,7 +36,7 @@ try:  # torch loads for seconds: Ctrl-C or SIGTERM meanwhile get the same line a
     import backends
     from backends import available_backends, get_backend, get_backend_class, offline_compilers
     from packing.entry import ArgumentParser, run_cli
-    from bert_packed import task as tasks
+    from bert_packed.tasks import registry as tasks
     from bert_packed.backend import OfflineCompile, Profiling, require
     from bert_packed.config import ConfigError, dump, input_paths, load_config, resolve_run
     from bert_packed.io.files import check_output_dir

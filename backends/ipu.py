@@ -38,7 +38,7 @@ import torch
 
 from bert_packed.model.attention import no_profiler_scopes
 from bert_packed.backend import Backend, OfflineCompile, Profiling
-from bert_packed.model.build import build_model
+from bert_packed.tasks.pretraining.model import build_model
 from bert_packed.config import Config, ConfigError, check_section
 from bert_packed.model.losses import metric_keys, step_normalizers
 from ipu import config as ipu_section

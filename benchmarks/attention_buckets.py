@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: the project root on the path, 
 
 from benchmarks.common import markdown_header, markdown_row, spread  # noqa: E402
 from bert_packed.model.attention import get_attention  # noqa: E402
-from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
+from bert_packed.tasks.classification.model import BertForSequenceClassification  # noqa: E402
 from bert_packed.model.modeling import BertConfig  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001

@@ -110,7 +110,7 @@ def check_same_initial_weights(sets):
     from run import register_config_sections
 
     register_config_sections()
-    from bert_packed.model.build import build_model
+    from bert_packed.tasks.pretraining.model import build_model
 
     states = []
     for values in sets:

@@ -298,8 +298,9 @@ def device_of(spec: Dict[str, Any]) -> torch.device:
 def _ours(spec: Dict[str, Any], setup: Setup, device: torch.device):
     """(step function, micro-batch pool, config, model config, metrics) of our backend on ``setup``."""
     from backends.cuda import CUDABackend
-    from bert_packed.model.build import build_model, build_optimizer
-    from bert_packed.data import build_data_source
+    from bert_packed.model.build import build_optimizer
+    from bert_packed.tasks.pretraining.model import build_model
+    from bert_packed.tasks.pretraining.data import build_data_source
 
     rank, world_size = distributed(device)
     if setup.family == "run.py":
@@ -399,7 +400,7 @@ def hf_flattened_inputs(batches: List[Dict[str, np.ndarray]], *, flash_kwargs: b
 def packed_sequences_per_micro_batch(spec: Dict[str, Any]) -> int:
     """Sequences in one micro-batch of our depth-3 packs on this data (rounded): the default size of a
     flattened HF padding-free micro-batch, so both carry about the same real tokens."""
-    from bert_packed.data import build_data_source
+    from bert_packed.tasks.pretraining.data import build_data_source
 
     config = load_config(spec["model"], _overrides(spec, 3, "sdpa"))
     batches = list(itertools.islice(iter(build_data_source(config, split="train",
@@ -423,7 +424,7 @@ def _hf(spec: Dict[str, Any], setup: Setup, device: torch.device):
     """(step function, micro-batch pool, config, model config) of a transformers peer."""
     import transformers
 
-    from bert_packed.data import build_data_source
+    from bert_packed.tasks.pretraining.data import build_data_source
     from bert_packed.model.build import build_optimizer
 
     config = load_config(spec["model"], _overrides(spec, 1, "sdpa"))

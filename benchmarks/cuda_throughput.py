@@ -226,7 +226,7 @@ def status_row(spec: Dict[str, Any], status: str, gpus: int = 1, config=None) ->
 
 def tile_fractions(args):
     """No GPU needed: share of 128x128 score tiles flex computes, padded vs packed data."""
-    from bert_packed.data import build_data_source
+    from bert_packed.tasks.pretraining.data import build_data_source
     from bert_packed.model.attention.flex import active_block_fraction
 
     results = []

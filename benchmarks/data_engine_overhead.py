@@ -34,7 +34,7 @@ def main(argv=None):
     if args.tasks < 1 or args.workers < 2 or args.repeats < 1:
         parser.error("--tasks and --repeats must be at least 1 and --workers at least 2 (one worker runs "
                      "in-process, no engine)")
-    from bert_packed.data import engine
+    from bert_packed.data.prepare import engine
 
     options = {"max_seq_length": 512, "max_predictions": 80, "dupe_factor": 10, "seed": 12345, "num_shards": 5000}
     tasks = [{"work": "/data/out/.work", "vocab": "/data/vocab.txt", "options": options, "index": i,

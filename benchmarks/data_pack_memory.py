@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: the project root on the path, 
 
 CHILD = r"""
 import json, re, sys, time
-from bert_packed.data.pack import pack_file
+from bert_packed.data.prepare.pack import pack_file
 start = time.perf_counter()
 stats = pack_file(sys.argv[1], sys.argv[2], algorithm=sys.argv[3], max_sequences_per_pack=3,
                   seed=0, show_progress=True)
@@ -39,7 +39,7 @@ def main(argv=None):
     parser.add_argument("--workdir", default=None, help="where the files go (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the files")
     args = parser.parse_args(argv)
-    from bert_packed.data.synthetic import write_synthetic_unpacked
+    from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="pack-bench-")
     os.makedirs(workdir, exist_ok=True)

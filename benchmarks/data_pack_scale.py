@@ -35,7 +35,7 @@ HEADER = ["workers", "seconds", "sequences/s", "CPU s", "sequences per CPU s", "
 def make_dataset(folder, shards, per_shard):
     """Synthetic unpacked shards plus the manifest (what sharded `create` writes)."""
     from bert_packed.data.shards import shard_entry, shard_name, write_manifest
-    from bert_packed.data.synthetic import write_synthetic_unpacked
+    from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
 
     os.makedirs(folder, exist_ok=True)
     entries = []

@@ -35,8 +35,8 @@ DIMS = dict(max_sequence_length=512, max_sequences_per_pack=3, max_masked_tokens
 
 def template(workdir, vocab_size):
     """A few thousand valid packs at S=512 (create's synthetic sequences, packed)."""
-    from bert_packed.data.pack import pack_file
-    from bert_packed.data.synthetic import write_synthetic_unpacked
+    from bert_packed.data.prepare.pack import pack_file
+    from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
 
     unpacked, packed = os.path.join(workdir, "template-unpacked.h5"), os.path.join(workdir, "template.h5")
     write_synthetic_unpacked(unpacked, 8192, max_seq_length=512, max_predictions=76, vocab_size=vocab_size, seed=0)

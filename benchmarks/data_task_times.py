@@ -30,7 +30,7 @@ def timed(payload):
 
 
 def main(argv):
-    from bert_packed.data import engine
+    from bert_packed.data.prepare import engine
     from bert_packed.data.__main__ import main as data_main
 
     phases = []

@@ -20,7 +20,7 @@ from benchmarks.common import markdown_table  # noqa: E402
 from backends.mock import MockBackend  # noqa: E402
 from bert_packed.config import ConfigError, load_config  # noqa: E402
 from bert_packed.data import empty_batch  # noqa: E402
-from bert_packed.model.build import build_model  # noqa: E402
+from bert_packed.tasks.pretraining.model import build_model  # noqa: E402
 from run import register_config_sections  # noqa: E402
 
 register_config_sections()  # the ipu section before any config loads

@@ -31,7 +31,8 @@ if __package__ in (None, ""):  # run as a script: the project root on the path, 
 
 from benchmarks.common import spread  # noqa: E402
 from bert_packed.collate import collate, masked_tokens_per_pack, one_per_pack  # noqa: E402
-from bert_packed.model.modeling import BertConfig, BertForPreTraining  # noqa: E402
+from bert_packed.model.modeling import BertConfig
+from bert_packed.tasks.pretraining.model import BertForPreTraining  # noqa: E402
 
 BASE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
 TINY = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)

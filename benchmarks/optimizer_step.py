@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: the project root on the path, 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import markdown_header, markdown_row, spread  # noqa: E402
-from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
+from bert_packed.tasks.classification.model import BertForSequenceClassification  # noqa: E402
 from bert_packed.model.modeling import BertConfig  # noqa: E402
 from bert_packed.optim import build_optimizer, grad_norm_, step_unless_non_finite  # noqa: E402
 

@@ -23,8 +23,9 @@ import torch  # noqa: E402
 from backends import get_backend  # noqa: E402
 from benchmarks.common import markdown_table  # noqa: E402
 from bert_packed.config import load_config  # noqa: E402
-from bert_packed.data import build_data_source  # noqa: E402
-from bert_packed.model.build import build_model, build_optimizer  # noqa: E402
+from bert_packed.tasks.pretraining.data import build_data_source  # noqa: E402
+from bert_packed.model.build import build_optimizer
+from bert_packed.tasks.pretraining.model import build_model  # noqa: E402
 from bert_packed.loop.plan import make_plan  # noqa: E402
 from run import register_config_sections  # noqa: E402
 

@@ -180,8 +180,8 @@ def hf_qa(spec: dict) -> dict:
                               default_data_collator, set_seed)
 
     ensure_root_on_path()
-    from bert_packed.finetune.squad.data import read_squad
-    from bert_packed.finetune.squad.metrics import squad_scores
+    from bert_packed.tasks.squad.data import read_squad
+    from bert_packed.tasks.squad.metrics import squad_scores
 
     torch.set_num_threads(spec["threads"])
     set_seed(spec["seed"])  # before from_pretrained draws the new span head, as run_qa.py does

@@ -9,8 +9,8 @@ BertForPreTraining``); they are loaded on first use so that light modules such a
 _LAZY = {
     "BertConfig": "bert_packed.model.modeling",
     "BertModel": "bert_packed.model.modeling",
-    "BertForPreTraining": "bert_packed.model.modeling",
-    "BertForSequenceClassification": "bert_packed.finetune.classification.model",
+    "BertForPreTraining": "bert_packed.tasks.pretraining.model",
+    "BertForSequenceClassification": "bert_packed.tasks.classification.model",
     "ModelConfigError": "bert_packed.model.modeling",
     "register_attention": "bert_packed.model.attention",
     "AttentionImplementation": "bert_packed.model.attention",

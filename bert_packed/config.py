@@ -11,7 +11,7 @@ Sections and who owns them:
 - ``model``, ``data``, ``optimizer``, ``train``: the model and the loop (this module);
 - ``finetune``: the keys every fine-tuning task shares (this module) plus each task's own
   keys, declared by the task class (``Task.config_fields``) and registered with
-  :func:`register_task_fields` by the task registry (``bert_packed.task.register_config_sections``);
+  :func:`register_task_fields` by the task registry (``bert_packed.tasks.registry.register_config_sections``);
 - one section per backend that has settings (``ipu``, ``cuda``, ``cpu``): declared by the
   backend package and registered with :func:`register_section` by the backend registry
   (``backends.register_config_sections``).
@@ -438,7 +438,7 @@ class Config:
         self.cli_keys: Dict[str, set] = {n: set() for n in self.sections}
         self.unregistered: Dict[str, Dict[str, Any]] = {}
         # The init checkpoint whose model shape the model section holds (set by the one function
-        # that resolves it, bert_packed.task.resolve_checkpoint_shape), so it is resolved once.
+        # that resolves it, bert_packed.tasks.registry.resolve_checkpoint_shape), so it is resolved once.
         self.shape_from: Optional[str] = None
         # model.attention_implementation was "auto" and validation chose it for a backend; validated
         # for another backend, the same config chooses again (it is not that backend's choice).
@@ -619,7 +619,7 @@ def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = Non
         section, key, value = _parse_override(text)
         _set_value(config, section, key, value, "--set")
         config.cli_keys[section].add(key)
-    for resolve in _RESOLVERS:  # e.g. the model's shape from model.init_checkpoint (bert_packed.task)
+    for resolve in _RESOLVERS:  # e.g. the model's shape from model.init_checkpoint (bert_packed.tasks.base)
         resolve(config)
     return config
 

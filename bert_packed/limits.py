@@ -164,7 +164,7 @@ MICRO_BATCH = at_most(2**14, "no device holds the activations of more packs in o
 # (LAMB, phase 1); Graphcore's packed phase 1 accumulates 1750 micro-batches.
 PER_STEP = at_most(2**20, "16 times the largest published BERT batch (65536 sequences)")
 
-# Sequences in one pack: packed HDF5 files store sequence ids as int8 (bert_packed/data/pack.py),
+# Sequences in one pack: packed HDF5 files store sequence ids as int8 (bert_packed/data/prepare/pack.py),
 # and the per-sequence selection masks are [B, S, K].
 SEQUENCES_PER_PACK = at_most(127, "packed files store sequence ids as int8")
 

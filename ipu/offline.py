@@ -80,9 +80,10 @@ def compile_only(config, backend, output_dir: str, *, mode: str = "cache") -> Di
     on the run's data, betas, steps), because the accumulation factor is part of the cache key."""
     import torch
 
-    from bert_packed.model.build import build_model, build_optimizer
+    from bert_packed.model.build import build_optimizer
+    from bert_packed.tasks.pretraining.model import build_model
     from bert_packed.loop.plan import make_plan
-    from bert_packed.task import get_task
+    from bert_packed.tasks.registry import get_task
 
     if mode not in MODES:
         raise ConfigError(f"compile mode {mode!r}: choose one of {', '.join(MODES)}")

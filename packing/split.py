@@ -26,7 +26,7 @@ global histogram. So:
 Measured as ``python -m bert_packed.data pack --algorithm lp`` plans (``pack_shards`` with its
 options: no clock-bounded MILP, a node-bounded MILP polish where a plan is over 0.02 % above
 its bound), K = 3, shards drawn at random from Wikipedia-512 (L = 512) or from its lengths
-scaled to 128 (L = 128, as ``bert_packed.data.synthetic``); gap of the sharded total to the
+scaled to 128 (L = 128, as ``bert_packed.data.prepare.synthetic``); gap of the sharded total to the
 global LP bound, and to the sum of the shards' own bounds (what no packing within shards beats):
 
     shards x sequences   global bound  sharded   gap       shards' bounds  gap to them

@@ -21,8 +21,8 @@ def sentence(rng: random.Random, label: str, min_words: int = 3, max_words: int 
 
 
 def write_vocab(directory: str, size: int = 120) -> str:
-    """Train a WordPiece vocab.txt on generated text (bert_packed.data.vocab, i.e. `tokenizers`)."""
-    from bert_packed.data.vocab import train_vocab
+    """Train a WordPiece vocab.txt on generated text (bert_packed.data.prepare.vocab, i.e. `tokenizers`)."""
+    from bert_packed.data.prepare.vocab import train_vocab
 
     rng = random.Random(0)
     os.makedirs(directory, exist_ok=True)

@@ -91,7 +91,8 @@ def prepared_pair(config, reference_config=None, backend_cls=None):
 
     from backends.cpu import CPUBackend
     from backends.mock import MockBackend
-    from bert_packed.model.build import build_model, build_optimizer
+    from bert_packed.model.build import build_optimizer
+    from bert_packed.tasks.pretraining.model import build_model
     from bert_packed.loop.plan import make_plan
 
     reference_config = reference_config or config

@@ -97,7 +97,7 @@ def write_dataset(path, sentences, class_label=True, names=TAGS):
 
 def write_ner_vocab(directory, size: int = 180) -> str:
     """A WordPiece vocab.txt trained on the synthetic sentences; small, so long names split."""
-    from bert_packed.data.vocab import train_vocab
+    from bert_packed.data.prepare.vocab import train_vocab
 
     os.makedirs(directory, exist_ok=True)
     corpus = os.path.join(directory, "corpus.txt")

@@ -178,7 +178,7 @@ def make_tokenizer(texts: List[str], vocab_size: int = 300):
 
 def make_features(max_seq_length: int, doc_stride: int, max_query_length: int, seed: int = 0):
     """``(document, examples, tokenizer, features)`` of ``make_squad_v2(seed)`` with its own tokenizer."""
-    from bert_packed.finetune.squad.data import build_features, examples_from_squad_json
+    from bert_packed.tasks.squad.data import build_features, examples_from_squad_json
 
     document = make_squad_v2(seed=seed)
     examples = examples_from_squad_json(document)

@@ -11,7 +11,9 @@
 - (issue 36) the configuration is a leaf: ``bert_packed.config`` imports no task, backend, torch or
   reader of checkpoints/data, and building a ``Config`` loads none of them; every backend class is
   defined in ``backends/``; run.py's ``--backend`` lists the backend registry.
-- every fine-tuning task is a package of the same files (issue 36), each registered task in it.
+- every task is a package of the same files (issue 36; pre-training too, issue 48), each registered
+  task in it; at most 8 modules at the top of ``bert_packed``; what training reads never imports
+  the offline data tools (``bert_packed.data.prepare``, issue 48).
 """
 import ast
 import os
@@ -126,10 +128,11 @@ def test_no_import_circle_anywhere():
 def test_the_circles_of_issue_22_would_be_found():
     # The check above is not vacuous: a lazy import inside a function is an arrow (the task
     # reads checkpoints only when it has one; the model is built only when asked for).
-    assert "bert_packed.io.hf_io" in GRAPH["bert_packed.task"] and "bert_packed.task" not in GRAPH["bert_packed.io.hf_io"]
+    assert "bert_packed.io.hf_io" in GRAPH["bert_packed.tasks.base"] and "bert_packed.tasks.base" not in GRAPH["bert_packed.io.hf_io"]
     assert "bert_packed.model.modeling" in GRAPH["bert_packed.model.build"]
     # Issue 36: the task registry registers the tasks' keys with the config, never the reverse.
-    assert "bert_packed.config" in GRAPH["bert_packed.task"] and "bert_packed.task" not in GRAPH["bert_packed.config"]
+    assert "bert_packed.config" in GRAPH["bert_packed.tasks.registry"]
+    assert "bert_packed.tasks.registry" not in GRAPH["bert_packed.config"]
 
 
 @pytest.mark.parametrize("prefix", ["bert_packed", "backends", "packing", "ipu", "run"])
@@ -225,38 +228,68 @@ def test_every_backend_implements_its_contract(name):
         assert cls.compile_only is not OfflineCompile.compile_only
 
 
-# What every fine-tuning task package holds (bert_packed/finetune/base.py says what goes where).
+# What every task package holds, pre-training's too (bert_packed/tasks/packed.py says what goes where).
 TASK_FILES = {"__init__.py", "task.py", "model.py", "data.py", "metrics.py"}
-FINETUNE = os.path.join(ROOT, "bert_packed", "finetune")
+TASKS_DIR = os.path.join(ROOT, "bert_packed", "tasks")
 
 
 def _task_packages():
-    return sorted(name for name in os.listdir(FINETUNE)
-                  if os.path.isfile(os.path.join(FINETUNE, name, "__init__.py")))
+    return sorted(name for name in os.listdir(TASKS_DIR)
+                  if os.path.isfile(os.path.join(TASKS_DIR, name, "__init__.py")))
 
 
 def test_every_task_package_has_the_same_files():
     packages = _task_packages()
-    assert {"classification", "squad", "token_classification"} <= set(packages), packages
-    files = {name: {f for f in os.listdir(os.path.join(FINETUNE, name)) if f.endswith(".py")} for name in packages}
+    assert {"pretraining", "classification", "squad", "token_classification"} <= set(packages), packages
+    files = {name: {f for f in os.listdir(os.path.join(TASKS_DIR, name)) if f.endswith(".py")} for name in packages}
     wrong = {name: sorted(found ^ TASK_FILES) for name, found in files.items() if found != TASK_FILES}
     assert not wrong, wrong
-    # Nothing task-specific is left loose beside them: the shared modules only.
-    loose = {f for f in os.listdir(FINETUNE) if f.endswith(".py")}
-    assert loose == {"__init__.py", "__main__.py", "base.py", "data.py", "fortunes.py"}, sorted(loose)
+    # Nothing task-specific is left loose beside them: the interface, the registry and what the
+    # fine-tuning tasks share.
+    loose = {f for f in os.listdir(TASKS_DIR) if f.endswith(".py")}
+    assert loose == {"__init__.py", "base.py", "registry.py", "packed.py", "data.py"}, sorted(loose)
 
 
-def test_every_registered_fine_tuning_task_lives_in_its_package():
-    from bert_packed.finetune.base import PackedTask
-    from bert_packed.task import TASKS, task_class
+def test_every_registered_task_lives_in_its_package():
+    from bert_packed.tasks.base import Task
+    from bert_packed.tasks.packed import PackedTask
+    from bert_packed.tasks.registry import TASKS, task_class
 
+    assert set(TASKS) == set(_task_packages())
     for name in TASKS:
         cls = task_class(name)
-        if name == "pretraining":
-            continue
-        assert cls.__module__ == f"bert_packed.finetune.{name}.task" and issubclass(cls, PackedTask), (name, cls)
+        assert cls.__module__ == f"bert_packed.tasks.{name}.task" and issubclass(cls, Task), (name, cls)
+        assert name == "pretraining" or issubclass(cls, PackedTask), (name, cls)
         model = cls.model_class(None)  # reads nothing of the task
-        assert model.__module__ == f"bert_packed.finetune.{name}.model", (name, model)
+        assert model.__module__ == f"bert_packed.tasks.{name}.model", (name, model)
+
+
+def test_bert_packed_keeps_at_most_eight_modules_at_the_top():
+    top = sorted(f for f in os.listdir(os.path.join(ROOT, "bert_packed")) if f.endswith(".py"))
+    assert len(top) <= 8, top
+
+
+# What training reads never imports the offline data tools (create, pack, vocab, stats: they
+# write the files the readers read), so the readers and the tools can change apart.
+PREPARE = "bert_packed.data.prepare"
+
+
+def test_training_never_imports_the_offline_data_tools():
+    # (run.py's --profile reads a dataset's lengths through `stats`: an analysis, not training.)
+    training = ("bert_packed.loop", "bert_packed.tasks", "bert_packed.model", "backends", "ipu")
+    readers = [m for m in MODULES if m.startswith("bert_packed.data") and not m.startswith(PREPARE)
+               and m != "bert_packed.data.__main__"]
+    assert {"bert_packed.data.hdf5", "bert_packed.data.sharded", "bert_packed.data.generated"} <= set(readers)
+    wrong = {m: sorted(t for t in _reachable(m) if t.startswith(PREPARE))
+             for m in readers + [m for m in MODULES if m.startswith(training)]}
+    wrong = {m: t for m, t in wrong.items() if t}
+    assert not wrong, wrong
+
+
+def test_the_offline_tools_check_would_see_an_import():
+    # Not vacuous: the command line reaches the tools, and the tools reach the readers' h5io.
+    assert any(t.startswith(PREPARE) for t in _reachable("bert_packed.data.__main__"))
+    assert "bert_packed.data.h5io" in _reachable("bert_packed.data.prepare.pack")
 
 
 def test_user_text_is_decoded_in_one_place():
@@ -277,7 +310,7 @@ def test_user_text_is_decoded_in_one_place():
 
 # What the config must not pull in: tasks, backends and their IPU knowledge, the model, and the
 # readers of checkpoints and data (it reads its own YAML through bert_packed.io.yaml_io).
-NOT_FOR_CONFIG = ("bert_packed.task", "bert_packed.finetune", "backends", "ipu", "bert_packed.io.hf_io",
+NOT_FOR_CONFIG = ("bert_packed.tasks", "bert_packed.finetune", "backends", "ipu", "bert_packed.io.hf_io",
                   "bert_packed.io.checkpoint", "bert_packed.data", "bert_packed.model.modeling", "bert_packed.loop.train")
 
 
@@ -310,10 +343,10 @@ def test_config_imports_no_task_backend_torch_or_reader():
 
 
 def test_the_config_check_would_see_an_import_of_a_task():
-    # Not vacuous: the task registry imports the config, the tasks and (lazily) hf_io and torch users.
-    reached = _reachable("bert_packed.task")
+    # Not vacuous: the task registry imports the config and (lazily) hf_io and torch users.
+    reached = _reachable("bert_packed.tasks.registry")
     assert "bert_packed.config" in reached and "bert_packed.io.hf_io" in reached
-    assert any(m.startswith(NOT_FOR_CONFIG) for m in reached - {"bert_packed.task"})
+    assert any(m.startswith(NOT_FOR_CONFIG) for m in reached - {"bert_packed.tasks.registry"})
     assert any(_imports_torch(MODULES[m]) for m in reached)
 
 
@@ -436,7 +469,7 @@ def test_a_run_validates_once_and_resolves_the_checkpoint_shape_once(monkeypatch
     import run
     from bert_packed import config as config_module
     from bert_packed.io import hf_io
-    from bert_packed.model.build import build_model
+    from bert_packed.tasks.pretraining.model import build_model
     from bert_packed.config import load_config
 
     checkpoint = str(tmp_path / "init")

@@ -85,7 +85,7 @@ def data_lengths(config) -> Optional[np.ndarray]:
     HDF5 data is read block by block through the stats reader, not a data source, which would
     load the token arrays only to throw them away."""
     if config.data.path is None:
-        from bert_packed.task import get_task
+        from bert_packed.tasks.registry import get_task
 
         # Fine-tuning trains on its own file: its lengths, never the pre-training histogram.
         return get_task(copy.deepcopy(config)).training_lengths()
@@ -152,7 +152,7 @@ def depth_config(config, depth: int, num_sequences: Optional[int] = None):
 def profile_batches(config, depths: Sequence[int], micro_batch_size: int) -> Dict[int, Dict[str, np.ndarray]]:
     """One generated micro-batch [B, S] per depth (same B, S; K = depth, M = masked + K - 1),
     packed with lpfhp (see below); the packing statistics use the configured algorithm."""
-    from bert_packed.data.generated import GeneratedSource
+    from bert_packed.tasks.pretraining.data import generated_source
 
     batches = {}
     for depth in depths:
@@ -161,7 +161,7 @@ def profile_batches(config, depths: Sequence[int], micro_batch_size: int) -> Dic
         # which packer filled the rows, so use the fast lpfhp rather than e.g. nnlshp's NNLS.
         if depth > 1:
             cfg.data.packing_algorithm = "lpfhp"
-        source = GeneratedSource(cfg, split="train", micro_batch_size=micro_batch_size, seed=config.train.seed)
+        source = generated_source(cfg, micro_batch_size=micro_batch_size, seed=config.train.seed)
         batches[depth] = next(iter(source))
     return batches
 
@@ -173,7 +173,7 @@ def build_profile_model(config, backend, execute: Optional[bool] = None):
     and reads cycleCount())."""
     import torch
 
-    from bert_packed.model.build import build_model
+    from bert_packed.tasks.pretraining.model import build_model
 
     if execute is None:
         execute = not backend.prices_from_shapes
@@ -332,9 +332,10 @@ def measure_throughput(config, make_backend: Callable[[], Any], packed_depth: in
     """
     import torch
 
-    from bert_packed.model.build import build_model, build_optimizer
-    from bert_packed.data.generated import GeneratedSource
+    from bert_packed.model.build import build_optimizer
+    from bert_packed.tasks.pretraining.model import build_model
     from bert_packed.loop.plan import make_plan
+    from bert_packed.tasks.pretraining.data import generated_source
 
     if num_steps < 1:
         raise ProfilingError(f"throughput needs at least one step per mode, got {num_steps}")
@@ -342,7 +343,7 @@ def measure_throughput(config, make_backend: Callable[[], Any], packed_depth: in
     modes = {}
     for name, depth in (("packed", packed_depth), ("padded", 1)):
         cfg = depth_config(config, depth)
-        source = GeneratedSource(cfg, split="train", micro_batch_size=B, seed=config.train.seed)
+        source = generated_source(cfg, micro_batch_size=B, seed=config.train.seed)
         torch.manual_seed(config.train.seed)
         model = build_model(cfg)
         optimizer, scheduler = build_optimizer(cfg, model)

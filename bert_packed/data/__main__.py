@@ -9,7 +9,7 @@ import sys
 
 from packing.entry import ArgumentParser, run_cli
 
-from . import formats
+from bert_packed.data.prepare import formats
 
 
 def _add_format_options(p):
@@ -116,7 +116,7 @@ def main(argv=None):
 def _check_size_flags(args):
     """Every size flag within its maximum (bert_packed.limits.DATA_FLAGS, with the reasons)."""
     from bert_packed.limits import size_flag_error
-    from .errors import DataError
+    from bert_packed.data.errors import DataError
     message = size_flag_error(args.command, vars(args))
     if message is not None:
         raise DataError(message)
@@ -130,7 +130,7 @@ def _sharded(output):
 def _run(args):
     _check_size_flags(args)
     if args.command == "vocab":
-        from .vocab import train_vocab
+        from bert_packed.data.prepare.vocab import train_vocab
         num_tokens = train_vocab(args.input, args.size, args.output, lowercase=not args.cased,
                                  min_frequency=args.min_frequency, input_format=args.format,
                                  text_column=_text_column(args))
@@ -142,9 +142,9 @@ def _run(args):
     elif args.command == "pack" and os.path.isdir(args.input):
         _pack_dataset(args)
     elif args.command == "pack":
-        from .pack import pack_file
+        from bert_packed.data.prepare.pack import pack_file
         if args.workers is not None or args.scheduler is not None:
-            from .errors import DataError
+            from bert_packed.data.errors import DataError
             raise DataError(f"--workers and --scheduler are for a sharded dataset (a directory); {args.input} is "
                             "one file, packed in this process")
         stats = pack_file(args.input, args.output, algorithm=args.algorithm,
@@ -163,10 +163,11 @@ def _run(args):
         if args.verify:
             _verify_file(args.input, args.output)
     elif args.command == "stats":
-        from .errors import refuse_output_over_input
-        from .stats import dataset_stats, format_stats, plot_stats
+        from bert_packed.data.errors import refuse_output_over_input
+        from bert_packed.data.stats import dataset_stats, format_stats, plot_stats
         if not args.no_plot:  # checked before reading: the PNG must never replace the data it plots
             refuse_output_over_input(args.plot or _with_suffix(args.file, ".png"), [args.file], option="--plot")
+        _refuse_a_corpus(args.file)
         stats = dataset_stats(args.file)
         print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
         if not args.no_plot:
@@ -174,7 +175,7 @@ def _run(args):
             plot_stats(stats, path)
             print(f"plot: {path}", file=sys.stderr)
     elif args.command == "kjv":
-        from .kjv import write_kjv_corpus
+        from bert_packed.data.prepare.kjv import write_kjv_corpus
         num_documents, num_verses = write_kjv_corpus(args.output, args.first, args.last)
         print(f"wrote {args.output}: {num_documents} chapters (documents), {num_verses} verses")
     return 0
@@ -187,10 +188,10 @@ def _text_column(args):
 def _create_file(args):
     """`create` into one .h5 file: the sharded engine writing one shard (create_file.py)."""
     if args.output_shards not in (None, 1):
-        from .errors import DataError
+        from bert_packed.data.errors import DataError
         raise DataError(f"--output-shards {args.output_shards}: --output {args.output} (.h5) is one file, one shard; "
                         f"give a directory for {args.output_shards} shards")
-    from .create_file import create_pretraining_file
+    from bert_packed.data.prepare.create_file import create_pretraining_file
     summary = create_pretraining_file(
         args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
         max_predictions=args.max_predictions, dupe_factor=args.dupe_factor,
@@ -208,7 +209,7 @@ def _create_file(args):
 
 
 def _create_shards(args):
-    from .create_shards import DEFAULT_BLOCK_BYTES, create_shards
+    from bert_packed.data.prepare.create_shards import DEFAULT_BLOCK_BYTES, create_shards
     summary = create_shards(
         args.input, args.vocab, args.output, max_seq_length=args.max_seq_length,
         max_predictions=args.max_predictions, dupe_factor=args.dupe_factor, seed=args.seed,
@@ -224,8 +225,8 @@ def _create_shards(args):
 
 
 def _pack_dataset(args):
-    """`pack` of a directory of shards (bert_packed.data.pack_shards) and its summary line."""
-    from .pack_shards import pack_dataset
+    """`pack` of a directory of shards (bert_packed.data.prepare.pack_shards) and its summary line."""
+    from bert_packed.data.prepare.pack_shards import pack_dataset
     manifest = pack_dataset(args.input, args.output, algorithm=args.algorithm,
                             max_sequences_per_pack=args.max_sequences_per_pack,
                             max_sequence_length=args.max_sequence_length,
@@ -246,8 +247,8 @@ def _pack_dataset(args):
 
 def _verify_file(input_path, output_path):
     """`pack --verify` of one file: a file that fails is removed, so it never looks finished."""
-    from .errors import DataError
-    from .pack import verify_packed_file
+    from bert_packed.data.errors import DataError
+    from bert_packed.data.prepare.pack import verify_packed_file
     try:
         count = verify_packed_file(input_path, output_path)
     except DataError as exc:
@@ -261,5 +262,25 @@ def _with_suffix(path, suffix):
     return root + suffix
 
 
+def _refuse_a_corpus(path):
+    """A corpus (create's input), a pipe or a device given to stats is named as what it is, not as a
+    broken HDF5 file."""
+    from bert_packed.data.errors import DataError
+
+    kind = formats.base.not_regular_kind(path)
+    if kind is not None:
+        raise DataError(f"{path}: is {kind}, not a regular file; stats reads an HDF5 file or a dataset directory")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as handle:
+        if handle.read(8) == b"\x89HDF\r\n\x1a\n":
+            return
+    fmt = formats.detect_format(path)
+    if not formats.REGISTRY[fmt].fallback:  # plain text falls through to h5io's "not a readable HDF5 file"
+        raise DataError(f"{path}: a {fmt} corpus (the input of `create`), not HDF5; stats reads what `create` "
+                        f"and `pack` write: an HDF5 file or a dataset directory")
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -40,17 +40,17 @@ ZIPF_EXPONENT = 1.2
 _SPLITS = {"train": 0, "eval": 1}
 
 
-def sample_lengths(config, split: str, seed: int) -> np.ndarray:
-    """Per-sequence lengths of ``split``: drawn from the histogram, mapped to S."""
+def sample_lengths(histogram: str, num_sequences: int, max_sequence_length: int, length_mapping: str, split: str,
+                   seed: int) -> np.ndarray:
+    """``num_sequences`` lengths of ``split`` drawn from ``histogram`` (a name or file of
+    ``packing.Histogram.load``), mapped to S = ``max_sequence_length``."""
     from packing import Histogram
 
-    d = config.data
-    hist = Histogram.load(d.histogram)
-    num = d.num_sequences if split == "train" else d.num_eval_sequences
+    hist = Histogram.load(histogram)
     rng = np.random.default_rng([seed, _SPLITS[split], 0])
     probabilities = hist.counts / hist.counts.sum()
-    lengths = rng.choice(np.arange(1, hist.max_sequence_length + 1), size=num, p=probabilities)
-    return map_lengths(lengths, hist.max_sequence_length, d.max_sequence_length, d.length_mapping)
+    lengths = rng.choice(np.arange(1, hist.max_sequence_length + 1), size=num_sequences, p=probabilities)
+    return map_lengths(lengths, hist.max_sequence_length, max_sequence_length, length_mapping)
 
 
 def map_lengths(lengths: np.ndarray, source_length: int, max_sequence_length: int,
@@ -65,15 +65,15 @@ def map_lengths(lengths: np.ndarray, source_length: int, max_sequence_length: in
     return np.clip(lengths, 3, max_sequence_length).astype(np.int64)
 
 
-def pack_lengths(lengths: np.ndarray, config, seed: int):
-    """Pack ``lengths`` with the configured algorithm and depth -> (packs list, result dict)."""
+def pack_lengths(lengths: np.ndarray, max_sequence_length: int, max_sequences_per_pack: int, algorithm: str,
+                 seed: int):
+    """Pack ``lengths`` with ``algorithm`` at depth ``max_sequences_per_pack`` -> (assignment, result dict)."""
     from packing import Histogram, assign, pack
 
-    d = config.data
-    hist = Histogram.from_lengths(lengths, max_sequence_length=d.max_sequence_length)
+    hist = Histogram.from_lengths(lengths, max_sequence_length=max_sequence_length)
     # Depth 1 is the padded baseline whatever the algorithm: one sequence per row.
-    algorithm = "none" if d.max_sequences_per_pack == 1 else d.packing_algorithm
-    result = pack(hist, algorithm=algorithm, max_sequences_per_pack=d.max_sequences_per_pack, seed=seed)
+    algorithm = "none" if max_sequences_per_pack == 1 else algorithm
+    result = pack(hist, algorithm=algorithm, max_sequences_per_pack=max_sequences_per_pack, seed=seed)
     assignment = assign(result.plan, lengths, seed=seed)
     return assignment, result.to_dict()
 
@@ -105,22 +105,31 @@ class _TokenModel:
 class GeneratedSource:
     """Generated packed micro-batches of one rank (the interface of bert_packed.data).
 
+    Takes the options every source takes (the micro-batch, the packed shapes S/K/M, seed, rank,
+    world size, vocabulary size) and what generating needs: the ``split`` (its own sequences
+    and random streams), the length ``histogram`` with ``num_sequences`` and ``length_mapping``,
+    the ``packing_algorithm``, and masking (``max_masked_tokens``, ``mask_probability``): the
+    ``data`` section's keys of the same names.
+
     Attributes: ``packing_factor`` (sequences per pack), ``num_packs``,
     ``num_sequences``, ``packing`` (the packing result dict of docs/design.md).
     """
 
-    def __init__(self, config, *, split: str = "train", micro_batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0):
+    def __init__(self, *, micro_batch_size: int, max_sequence_length: int, max_sequences_per_pack: int,
+                 max_masked_tokens_per_pack: int, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 vocab_size: int, split: str = "train", histogram: str, num_sequences: int,
+                 length_mapping: str = "scale", packing_algorithm: str, max_masked_tokens: int,
+                 mask_probability: float):
         if split not in _SPLITS:
             raise DataError(f"unknown split {split!r}; use one of {', '.join(_SPLITS)}")
-        d = config.data
         self.split, self.seed = split, seed
         self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
-        self.S, self.K, self.M = d.max_sequence_length, d.max_sequences_per_pack, d.max_masked_tokens_per_pack
-        self.max_masked_tokens, self.mask_probability = d.max_masked_tokens, d.mask_probability
-        self.tokens = _TokenModel(config.model.vocab_size, seed)
-        self.lengths = sample_lengths(config, split, seed)
-        self.assignment, self.packing = pack_lengths(self.lengths, config, seed)
+        self.S, self.K, self.M = max_sequence_length, max_sequences_per_pack, max_masked_tokens_per_pack
+        self.max_masked_tokens, self.mask_probability = max_masked_tokens, mask_probability
+        self.tokens = _TokenModel(vocab_size, seed)
+        self.lengths = sample_lengths(histogram, num_sequences, max_sequence_length, length_mapping, split, seed)
+        self.assignment, self.packing = pack_lengths(self.lengths, max_sequence_length, max_sequences_per_pack,
+                                                     packing_algorithm, seed)
         self.num_sequences = int(self.lengths.size)
         self.num_packs = int(self.assignment.num_packs)
         self.packing_factor = self.num_sequences / self.num_packs

@@ -22,8 +22,8 @@ import re
 
 import numpy as np
 
-from ..collate import MLM_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS
-from .errors import DataError
+from bert_packed.collate import MLM_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS
+from bert_packed.data.errors import DataError
 from bert_packed.io.files import atomic_path
 
 # field -> (second dimension: S tokens, P masked slots, None for [N]; dtype written).
@@ -202,3 +202,18 @@ def create_dataset(handle, name, data=None, *, shape=None, dtype=None, compressi
     if data is not None and shape[0]:
         dataset[...] = data
     return dataset
+
+
+def collate_records(samples, pack_offsets, sequence_indices, *, max_sequence_length,
+                    max_sequences_per_pack, max_masked_tokens_per_pack):
+    """NVIDIA-layout samples + CSR packs -> packed fields, through the model's collator."""
+    from bert_packed.collate import BatchError, PackSlice, collate
+
+    try:
+        return collate(samples, PackSlice(np.asarray(pack_offsets, np.int64),
+                                          np.asarray(sequence_indices, np.int64)),
+                       max_sequence_length=max_sequence_length,
+                       max_sequences_per_pack=max_sequences_per_pack,
+                       max_masked_tokens_per_pack=max_masked_tokens_per_pack)
+    except BatchError as exc:
+        raise DataError(str(exc)) from None

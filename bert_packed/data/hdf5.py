@@ -17,9 +17,9 @@ import types
 
 import numpy as np
 
-from . import h5io
-from .source import EpochCursor, RankStream
-from .errors import DataError
+from bert_packed.data import h5io
+from bert_packed.data.source import EpochCursor, RankStream
+from bert_packed.data.errors import DataError
 
 INT_FIELDS = tuple(name for name in h5io.PACKED_FIELDS if name != "nsp_weights")
 # h5py's chunk cache (per dataset) for files read by rows. The default 1 MiB cannot hold one
@@ -294,7 +294,7 @@ def to_batch(raw, *, packed, max_sequence_length, max_sequences_per_pack, max_ma
     """File rows (fields as read) -> a micro-batch of the contract: packed rows zero-padded to
     the configured S/K/M, unpacked rows collated as packs of one sequence; int64/float32."""
     if not packed:
-        from .pack import collate_records
+        from bert_packed.data.h5io import collate_records
 
         num = len(raw["input_ids"])
         batch = collate_records(raw, np.arange(num + 1), np.arange(num), max_sequence_length=max_sequence_length,

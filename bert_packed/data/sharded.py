@@ -60,11 +60,11 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from . import h5io
-from .errors import DataError
-from .hdf5 import CHUNK_CACHE, check_dims, check_rows, check_vocab, read_layout, to_batch
-from .shards import load_manifest, shard_paths
-from .source import RankStream
+from bert_packed.data import h5io
+from bert_packed.data.errors import DataError
+from bert_packed.data.hdf5 import CHUNK_CACHE, check_dims, check_rows, check_vocab, read_layout, to_batch
+from bert_packed.data.shards import load_manifest, shard_paths
+from bert_packed.data.source import RankStream
 
 WINDOW_PACKS = 16384  # packs held in windows over all lanes (per lane: at least one block)
 

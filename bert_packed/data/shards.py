@@ -42,8 +42,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from . import h5io
-from .errors import DataError
+from bert_packed.data import h5io
+from bert_packed.data.errors import DataError
 from bert_packed.io.files import atomic_path, write_text_atomic
 
 MANIFEST = "manifest.json"

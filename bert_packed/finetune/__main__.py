@@ -89,7 +89,7 @@ def export(checkpoint: str, output: str, tokenizer: Optional[str] = None) -> str
     from bert_packed.io import hf_io
     from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
     from bert_packed.config import config_from_dict
-    from bert_packed.task import get_task, register_config_sections
+    from bert_packed.tasks.registry import get_task, register_config_sections
 
     register_config_sections()  # the checkpoint's config holds its task's own finetune.* keys
     path = os.path.join(checkpoint, CHECKPOINT_NAME) if os.path.isdir(checkpoint) else checkpoint
@@ -150,10 +150,10 @@ def predict(model_dir: str, input_path: str, output: str, *, text_column: str = 
     import torch
 
     from bert_packed.io import hf_io
-    from bert_packed.finetune import data as ft_data
-    from bert_packed.finetune.classification.data import collate_classification
-    from bert_packed.finetune.classification.metrics import prediction_lines
-    from bert_packed.finetune.classification.model import BertForSequenceClassification
+    from bert_packed.tasks import data as ft_data
+    from bert_packed.tasks.classification.data import collate_classification
+    from bert_packed.tasks.classification.metrics import prediction_lines
+    from bert_packed.tasks.classification.model import BertForSequenceClassification
     from bert_packed.model.modeling import BertConfig
 
     refuse_output(output, "--output", inputs=[("--input file", input_path)],

@@ -3,7 +3,7 @@
 One *step* is one optimizer update over the global batch: ``gradient_accumulation``
 micro-batches of ``micro_batch_size`` packs on every data-parallel replica. The backend owns
 the step (``bert_packed.backend``); the task owns what is trained and how it is judged
-(``bert_packed.task``: the model, the data, the metric keys, the evaluation, the end-of-run
+(``bert_packed.tasks``: the model, the data, the metric keys, the evaluation, the end-of-run
 outputs); this module wires the loop's parts (``bert_packed.loop``) around them:
 
 - the step plan (``loop.plan``): the packing factor p of the data decides the configured
@@ -48,7 +48,7 @@ from bert_packed.loop.prefetch import Prefetcher
 from bert_packed.loop.stops import (CollectiveTimeout, DivergenceError, Interrupted, StopSignals,  # noqa: F401
                                     TrainingStopped)
 from bert_packed.loop.within_step import StepWatch, memory_text
-from bert_packed.task import get_task
+from bert_packed.tasks.registry import get_task
 
 SUMMARY_NAME = "summary.json"
 

@@ -28,12 +28,6 @@ def bert_config(config, **overrides):
         raise ConfigError(str(exc) + (", or auto (the backend chooses)" if unknown else "")) from None
 
 
-def build_model(config):
-    """BertForPreTraining from the model section plus the data section's packed shapes."""
-    from bert_packed.model.modeling import BertForPreTraining
-
-    return BertForPreTraining(bert_config(config))
-
 
 def build_optimizer(config, model, betas: Optional[Sequence[float]] = None, *, steps: Optional[int] = None):
     """(optimizer, schedule) of the optimizer section over ``steps`` (default ``train.steps``);

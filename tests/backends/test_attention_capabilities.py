@@ -50,7 +50,8 @@ def test_a_new_gpu_only_implementation_is_refused_on_the_cpu_by_its_declaration(
 
 def test_an_implementation_without_dropout_is_refused_with_dropout_at_prepare(monkeypatch):
     """What flex's refusal was (a name in the backend) now holds for any implementation declaring no dropout."""
-    from bert_packed.model.build import build_model, build_optimizer
+    from bert_packed.model.build import build_optimizer
+    from bert_packed.tasks.pretraining.model import build_model
     from bert_packed.loop.plan import make_plan
 
     _register(monkeypatch, "no_dropout_test", dropout=False)

@@ -9,8 +9,9 @@ import torch
 from backends import available_backends, get_backend
 from bert_packed.backend import Backend
 from bert_packed.config import ConfigError, load_config
-from bert_packed.data import build_data_source
-from bert_packed.model.build import build_model, build_optimizer
+from bert_packed.tasks.pretraining.data import build_data_source
+from bert_packed.model.build import build_optimizer
+from bert_packed.tasks.pretraining.model import build_model
 from bert_packed.loop.plan import make_plan
 from helpers import count_raw_bit_masks
 

@@ -10,10 +10,11 @@ import torch
 import backends.cpu as cpu_module
 from backends import get_backend
 from backends.cpu import CPUBackend, native_bf16
-from bert_packed.model.build import build_model, build_optimizer
+from bert_packed.model.build import build_optimizer
+from bert_packed.tasks.pretraining.model import build_model
 from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from bert_packed.config import ConfigError, load_config
-from bert_packed.data import build_data_source
+from bert_packed.tasks.pretraining.data import build_data_source
 from bert_packed.loop.plan import make_plan
 from bert_packed.loop.train import Interrupted, train
 from helpers import assert_one_line_error, stop_after

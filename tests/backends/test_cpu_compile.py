@@ -52,8 +52,9 @@ def test_no_recompile_after_warm_up_over_50_steps(runs):
 
 def test_a_recompile_after_warm_up_is_an_error(tmp_path):
     from backends.cpu import RecompileError
-    from bert_packed.model.build import build_model, build_optimizer
-    from bert_packed.data import build_data_source
+    from bert_packed.model.build import build_optimizer
+    from bert_packed.tasks.pretraining.model import build_model
+    from bert_packed.tasks.pretraining.data import build_data_source
     from bert_packed.loop.plan import make_plan
 
     config = load_config("tiny", TINY + ["cpu.compile=true", "cpu.num_warmup_steps=1"])

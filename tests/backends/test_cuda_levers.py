@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from backends.cuda import CUDABackend, float8_layer
-from bert_packed.model.build import build_model, build_optimizer
+from bert_packed.model.build import build_optimizer
+from bert_packed.tasks.pretraining.model import build_model
 from bert_packed.config import ConfigError, load_config
 from bert_packed.loop.plan import make_plan
 from bert_packed.model.modeling import hf_state_dict

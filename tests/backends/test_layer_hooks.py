@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from backends import get_backend
-from bert_packed.model.build import build_model, build_optimizer
+from bert_packed.model.build import build_optimizer
+from bert_packed.tasks.pretraining.model import build_model
 from bert_packed.config import load_config
-from bert_packed.data import build_data_source
+from bert_packed.tasks.pretraining.data import build_data_source
 from bert_packed.loop.plan import make_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py

@@ -269,7 +269,7 @@ def test_compile_both_gives_an_eager_and_a_compiled_row_per_compilable_setup(tmp
 
 
 def test_padding_free_micro_batches_carry_the_packed_micro_batch_sequences():
-    from bert_packed.data import build_data_source
+    from bert_packed.tasks.pretraining.data import build_data_source
 
     args = cuda_throughput.parse_args(SMALL)
     spec = {"model": "tiny", "micro_batch_size": 4, "gradient_accumulation": 1, "warmup_steps": 1, "steps": 1,

@@ -198,7 +198,7 @@ def test_ipu_mock_cycles_bad_config_is_one_line(capsys):
 
 def test_data_task_times_tables_every_phase_of_create(tmp_path, capsys):
     from benchmarks import data_task_times
-    from bert_packed.data.vocab import train_vocab
+    from bert_packed.data.prepare.vocab import train_vocab
     from test_data_create import synthetic_corpus
 
     text = synthetic_corpus(tmp_path / "corpus.txt", num_documents=12)

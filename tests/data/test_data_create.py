@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bert_packed.data import DataError
-from bert_packed.data.create_file import create_pretraining_file
-from bert_packed.data.kjv import kjv_available, kjv_documents, write_kjv_corpus
-from bert_packed.data.vocab import SPECIAL_TOKENS, load_vocab, train_vocab
+from bert_packed.data.prepare.create_file import create_pretraining_file
+from bert_packed.data.prepare.kjv import kjv_available, kjv_documents, write_kjv_corpus
+from bert_packed.data.prepare.vocab import SPECIAL_TOKENS, load_vocab, train_vocab
 from helpers import assert_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -324,7 +324,7 @@ def google_pairs(documents, max_num_tokens, short_seq_prob, dupe_factor, rng):
 def test_pair_offsets_are_googles_pairs(max_num_tokens, short_seq_prob, num_documents):
     import random
 
-    from bert_packed.data.create import Documents, _PairBuilder
+    from bert_packed.data.prepare.create import Documents, _PairBuilder
 
     maker = np.random.default_rng(num_documents)
     documents = [[maker.integers(5, 400, size=maker.integers(1, 25)).tolist() for _ in range(maker.integers(1, 30))]
@@ -348,7 +348,7 @@ def test_pair_offsets_are_googles_pairs(max_num_tokens, short_seq_prob, num_docu
 @given(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=30), st.integers(3, 250))
 @settings(max_examples=60, deadline=None)
 def test_truncation_cuts_what_googles_loop_cuts(lengths, max_num_tokens):
-    from bert_packed.data.create import truncate_pairs
+    from bert_packed.data.prepare.create import truncate_pairs
 
     pairs = np.array([[1000, a, 5000, b] for a, b in lengths], np.int64)
     out = truncate_pairs(pairs, max_num_tokens, [1, 2])
@@ -366,7 +366,7 @@ def test_truncation_cuts_what_googles_loop_cuts(lengths, max_num_tokens):
 
 
 def test_truncation_cuts_each_end_half_the_time():
-    from bert_packed.data.create import truncate_pairs
+    from bert_packed.data.prepare.create import truncate_pairs
 
     pairs = np.tile(np.array([[0, 400, 1000, 100]], np.int64), (2000, 1))  # 300 tokens off A each
     front = truncate_pairs(pairs, 200, [7])[:, 0]
@@ -377,7 +377,7 @@ def test_truncation_cuts_each_end_half_the_time():
 def test_masking_picks_every_candidate_alike_and_shows_80_10_10():
     """Rows of 50 tokens ([CLS] 23 [SEP] 24 [SEP]): round(7.5) = 8 of the 47 candidates masked per
     row, each candidate equally likely; none is [CLS]/[SEP]; the shown token 80/10/10."""
-    from bert_packed.data.create import _Masking, _mask
+    from bert_packed.data.prepare.create import _Masking, _mask
 
     rows, length = 20000, 50
     ids = np.tile(np.arange(100, 150), (rows, 1))
@@ -401,7 +401,7 @@ def test_masking_picks_every_candidate_alike_and_shows_80_10_10():
 def test_masking_never_picks_a_special_id_inside_the_text():
     """Text can tokenise to [SEP]'s id: such a position is no candidate (the rows that hold one
     look their candidates up instead of computing them)."""
-    from bert_packed.data.create import _Masking, _mask
+    from bert_packed.data.prepare.create import _Masking, _mask
 
     rows = 4000
     ids = np.tile(np.arange(100, 150), (rows, 1))

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bert_packed.data import DataError
-from bert_packed.data import formats as corpus
-from bert_packed.data import create_shards as cs
+from bert_packed.data.prepare import formats as corpus
+from bert_packed.data.prepare import create_shards as cs
 from bert_packed.data.shards import load_manifest, shard_paths
-from bert_packed.data.vocab import train_vocab
+from bert_packed.data.prepare.vocab import train_vocab
 from test_data_create import check_layout_and_masking, synthetic_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -551,7 +551,7 @@ def test_a_second_create_on_the_same_directory_is_refused(corpus_dir, tmp_path, 
 
 def test_every_shard_is_a_file_that_pack_takes_as_it_is(reference, tmp_path):
     """Shards keep the NVIDIA/MLPerf layout of the one-file create, so the file tools read them."""
-    from bert_packed.data.pack import pack_file
+    from bert_packed.data.prepare.pack import pack_file
 
     output, _ = reference
     manifest = load_manifest(output)

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from bert_packed.config import load_config
-from bert_packed.data import DataError, build_data_source
+from bert_packed.data import DataError
+from bert_packed.tasks.pretraining.data import build_data_source
 from bert_packed.data.generated import CLS_ID, MASK_ID, SEP_ID, SPECIAL_IDS
 
 

@@ -6,8 +6,8 @@ import pytest
 from bert_packed.collate import validate_batch
 from bert_packed.data import DataError
 from bert_packed.data.hdf5 import HDF5Source
-from bert_packed.data.pack import pack_file
-from bert_packed.data.synthetic import write_synthetic_unpacked
+from bert_packed.data.prepare.pack import pack_file
+from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
 
 DIMS = dict(max_sequence_length=128, max_sequences_per_pack=3, max_masked_tokens_per_pack=22)
 
@@ -134,7 +134,7 @@ def test_nvidia_files_with_other_dtypes_and_label_shape_read_as_they_are(files, 
             np.testing.assert_array_equal(a[name], b[name])
     uncached = take(source(variant, max_cache_bytes=0), 1)[0]
     np.testing.assert_array_equal(uncached["nsp_labels"], take(source(files[0]), 1)[0]["nsp_labels"])
-    from bert_packed.data.pack import packed_digests, unpacked_digests
+    from bert_packed.data.prepare.pack import packed_digests, unpacked_digests
     pack_file(variant, tmp_path / "packed.h5", show_progress=False)
     assert packed_digests(tmp_path / "packed.h5") == unpacked_digests(files[0])
 

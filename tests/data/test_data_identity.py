@@ -18,13 +18,14 @@ import h5py
 import numpy as np
 import pytest
 
-from bert_packed.data import DataError, engine
-from bert_packed.data import pack_shards as ps
+from bert_packed.data import DataError
+from bert_packed.data.prepare import engine
+from bert_packed.data.prepare import pack_shards as ps
 from bert_packed.data.__main__ import main as data_main
-from bert_packed.data.pack_shards import STATE, pack_dataset
+from bert_packed.data.prepare.pack_shards import STATE, pack_dataset
 from bert_packed.data.shards import MANIFEST, file_sha256, load_manifest, shard_entry, shard_name, write_manifest
 from bert_packed.data.sharded import ShardedSource, dataset_identity
-from bert_packed.data.vocab import train_vocab
+from bert_packed.data.prepare.vocab import train_vocab
 from hostile import assert_unchanged, main_error, snapshot
 from test_data_create import synthetic_corpus
 from test_data_pack_shards import digests, make_unpacked_dir
@@ -227,7 +228,7 @@ def test_a_failed_verify_leaves_no_manifest_and_the_rerun_finishes(work, packed,
 
 
 def test_a_failed_verify_of_one_file_removes_it(work, tmp_path, capsys, monkeypatch):
-    import bert_packed.data.pack as pack_module
+    import bert_packed.data.prepare.pack as pack_module
 
     output = tmp_path / "one.h5"
     monkeypatch.setattr(pack_module, "write_packed", _drops_a_sequence(pack_module.write_packed))

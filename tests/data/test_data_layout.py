@@ -12,10 +12,10 @@ import pytest
 from bert_packed.collate import validate_batch
 from bert_packed.data import h5io
 from bert_packed.data.hdf5 import to_batch
-from bert_packed.data.pack import pack_file
+from bert_packed.data.prepare.pack import pack_file
 from bert_packed.data.shards import shard_entry, shard_name, write_manifest
 from bert_packed.data.sharded import ShardedSource
-from bert_packed.data.synthetic import write_synthetic_unpacked
+from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
 
 DIMS = dict(max_sequence_length=128, max_sequences_per_pack=3, max_masked_tokens_per_pack=22)
 NUM_SHARDS = 6

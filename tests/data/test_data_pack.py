@@ -11,9 +11,9 @@ import pytest
 
 from bert_packed.collate import validate_batch
 from bert_packed.data import DataError
-from bert_packed.data.pack import pack_file, packed_digests, unpacked_digests, verify_packed_file
+from bert_packed.data.prepare.pack import pack_file, packed_digests, unpacked_digests, verify_packed_file
 from bert_packed.data.stats import dataset_stats
-from bert_packed.data.synthetic import write_synthetic_unpacked
+from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
 from helpers import assert_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,9 +13,9 @@ from bert_packed.collate import validate_batch
 from bert_packed.data import DataError
 from bert_packed.data import h5io
 from bert_packed.data.__main__ import main as data_main
-from bert_packed.data.pack_shards import STATE, _algorithm_options, pack_dataset, verify_packed_dataset
+from bert_packed.data.prepare.pack_shards import STATE, _algorithm_options, pack_dataset, verify_packed_dataset
 from bert_packed.data.shards import MANIFEST, load_manifest, shard_entry, shard_name, write_manifest
-from bert_packed.data.synthetic import write_synthetic_unpacked
+from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
 from packing.split import pack_shards
 from test_packing_split import wikipedia_shards
 
@@ -116,7 +116,7 @@ def test_workers_do_not_change_a_byte(unpacked, packed, tmp_path):
 
 
 def test_an_interrupted_pack_resumes_where_it_stopped(unpacked, packed, tmp_path, monkeypatch):
-    import bert_packed.data.pack_shards as pack_shards_module
+    import bert_packed.data.prepare.pack_shards as pack_shards_module
 
     real = pack_shards_module.pack_shard
 

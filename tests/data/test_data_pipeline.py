@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from bert_packed.data.kjv import kjv_available
+from bert_packed.data.prepare.kjv import kjv_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.slow,

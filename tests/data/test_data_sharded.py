@@ -10,10 +10,10 @@ import pytest
 
 from bert_packed.collate import validate_batch
 from bert_packed.data import DataError, h5io
-from bert_packed.data.pack import pack_file
+from bert_packed.data.prepare.pack import pack_file
 from bert_packed.data.shards import MANIFEST, shard_entry, shard_name, write_manifest
 from bert_packed.data.sharded import LaneCursor, ShardedSource
-from bert_packed.data.synthetic import write_synthetic_unpacked
+from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
 
 DIMS = dict(max_sequence_length=128, max_sequences_per_pack=3, max_masked_tokens_per_pack=22)
 CHUNK = 16  # rows per HDF5 chunk in the test shards: many blocks and windows from little data
@@ -307,7 +307,7 @@ def test_resume_on_a_changed_dataset_is_refused_unless_forced(data, tmp_path):
 
 def test_build_data_source_reads_a_directory(data):
     from bert_packed.config import load_config
-    from bert_packed.data import build_data_source
+    from bert_packed.tasks.pretraining.data import build_data_source
 
     config = load_config("tiny", [f"data.path={data['dir']}", f"data.eval_path={data['unpacked_dir']}",
                                   "data.max_sequence_length=128", "model.max_position_embeddings=128",

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from bert_packed.data.__main__ import main as data_main
-from bert_packed.data.create_file import create_pretraining_file
+from bert_packed.data.prepare.create_file import create_pretraining_file
 from bert_packed.data.hdf5 import HDF5Source
-from bert_packed.data.pack import pack_file
-from bert_packed.data.vocab import train_vocab
+from bert_packed.data.prepare.pack import pack_file
+from bert_packed.data.prepare.vocab import train_vocab
 from bert_packed.io.files import _host
 from hostile import TINY, assert_unchanged, main_error, snapshot
 from test_data_create import synthetic_corpus
@@ -237,7 +237,7 @@ def test_output_below_a_file_is_one_line(work, capsys):
 
 
 def test_ctrl_c_during_pack_leaves_no_partial_output(work, capsys, monkeypatch):
-    import bert_packed.data.pack as pack
+    import bert_packed.data.prepare.pack as pack
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

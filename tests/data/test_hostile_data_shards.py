@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from bert_packed.data.__main__ import main as data_main
-from bert_packed.data.vocab import train_vocab
+from bert_packed.data.prepare.vocab import train_vocab
 from hostile import assert_unchanged, main_error, snapshot
 from test_data_create import synthetic_corpus
 
@@ -241,7 +241,7 @@ def test_a_wikiextractor_end_without_its_start(work, capsys):
 
 
 def test_ctrl_c_keeps_finished_work_and_says_how_to_finish(work, capsys, monkeypatch):
-    from bert_packed.data import create_shards as cs
+    from bert_packed.data.prepare import create_shards as cs
 
     real = cs.write_shard
 

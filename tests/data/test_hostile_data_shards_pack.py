@@ -9,7 +9,7 @@ import pytest
 
 from bert_packed.data.__main__ import main as data_main
 from bert_packed.data.shards import MANIFEST, shard_name
-from bert_packed.data.synthetic import write_synthetic_unpacked
+from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
 from hostile import assert_unchanged, main_error, snapshot
 from test_data_pack_shards import make_unpacked_dir
 

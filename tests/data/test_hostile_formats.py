@@ -1,5 +1,5 @@
 """Inputs checked for what they claim (issue 46, class 3, 5 and 6) in the format readers
-(bert_packed.data.formats), and `vocab`/`stats` reading what `create` reads.
+(bert_packed.data.prepare.formats), and `vocab`/`stats` reading what `create` reads.
 
 Every refusal: the one-line message, exit status 2, the inputs byte-identical afterwards and
 nothing left behind (no output directory, file or vocabulary). Calls go in-process."""
@@ -14,7 +14,8 @@ import h5py
 import pytest
 
 from bert_packed.data.__main__ import main as data_main
-from bert_packed.data.vocab import train_vocab
+from bert_packed.data.prepare.vocab import train_vocab
+from bert_packed.data.prepare import formats
 from hostile import assert_unchanged, main_error, snapshot
 from test_data_create import synthetic_corpus
 
@@ -320,11 +321,21 @@ def test_a_single_file_that_cannot_be_written_leaves_nothing(work, capsys):
 
 # -- a new format is one module: registered once, every command reads it ---------------------------------
 
+def test_the_registry_is_every_format_module_on_disk():
+    """A new format is one file: every module of the formats package but ``base`` is registered,
+    with no list to extend, and the fallback (``lines``) is asked last."""
+    folder = os.path.dirname(formats.__file__)
+    modules = sorted(name[:-3] for name in os.listdir(folder) if name.endswith(".py") and name not in
+                     ("__init__.py", "base.py"))
+    assert sorted(fmt.__class__.__module__.rsplit(".", 1)[1] for fmt in formats.REGISTRY.values()) == modules
+    assert [fmt.fallback for fmt in formats.REGISTRY.values()] == [False] * (len(modules) - 1) + [True]
+
+
 def test_a_registered_format_is_read_by_every_command(work, capsys, monkeypatch):
     """A toy format (one document per line, ``id<TAB>text``) registered in the registry alone: the
     --format choices, `vocab`, the sharded and the single-file `create` all take it."""
-    from bert_packed.data import formats
-    from bert_packed.data.formats.base import TextFormat, split_sentences
+    from bert_packed.data.prepare import formats
+    from bert_packed.data.prepare.formats.base import TextFormat, split_sentences
 
     class Tabbed(TextFormat):
         name = "tsv"

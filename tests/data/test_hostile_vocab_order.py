@@ -97,9 +97,9 @@ def test_predict_gives_transformers_logits_whatever_id_0_is(tmp_path, seed, one_
 @pytest.mark.parametrize("seed", [0, 3])
 def test_token_classification_gives_transformers_logits_whatever_id_0_is(tmp_path, seed, one_thread):
     from bert_packed.io import hf_io
-    from bert_packed.finetune import data as ft_data
-    from bert_packed.finetune.token_classification.data import TagSet, collate_token_classification, encode_sentences
-    from bert_packed.finetune.token_classification.model import BertForTokenClassification
+    from bert_packed.tasks import data as ft_data
+    from bert_packed.tasks.token_classification.data import TagSet, collate_token_classification, encode_sentences
+    from bert_packed.tasks.token_classification.model import BertForTokenClassification
     from bert_packed.model.modeling import BertConfig
     from finetune_fixtures import tiny_hf_config
 
@@ -138,10 +138,10 @@ def test_token_classification_gives_transformers_logits_whatever_id_0_is(tmp_pat
 def test_question_answering_gives_transformers_logits_whatever_id_0_is(tmp_path, seed, one_thread):
     from bert_packed.io import hf_io
     from bert_packed.collate import slice_assignment
-    from bert_packed.finetune.squad.data import (SquadExample, build_features, collate_question_answering,
+    from bert_packed.tasks.squad.data import (SquadExample, build_features, collate_question_answering,
                                                  feature_slots, pack_features)
-    from bert_packed.finetune.squad.metrics import feature_logits
-    from bert_packed.finetune.squad.model import BertForQuestionAnswering
+    from bert_packed.tasks.squad.metrics import feature_logits
+    from bert_packed.tasks.squad.model import BertForQuestionAnswering
     from bert_packed.model.modeling import BertConfig
     from finetune_fixtures import tiny_hf_config
 

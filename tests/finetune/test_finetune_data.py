@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from bert_packed.data import DataError
-from bert_packed.finetune import data as ft_data
+from bert_packed.tasks import data as ft_data
 from bert_packed.finetune import fortunes
-from bert_packed.finetune.classification.data import Labels, collate_classification, infer_problem_type
+from bert_packed.tasks.classification.data import Labels, collate_classification, infer_problem_type
 from finetune_fixtures import classification_rows, write_rows
 
 

@@ -13,8 +13,8 @@ import torch
 from backends.cpu import CPUBackend
 from bert_packed.collate import one_per_pack, sample_lengths
 from bert_packed.config import Config
-from bert_packed.finetune.classification.data import collate_classification
-from bert_packed.finetune.classification.model import BertForSequenceClassification
+from bert_packed.tasks.classification.data import collate_classification
+from bert_packed.tasks.classification.model import BertForSequenceClassification
 from bert_packed.loop.plan import make_plan
 from bert_packed.optim import build_optimizer
 from test_model_fixtures import random_packed_problem, tiny_config, to_torch

@@ -98,7 +98,7 @@ def test_a_tab_inside_a_tsv_value_is_refused(capsys, checkpoint, tmp_path, data)
 
 def test_a_tsv_with_literal_quotes_is_read_as_written(tmp_path):
     # GLUE's files and IANA's TSV: quotes are text. The strict CSV reading refused this line.
-    from bert_packed.finetune.data import read_table
+    from bert_packed.tasks.data import read_table
 
     path = write(tmp_path / "glue.tsv", 'text\tlabel\n"Quoted words," she said -- Author\tpos\n'
                                         'it \'s a "charming" film\tneg\n"Stop."\tpos\n')
@@ -111,7 +111,7 @@ def test_a_tsv_with_csv_quoting_is_read_unquoted(tmp_path):
     # pandas.to_csv(sep="\t") (csv.writer): a value with a quote, a tab or a line break quoted whole.
     import csv
 
-    from bert_packed.finetune.data import read_table
+    from bert_packed.tasks.data import read_table
 
     values = ['"Quoted words," she said -- Author', "a\tb", "two\nlines", "plain"]
     with open(tmp_path / "pandas.tsv", "w", newline="") as f:
@@ -200,7 +200,7 @@ def test_a_utf16_file_is_refused_and_said_to_be_utf16(capsys, checkpoint, tmp_pa
 
 
 def test_a_utf8_byte_order_mark_is_accepted_and_not_part_of_the_first_column(tmp_path):
-    from bert_packed.finetune.data import read_table
+    from bert_packed.tasks.data import read_table
 
     path = write(tmp_path / "bom.csv", b"\xef\xbb\xbf" + GOOD.encode())
     table = read_table(str(path), ["text", "label"])
@@ -210,7 +210,7 @@ def test_a_utf8_byte_order_mark_is_accepted_and_not_part_of_the_first_column(tmp
 
 
 def test_a_long_document_is_a_text_not_a_csv_error(tmp_path):
-    from bert_packed.finetune.data import read_table
+    from bert_packed.tasks.data import read_table
 
     text = "word " * 60_000  # 300,000 characters: over csv's default field limit of 131,072
     path = write(tmp_path / "long.csv", f"text,label\n{text},pos\nshort,neg\n")
@@ -356,7 +356,7 @@ def test_lists_of_labels_for_a_single_label_task_are_refused(capsys, checkpoint,
 
 
 def test_whole_numbers_as_decimals_are_class_ids_when_the_problem_type_says_so():
-    from bert_packed.finetune.classification.data import Labels
+    from bert_packed.tasks.classification.data import Labels
 
     labels = Labels.from_training(["1.0", "0", "2.0"], "single_label_classification", None, ",", None, "t")
     assert labels.num_labels == 3 and labels.encode(["2.0", "1"], ",", "v").tolist() == [2, 1]
@@ -394,7 +394,7 @@ def test_an_empty_multi_label_value_is_a_row_with_no_labels(capsys, checkpoint, 
     with open(out / "summary.json") as f:
         summary = json.load(f)
     assert summary["status"] == "completed" and "eval" in summary
-    from bert_packed.finetune.classification.data import Labels
+    from bert_packed.tasks.classification.data import Labels
 
     labels = Labels.from_training(["pos,pet", "", "pos", "  "], "multi_label_classification", None, ",", None, "t")
     assert labels.id2label == {0: "pet", 1: "pos"}
@@ -499,7 +499,7 @@ def test_an_answer_start_off_its_text_is_refused(capsys, checkpoint, tmp_path, s
 
 
 def test_an_answer_start_a_few_characters_off_is_moved_and_counted(tmp_path, capsys):
-    from bert_packed.finetune.squad.data import Moved, read_squad
+    from bert_packed.tasks.squad.data import Moved, read_squad
 
     document = squad_document([qa("a", [{"text": "the mat", "answer_start": 13}]),
                                qa("b", [{"text": "the log", "answer_start": 39}]),
@@ -574,7 +574,7 @@ def test_a_non_utf8_squad_file_is_refused_naming_line_and_byte(capsys, checkpoin
 
 def test_version_2_false_with_unanswerable_training_questions_is_refused():
     from bert_packed.data import DataError
-    from bert_packed.finetune.squad.data import SquadExample, squad_version
+    from bert_packed.tasks.squad.data import SquadExample, squad_version
 
     answered = SquadExample("a", "q", CONTEXT, [("the mat", 15)])
     unanswerable = SquadExample("b", "q", CONTEXT, [])
@@ -662,7 +662,7 @@ def test_weights_lacking_the_embeddings_are_an_error(capsys, checkpoint, tmp_pat
 def test_load_weights_refuses_a_missing_body_tensor_and_allows_a_new_head(checkpoint):
     # The backstop for what read_pretrained does not see (our own checkpoints, state dicts from code).
     from bert_packed.io import hf_io
-    from bert_packed.finetune.classification.model import BertForSequenceClassification
+    from bert_packed.tasks.classification.model import BertForSequenceClassification
     from bert_packed.model.modeling import BertConfig
 
     pretrained = hf_io.read_pretrained(str(checkpoint))
@@ -914,7 +914,7 @@ def test_epochs_that_come_to_more_steps_than_the_maximum_are_refused():
     import types
 
     from bert_packed.config import ConfigError, load_config
-    from bert_packed.finetune.classification.task import ClassificationTask
+    from bert_packed.tasks.classification.task import ClassificationTask
 
     task = ClassificationTask(load_config("finetune_classification", ["finetune.epochs=1000000"]))
     task.train_data = types.SimpleNamespace(num_packs=5000)

@@ -111,8 +111,8 @@ def main_error(capsys, args):
 def _dataset(num_rows=60):
     from functools import partial
 
-    from bert_packed.finetune import data as ft_data
-    from bert_packed.finetune.classification.data import collate_classification
+    from bert_packed.tasks import data as ft_data
+    from bert_packed.tasks.classification.data import collate_classification
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(3, 30, num_rows)

@@ -122,7 +122,7 @@ def test_bad_data_is_one_line_before_the_first_step(checkpoint, tmp_path, capsys
 
 def test_a_byte_order_mark_does_not_make_the_docstart_line_a_sentence(tmp_path):
     # Was: '\ufeff-DOCSTART-' was a word tagged O, a sentence of its own.
-    from bert_packed.finetune.token_classification.data import read_sentences
+    from bert_packed.tasks.token_classification.data import read_sentences
 
     text = "-DOCSTART- -X- -X- O\n\nmet O\nalice B-PER\n"
     plain = read_sentences(_text(tmp_path / "plain.conll", text))
@@ -194,7 +194,7 @@ def test_validating_on_the_training_file_is_warned(checkpoint, tmp_path):
 def test_a_tag_only_in_the_held_out_split_is_said_to_be_there(checkpoint, tmp_path, capsys):
     # Was: "tag 'B-ORG' is not among the training tags" while the place named the training file
     # itself (the tag is in it, but only in the sentence validation_fraction held out).
-    from bert_packed.finetune.data import held_out
+    from bert_packed.tasks.data import held_out
 
     data = tmp_path / "data"
     data.mkdir()

@@ -12,7 +12,7 @@ import pytest
 
 from bert_packed.collate import BatchError
 from bert_packed.data import DataError
-from bert_packed.finetune.squad.data import (QA_FIELDS, build_features, collate_question_answering,
+from bert_packed.tasks.squad.data import (QA_FIELDS, build_features, collate_question_answering,
                                              examples_from_rows, examples_from_squad_json, feature_slots,
                                              pack_features, read_squad)
 from squad_fixtures import make_features, make_squad_v2, write_squad
@@ -182,7 +182,7 @@ def test_packed_collation_keeps_every_feature_and_its_answer(squad):
 
 
 def test_validation_split_holds_out_whole_contexts(squad):
-    from bert_packed.finetune.squad.task import split_examples
+    from bert_packed.tasks.squad.task import split_examples
 
     _, examples, _, _ = squad
     train, held = split_examples(examples, 0.25, seed=0, where="train.json")

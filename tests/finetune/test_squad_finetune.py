@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import run
-from bert_packed.finetune.squad.data import build_features, read_squad
-from bert_packed.finetune.squad.metrics import squad_scores
+from bert_packed.tasks.squad.data import build_features, read_squad
+from bert_packed.tasks.squad.metrics import squad_scores
 from squad_fixtures import corpus_texts, make_squad_v2, make_tokenizer, write_squad
 
 transformers = pytest.importorskip("transformers")
@@ -79,7 +79,7 @@ def test_outputs_follow_the_contract(job, runs):
 
 def test_export_loads_in_transformers_with_our_logits(job, runs):
     from bert_packed.io import hf_io
-    from bert_packed.finetune.squad.model import BertForQuestionAnswering
+    from bert_packed.tasks.squad.model import BertForQuestionAnswering
     from bert_packed.model.modeling import BertConfig
 
     directory = runs["packed"] / "hf"

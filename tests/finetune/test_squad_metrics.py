@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bert_packed.finetune.squad.data import SquadExample
-from bert_packed.finetune.squad.metrics import normalize_answer, postprocess_predictions, squad_scores
+from bert_packed.tasks.squad.data import SquadExample
+from bert_packed.tasks.squad.metrics import normalize_answer, postprocess_predictions, squad_scores
 
 
 def _example(key, *golds):

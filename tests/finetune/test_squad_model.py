@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from bert_packed.finetune.squad.data import collate_question_answering, feature_slots, pack_features
-from bert_packed.finetune.squad.metrics import feature_logits, postprocess_predictions
-from bert_packed.finetune.squad.model import BertForQuestionAnswering, span_loss_terms
+from bert_packed.tasks.squad.data import collate_question_answering, feature_slots, pack_features
+from bert_packed.tasks.squad.metrics import feature_logits, postprocess_predictions
+from bert_packed.tasks.squad.model import BertForQuestionAnswering, span_loss_terms
 from bert_packed.model.modeling import BertConfig
 from squad_fixtures import make_features
 

@@ -13,12 +13,12 @@ import torch
 
 import run
 from bert_packed.collate import one_per_pack
-from bert_packed.finetune import data as ft_data
-from bert_packed.finetune.token_classification.data import (IGNORE_INDEX, TagSet, check_sentences,
+from bert_packed.tasks import data as ft_data
+from bert_packed.tasks.token_classification.data import (IGNORE_INDEX, TagSet, check_sentences,
                                                             collate_token_classification, encode_sentences,
                                                             read_sentences)
-from bert_packed.finetune.token_classification.metrics import entity_scores
-from bert_packed.finetune.token_classification.model import BertForTokenClassification
+from bert_packed.tasks.token_classification.metrics import entity_scores
+from bert_packed.tasks.token_classification.model import BertForTokenClassification
 from ner_fixtures import (TAGS, ner_checkpoint, ner_sentences, write_conll, write_dataset, write_jsonl,
                           write_ner_vocab)
 
@@ -121,7 +121,7 @@ def test_only_the_first_sub_token_of_a_word_is_labelled(tokenizer):
 
 
 def test_a_truncated_sentence_predicts_its_cut_words_as_o(tokenizer, capsys):
-    from bert_packed.finetune.token_classification.metrics import word_predictions
+    from bert_packed.tasks.token_classification.metrics import word_predictions
 
     words = [["met", "alice", "smithsonian", "in", "paris", "today"], ["in", "paris"]]
     tags = [["O", "B-PER", "I-PER", "O", "B-LOC", "O"], ["O", "B-LOC"]]

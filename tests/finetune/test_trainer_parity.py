@@ -32,7 +32,7 @@ import torch
 import run
 from bert_packed import optim
 from bert_packed.config import load_config
-from bert_packed.task import get_task
+from bert_packed.tasks.registry import get_task
 from finetune_fixtures import classification_rows, save_hf_checkpoint, write_rows, write_vocab
 from ner_fixtures import TAGS, ner_sentences, write_jsonl, write_ner_vocab
 from squad_fixtures import corpus_texts, make_tokenizer, write_squad

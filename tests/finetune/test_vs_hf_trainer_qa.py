@@ -46,7 +46,7 @@ def test_quac_lines_become_squad_v1_paragraphs(tmp_path):
             start = answer["answer_start"]
             assert PASSAGE[start:start + len(answer["text"])] == answer["text"]
     # What the benchmark writes is what the project's SQuAD reader takes.
-    from bert_packed.finetune.squad.data import read_squad
+    from bert_packed.tasks.squad.data import read_squad
 
     paths = bench.write_qa_splits(paragraphs * 2, str(tmp_path / "data"), train_size=1, dev_size=1, seed=0)
     assert [len(read_squad(paths[s])) for s in ("train", "dev")] == [2, 2]
@@ -77,7 +77,7 @@ def squad_case():
     from squad_fixtures import corpus_texts, make_squad_v2, make_tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from bert_packed.finetune.squad.data import examples_from_squad_json
+    from bert_packed.tasks.squad.data import examples_from_squad_json
 
     document = make_squad_v2(seed=3, num_paragraphs=12)
     examples = [ex for ex in examples_from_squad_json(document) if ex.answers]
@@ -91,7 +91,7 @@ def squad_case():
 def test_run_qa_features_equal_the_projects_windows(squad_case):
     """The Trainer side's run_qa.py features and our ``build_features``: the same windows (ids) and
     the same answer positions, several windows for the long paragraphs."""
-    from bert_packed.finetune.squad.data import build_features
+    from bert_packed.tasks.squad.data import build_features
 
     examples, backend, tokenizer = squad_case
     theirs = bench._qa_train_features(tokenizer, examples, {"max_length": 96, "doc_stride": 32})

@@ -24,7 +24,8 @@ import ipu.mock_poptorch as poptorch
 from backends.cpu import CPUBackend
 from backends.mock import MockBackend
 from bert_packed.config import ConfigError, load_config
-from bert_packed.model.build import build_model, build_optimizer
+from bert_packed.model.build import build_optimizer
+from bert_packed.tasks.pretraining.model import build_model
 from bert_packed.loop.plan import make_plan
 from ipu import options as ipu_options
 from ipu import pipeline

@@ -24,11 +24,12 @@ import ipu.mock_poptorch as poptorch
 import run
 from backends import get_backend_class
 from backends.mock import MockBackend
-from bert_packed.model.build import bert_config, build_model, build_optimizer
+from bert_packed.model.build import bert_config, build_optimizer
+from bert_packed.tasks.pretraining.model import build_model
 from bert_packed.config import ConfigError, load_config, validate
 from bert_packed.loop.plan import make_plan
 from bert_packed.optim import build_optimizer as build_host_optimizer
-from bert_packed.task import get_task
+from bert_packed.tasks.registry import get_task
 from ipu import memory, offline
 from ipu.host_batch import stack_host_batch
 from ipu import options as ipu_options

@@ -16,7 +16,7 @@ from backends.mock import MockBackend
 from bert_packed.config import ConfigError, load_config, resolve_config_path
 from ipu.config import IPUConfig
 from bert_packed.optim import build_optimizer
-from bert_packed.model.build import build_model
+from bert_packed.tasks.pretraining.model import build_model
 from bert_packed.loop.plan import make_plan
 from ipu import options as ipu_options
 from bert_packed.model.attention import no_profiler_scopes

@@ -5,7 +5,7 @@ import torch
 
 from backends.mock import MockBackend
 from bert_packed.config import load_config
-from bert_packed.model.build import build_model
+from bert_packed.tasks.pretraining.model import build_model
 from ipu.cost_model import estimate_cycles
 from ipu_helpers import TINY_MODEL, random_micro_batches
 

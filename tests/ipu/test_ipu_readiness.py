@@ -21,7 +21,8 @@ from backends.mock import MockBackend
 from bert_packed.loop.plan import make_plan
 from bert_packed.config import load_config
 from bert_packed.model.losses import mlm_loss_terms
-from bert_packed.model.build import build_model, build_optimizer
+from bert_packed.model.build import build_optimizer
+from bert_packed.tasks.pretraining.model import build_model
 from ipu import memory
 from ipu import options as ipu_options
 from ipu_helpers import TINY_MODEL, mock_and_cpu_loss_curves, prepared_pair, random_micro_batches

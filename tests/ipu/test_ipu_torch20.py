@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 
 from backends.mock import MockBackend
 from bert_packed.config import load_config
-from bert_packed.model.build import build_model, build_optimizer
+from bert_packed.model.build import build_optimizer
+from bert_packed.tasks.pretraining.model import build_model
 from bert_packed.loop.plan import make_plan
 from ipu_helpers import TINY_MODEL, random_micro_batches
 

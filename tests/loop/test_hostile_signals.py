@@ -98,7 +98,7 @@ def test_a_signal_while_the_final_export_is_written_is_handled_the_same(tmp_path
 def test_a_signal_while_the_run_is_set_up_leaves_no_trace(tmp_path, signum):
     # Was: SIGTERM before the first step killed the process and left the output directory and
     # its lock file; Ctrl-C removed them. Now both: one line, 128 + N, nothing left.
-    patch = ("import bert_packed.task as task_module\nreal = task_module.get_task\n"
+    patch = ("import bert_packed.tasks.registry as task_module\nreal = task_module.get_task\n"
              "def get_task(config):\n"
              f"    os.kill(os.getpid(), {int(signum)})\n"
              "    time.sleep(5)\n"

@@ -117,7 +117,8 @@ def test_non_finite_config_numbers_are_refused_at_config_time(tmp_path, capsys, 
 
 def test_lamb_defaults_to_no_trust_ratio_for_biases_and_layernorm():
     from bert_packed.config import load_config
-    from bert_packed.model.build import build_model, build_optimizer
+    from bert_packed.model.build import build_optimizer
+    from bert_packed.tasks.pretraining.model import build_model
 
     config = load_config("tiny")
     optimizer, _ = build_optimizer(config, build_model(config))
@@ -300,8 +301,8 @@ def test_keyboard_interrupt_before_training_is_one_line(monkeypatch, capsys):
 @pytest.fixture
 def packed_data(tmp_path):
     """A folder holding a packed HDF5 file (data.path: an input of pre-training)."""
-    from bert_packed.data.pack import pack_file
-    from bert_packed.data.synthetic import write_synthetic_unpacked
+    from bert_packed.data.prepare.pack import pack_file
+    from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
 
     folder = tmp_path / "data"
     folder.mkdir()
@@ -429,7 +430,7 @@ def test_ctrl_c_after_the_work_is_done_is_ignored():
 def test_ctrl_c_while_the_end_of_run_outputs_are_written_says_what_is_left(tmp_path, capsys, monkeypatch):
     # Was: "interrupted (nothing half-written was kept)" and no summary.json, though the trained
     # weights were in a checkpoint the message did not mention.
-    from bert_packed import task as task_module
+    from bert_packed.tasks import base as task_module
 
     def export(self, model, directory):
         raise KeyboardInterrupt

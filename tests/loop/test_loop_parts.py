@@ -10,7 +10,7 @@ from backends.cpu import CPUBackend
 from bert_packed.loop import train as train_module
 from bert_packed.io.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from bert_packed.config import load_config
-from bert_packed.data import build_data_source
+from bert_packed.tasks.pretraining.data import build_data_source
 from bert_packed.loop.logger import to_host
 from bert_packed.loop.prefetch import Prefetcher
 from bert_packed.loop.train import DivergenceError, train
@@ -146,7 +146,8 @@ def test_divergence_between_reads_stops_at_the_step_where_it_happened(tmp_path):
 def test_the_cpu_step_never_reads_a_number_on_the_host(optimizer, monkeypatch):
     """No host synchronisation inside a step: nothing in train_step turns a tensor into a python
     number (item, float, bool, tolist); the loss and gradient norm come back as device tensors."""
-    from bert_packed.model.build import build_model, build_optimizer
+    from bert_packed.model.build import build_optimizer
+    from bert_packed.tasks.pretraining.model import build_model
     from bert_packed.loop.plan import make_plan
 
     config = load_config("tiny", TINY + [f"optimizer.name={optimizer}", "optimizer.max_grad_norm=1.0"])

@@ -17,7 +17,8 @@ from bert_packed.model.attention import (
     list_attention_implementations,
     register_attention,
 )
-from bert_packed.model.modeling import BertForPreTraining, ModelConfigError
+from bert_packed.model.modeling import ModelConfigError
+from bert_packed.tasks.pretraining.model import BertForPreTraining
 from test_model_fixtures import packed_and_unpacked, random_packed_problem, tiny_config
 
 

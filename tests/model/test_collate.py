@@ -158,7 +158,7 @@ def test_classification_collate_puts_each_label_in_its_sequence_slot():
     n = samples["input_ids"].shape[0]
     samples = {k: samples[k] for k in ("input_ids", "input_mask", "segment_ids")}
     samples["labels"] = np.arange(n) % 3
-    from bert_packed.finetune.classification.data import collate_classification
+    from bert_packed.tasks.classification.data import collate_classification
 
     batch = collate_classification(samples, assignment, max_sequence_length=S, max_sequences_per_pack=K)
     for p in range(assignment.num_packs):

@@ -290,8 +290,8 @@ def test_whole_model_with_flex_equals_dense_in_eval_on_cpu():
     import itertools
 
     from bert_packed.config import load_config
-    from bert_packed.data import build_data_source
-    from bert_packed.model.build import build_model
+    from bert_packed.tasks.pretraining.data import build_data_source
+    from bert_packed.tasks.pretraining.model import build_model
 
     config = load_config("tiny", ["data.num_sequences=300"])
     batches = list(itertools.islice(iter(build_data_source(config, split="train", micro_batch_size=4)), 2))
@@ -314,7 +314,8 @@ def test_dense_model_never_imports_flex():
 
     code = (
         "import sys, torch\n"
-        "from bert_packed.model.modeling import BertConfig, BertForPreTraining\n"
+        "from bert_packed.model.modeling import BertConfig\n"
+        "from bert_packed.tasks.pretraining.model import BertForPreTraining\n"
         "model = BertForPreTraining(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,"
         " num_attention_heads=2, intermediate_size=32, max_sequences_per_pack=2, max_masked_tokens_per_pack=4,"
         " attention_implementation='dense'))\n"

@@ -16,10 +16,10 @@ from bert_packed.io import hf_io  # noqa: E402
 from bert_packed.model.build import bert_config  # noqa: E402
 from bert_packed.collate import collate  # noqa: E402
 from bert_packed.config import Config  # noqa: E402
-from bert_packed.finetune.classification.data import collate_classification  # noqa: E402
-from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
-from bert_packed.finetune.data import encode_texts  # noqa: E402
-from bert_packed.model.modeling import BertForPreTraining  # noqa: E402
+from bert_packed.tasks.classification.data import collate_classification  # noqa: E402
+from bert_packed.tasks.classification.model import BertForSequenceClassification  # noqa: E402
+from bert_packed.tasks.data import encode_texts  # noqa: E402
+from bert_packed.tasks.pretraining.model import BertForPreTraining  # noqa: E402
 from finetune_fixtures import classification_rows, save_hf_checkpoint, write_vocab  # noqa: E402
 
 TOL = 1e-5

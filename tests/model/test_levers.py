@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bert_packed.model.modeling import BertConfig, BertForPreTraining, ModelConfigError
+from bert_packed.model.modeling import BertConfig, ModelConfigError
+from bert_packed.tasks.pretraining.model import BertForPreTraining
 from bert_packed.optim import build_optimizer, grad_norm_, step_unless_non_finite
 from test_model_fixtures import VOCAB_SIZE, packed_and_unpacked, random_packed_problem, tiny_config
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from bert_packed.model.attention import set_profiler_scopes
-from bert_packed.model.modeling import BertConfig, BertForPreTraining, ModelConfigError
+from bert_packed.model.modeling import BertConfig, ModelConfigError
+from bert_packed.tasks.pretraining.model import BertForPreTraining
 from test_model_fixtures import packed_and_unpacked, random_packed_problem, tiny_config
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from bert_packed.model.losses import add_step_normalizers
-from bert_packed.model.modeling import BertForPreTraining, BertModel
+from bert_packed.model.modeling import BertModel
+from bert_packed.tasks.pretraining.model import BertForPreTraining
 from bert_packed.optim import Lamb, parameter_groups
 from test_model_fixtures import packed_and_unpacked, random_packed_problem, tiny_config
 

@@ -7,8 +7,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from bert_packed.finetune.classification.model import BertForSequenceClassification  # noqa: E402
-from bert_packed.model.modeling import BertConfig, BertForPreTraining  # noqa: E402
+from bert_packed.tasks.classification.model import BertForSequenceClassification  # noqa: E402
+from bert_packed.model.modeling import BertConfig
+from bert_packed.tasks.pretraining.model import BertForPreTraining  # noqa: E402
 from test_model_fixtures import packed_and_unpacked, random_packed_problem, tiny_config  # noqa: E402
 
 MAX_PREDICTIONS = 20

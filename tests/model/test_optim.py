@@ -80,7 +80,7 @@ def test_lamb_matches_the_published_update(bias_correction, max_weight_norm, wei
 def _model_and_gradients(num_steps, seed=0, scale=0.1):
     """A tiny BERT (both parameter groups: decayed matrices, biases + LayerNorm) and a seeded
     random gradient for every parameter and step."""
-    from bert_packed.model.modeling import BertForPreTraining
+    from bert_packed.tasks.pretraining.model import BertForPreTraining
 
     torch.manual_seed(seed)
     model = BertForPreTraining(tiny_config())
@@ -221,7 +221,7 @@ def test_lamb_resumes_from_an_int_step_of_an_older_checkpoint():
 
 
 def test_parameter_groups_exclude_biases_and_layernorm_from_weight_decay():
-    from bert_packed.model.modeling import BertForPreTraining
+    from bert_packed.tasks.pretraining.model import BertForPreTraining
 
     model = BertForPreTraining(tiny_config())
     decay, no_decay = parameter_groups(model, weight_decay=0.01)

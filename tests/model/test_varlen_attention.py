@@ -147,7 +147,7 @@ def test_the_model_passes_its_k_and_equals_dense(monkeypatch):
 def test_collated_packs_keep_sequences_contiguous():
     # varlen's segments are runs of equal ids: check the real data pipeline lays packs out so.
     from bert_packed.config import load_config
-    from bert_packed.data import build_data_source
+    from bert_packed.tasks.pretraining.data import build_data_source
 
     config = load_config("tiny", ["data.max_sequences_per_pack=4", "data.packing_algorithm=lpfhp", "data.num_sequences=300"])
     source = build_data_source(config, split="train", micro_batch_size=8)

@@ -194,7 +194,7 @@ def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
 def test_question_answering_logs_span_accuracy_start_and_end_both_right():
     """QA logged ``accuracy 0.000`` with nothing saying what it was: it is the share of windows
     whose predicted start AND end are both the labelled ones, now named ``span_accuracy``."""
-    from bert_packed.finetune.squad.model import BertForQuestionAnswering, span_loss_terms
+    from bert_packed.tasks.squad.model import BertForQuestionAnswering, span_loss_terms
     from bert_packed.model.losses import normalize
 
     assert BertForQuestionAnswering.metric_names == ("loss", "span_accuracy")

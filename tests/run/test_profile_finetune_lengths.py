@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 def test_a_fine_tuning_profile_packs_the_training_files_lengths(tmp_path):
     from packing import Histogram, pack
 
-    from bert_packed.task import get_task
+    from bert_packed.tasks.registry import get_task
 
     checkpoint = tiny_pretraining_checkpoint(transformers, tmp_path)
     train = write_rows(str(tmp_path / "train.csv"), classification_rows(60, 1), ["text", "label"])

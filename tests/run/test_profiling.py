@@ -45,7 +45,7 @@ def test_packing_statistics_match_the_packing_library():
 def test_hdf5_runs_are_profiled_on_their_own_lengths(tmp_path):
     import h5py
 
-    from bert_packed.data.synthetic import write_synthetic_unpacked
+    from bert_packed.data.prepare.synthetic import write_synthetic_unpacked
     from packing import Histogram, pack
 
     path = tmp_path / "train.h5"

@@ -1,9 +1,0 @@
-"""Packed sequence classification (single-label, multi-label, regression): ``task`` (the task
-and its keys), ``model`` (``BertForSequenceClassification`` and its losses), ``data`` (labels,
-collation), ``metrics`` (scikit-learn / SciPy metrics, predictions).
-
-The package exports the task class, which ``bert_packed.task.TASKS`` names.
-"""
-from bert_packed.finetune.classification.task import ClassificationTask
-
-__all__ = ["ClassificationTask"]

@@ -1,9 +1,0 @@
-"""Token classification (NER): ``task`` (the task and its keys), ``model``
-(``BertForTokenClassification`` and its loss), ``data`` (sentences, tags, encoding, collation),
-``metrics`` (word predictions, seqeval entity scores).
-
-The package exports the task class, which ``bert_packed.task.TASKS`` names.
-"""
-from bert_packed.finetune.token_classification.task import TokenClassificationTask
-
-__all__ = ["TokenClassificationTask"]
