@@ -134,20 +134,21 @@ def _main(args) -> int:
     # A path, never YAML: quoted, so "null", "123" or "true" stay the folder names they are.
     overrides += [f"model.init_checkpoint={json.dumps(args.init_checkpoint)}"] if args.init_checkpoint else []
     config = load_config(args.config, overrides)
-    # Config mistakes first, the same way whether or not the backend can run here.
+    # Config mistakes first, the same way whether or not the backend can run here. What runs (and
+    # is printed) is the resolved run's config; the loaded one stays as the user gave it.
     resolved = resolve_run(config, get_backend_class(args.backend), args.world_size)
     warnings = resolved.warnings
     if args.print_config:
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
         print(f"# resolved config {config.name!r} for backend {args.backend!r}")
-        print(dump(config), end="")
+        print(dump(resolved.config), end="")
         return 0
     if args.compile_only:
-        return _compile_only(args, config)
+        return _compile_only(args, resolved.config)
     if args.profile:
-        return _profile(args, config, warnings)
-    backend = get_backend(args.backend, config=config)
+        return _profile(args, resolved.config, warnings)
+    backend = get_backend(args.backend, config=resolved.config)
     from bert_packed.loop.train import train
 
     train(config, backend, output_dir=args.output_dir, resume=args.resume or args.resume_force,

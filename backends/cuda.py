@@ -92,13 +92,12 @@ class CUDABackend(CPUBackend):
     @classmethod
     def validate_config(cls, config, world_size: int) -> List[str]:
         """The section's checks, after the defaults the backend resolves on a GPU are filled in
-        (``cuda.compile: null``; the micro-batch fitted to the GPU's memory): what runs is what
-        the config then says (``--print-config``), each fitted change a returned line."""
+        (``cuda.compile: null``; the micro-batch fitted to the GPU's memory) in ``config``, the
+        resolved copy ``resolve_run`` builds: what runs is what it then says (``--print-config``),
+        each fitted change a returned line."""
         cuda = config.sections["cuda"]
         cuda.compile = cuda_config.resolved_compile(config)
-        notes = list(getattr(cuda, "fitted_notes", ()))
-        fresh = cuda_config.fit_micro_batch(config, gpu_memory_bytes(config), world_size)
-        cuda.fitted_notes = notes = notes + [n for n in fresh if n not in notes]
+        notes = cuda_config.fit_micro_batch(config, gpu_memory_bytes(config), world_size)
         check_attention(config, cls.config_section, cuda.device)
         _check_levers(config)
         return notes

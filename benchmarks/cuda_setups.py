@@ -2,7 +2,7 @@
 
 A row is one :class:`Setup` of :data:`SETUPS`: ours at a fixed micro-batch (``--micro-batch-size``,
 ``--gradient-accumulation``), ``run-py-default`` (exactly what ``python run.py --backend cuda
---config NAME`` resolves to: the same ``load_config`` and ``validate`` run.py calls, no override
+--config NAME`` resolves to: the same ``load_config`` and ``resolve_run`` run.py calls, no override
 but the generated data's size and, for a CPU dry run, ``cuda.device=cpu``), a lever on top of that
 default (one line of :data:`LEVERS`: the switch's overrides; a switch this tree does not have is a
 row that says "not available"), or a Hugging Face peer. Every row trains the config's recipe, its
@@ -25,7 +25,7 @@ from benchmarks.common import ensure_root_on_path
 
 ensure_root_on_path()
 
-from bert_packed.config import ConfigError, load_config, validate  # noqa: E402
+from bert_packed.config import ConfigError, load_config, resolve_run  # noqa: E402
 from bert_packed.loop.plan import make_plan  # noqa: E402
 from run import register_config_sections  # noqa: E402
 
@@ -239,8 +239,7 @@ def run_py_config(spec: Dict[str, Any], setup: Setup, world_size: int = 1):
     from backends.cuda import CUDABackend
 
     config = load_config(spec["model"], run_py_overrides(spec, setup))
-    validate(config, CUDABackend, world_size)
-    return config
+    return resolve_run(config, CUDABackend, world_size).config
 
 
 def distributed(device: torch.device):

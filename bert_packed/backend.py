@@ -159,13 +159,20 @@ class Backend:
     @classmethod
     def validate_config(cls, config, world_size: int) -> List[str]:
         """Check this backend's config section (and what it needs of the others); raise
-        ``ConfigError`` (one line) on a mistake, return warnings."""
+        ``ConfigError`` (one line) on a mistake, return warnings. Called once per resolved run, by
+        ``bert_packed.config.resolve_run``, on the copy it builds (never on the user's config),
+        with ``model.attention_implementation`` already resolved (``resolve_attention``): a
+        default the backend settles (cuda: ``compile: null``, the micro-batch fitted to the GPU)
+        is written into that copy, in place, which is the run's configuration from then on
+        (config.yaml, ``--print-config``, checkpoints), each change worth saying a returned line."""
         return []
 
     @classmethod
     def resolve_attention(cls, config) -> str:
         """The attention implementation ``model.attention_implementation: auto`` means here:
-        ``dense``, exact and static-shaped everywhere (the IPU's block-diagonal mask)."""
+        ``dense``, exact and static-shaped everywhere (the IPU's block-diagonal mask). Asked once
+        per resolved run (``bert_packed.config.resolve_run``, before ``validate_config``, the
+        config still saying ``auto``); nothing else resolves ``auto`` for a backend."""
         return "dense"
 
     @classmethod

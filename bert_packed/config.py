@@ -41,6 +41,7 @@ process on cpu/cuda; a backend may feed several from one process, see
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -440,9 +441,6 @@ class Config:
         # The init checkpoint whose model shape the model section holds (set by the one function
         # that resolves it, bert_packed.tasks.registry.resolve_checkpoint_shape), so it is resolved once.
         self.shape_from: Optional[str] = None
-        # model.attention_implementation was "auto" and validation chose it for a backend; validated
-        # for another backend, the same config chooses again (it is not that backend's choice).
-        self.auto_attention = False
 
     def __getattr__(self, name: str) -> Any:
         sections = self.__dict__.get("sections")
@@ -663,10 +661,13 @@ def check_bounds(config: Config) -> None:
 
 @dataclass(frozen=True)
 class ResolvedRun:
-    """What validating a config for one backend and world size settled (:func:`resolve_run`): the
-    attention implementation the model computes with (``auto`` resolved by the backend), the
-    step's micro-batch layout (as the backend fitted it) and the warnings, one line each. The
-    loop takes it from its caller (``train(..., resolved=)``) rather than validating again."""
+    """What validating a config for one backend and world size settled (:func:`resolve_run`):
+    ``config``, the resolved configuration (a copy of the given one with ``model.attention_implementation:
+    auto`` resolved by the backend and the defaults the backend fills in, e.g. cuda's compile and
+    fitted micro-batch): what runs, and what config.yaml, ``--print-config`` and checkpoints name;
+    the attention implementation the model computes with, the step's micro-batch layout (as the
+    backend fitted it) and the warnings, one line each. The loop takes it from its caller
+    (``train(..., resolved=)``) rather than validating again, and runs a copy of its ``config``."""
 
     backend: str
     world_size: int
@@ -674,6 +675,7 @@ class ResolvedRun:
     micro_batch_size: int
     gradient_accumulation: int
     warnings: Tuple[str, ...]
+    config: Config = field(compare=False, repr=False)
 
     def matches(self, backend, world_size: int) -> bool:
         """Whether it was resolved for ``backend`` (object or class) and ``world_size``."""
@@ -682,36 +684,34 @@ class ResolvedRun:
 
 def resolve_attention(config: Config, backend=None) -> str:
     """``model.attention_implementation`` as the run computes with it: a named implementation as
-    it is; ``auto`` (the user's, also when an earlier validation for another backend resolved it)
-    the backend's choice (``Backend.resolve_attention``: the one place that knows what ``auto``
-    means there); without a backend (a model built from a config no backend validated) the
+    it is; ``auto`` the backend's choice (``Backend.resolve_attention``: the one place that knows
+    what ``auto`` means there; :func:`resolve_run` asks it, once per resolved run); without a
+    backend (a model built from a config no backend resolved, ``bert_packed.model.build``) the
     section's default, ``dense``, the exact one everywhere."""
-    m = config.model
-    if backend is None:  # a config resolved for a backend keeps that backend's choice
-        return ModelConfig.attention_implementation if m.attention_implementation == AUTO_ATTENTION else \
-            m.attention_implementation
-    if m.attention_implementation != AUTO_ATTENTION and not config.auto_attention:
-        return m.attention_implementation
-    m.attention_implementation = AUTO_ATTENTION  # what the backend resolves is the user's auto
-    return backend.resolve_attention(config)
+    name = config.model.attention_implementation
+    if name != AUTO_ATTENTION:
+        return name
+    return ModelConfig.attention_implementation if backend is None else backend.resolve_attention(config)
 
 
 def resolve_run(config: Config, backend, world_size: int = 1) -> ResolvedRun:
     """Check ``config`` for ``backend`` (an object or class, ``backends.get_backend_class(name)``:
     it validates its own section, ``validate_config``, and says how many replicas a process
     feeds) and ``world_size`` processes: ConfigError (one line) on an inconsistent config, else
-    the resolved run. The config is updated to what runs (the attention ``auto`` resolved to, the
-    defaults the backend fills in), so its config.yaml, ``--print-config`` and checkpoints name it."""
-    config.auto_attention = config.auto_attention or config.model.attention_implementation == AUTO_ATTENTION
-    attention = resolve_attention(config, backend)
-    config.model.attention_implementation = attention
-    warns = _check(config, backend, world_size)
-    t = config.train
-    return ResolvedRun(backend.name, world_size, attention, t.micro_batch_size, t.gradient_accumulation, tuple(warns))
+    the resolved run. ``config`` itself is left as it is: the run's configuration is the resolved
+    run's ``config``, a copy the attention ``auto`` resolved to and the backend's ``validate_config``
+    filled in (so resolving one config for two backends gives each its own answer)."""
+    resolved = copy.deepcopy(config)
+    attention = resolve_attention(resolved, backend)
+    resolved.model.attention_implementation = attention
+    warns = _check(resolved, backend, world_size)
+    t = resolved.train
+    return ResolvedRun(backend.name, world_size, attention, t.micro_batch_size, t.gradient_accumulation, tuple(warns),
+                       resolved)
 
 
 def validate(config: Config, backend, world_size: int = 1) -> List[str]:
-    """:func:`resolve_run`'s warnings."""
+    """:func:`resolve_run`'s warnings (``config`` is left as it is)."""
     return list(resolve_run(config, backend, world_size).warnings)
 
 

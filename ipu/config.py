@@ -181,14 +181,14 @@ def fitting_set_line(config, world_size: int = 1) -> str:
 
 
 def fit_to_model(config, world_size: int = 1) -> List[str]:
-    """Fit what the user did not give (``--set``) to the model, in place; returns one line per
-    change (again on later calls, which find nothing left to change). The layout follows the
+    """Fit what the user did not give (``--set``) to the model, in place (in the resolved copy
+    ``bert_packed.config.resolve_run`` builds); returns one line per change. The layout follows the
     model when its depth comes from the checkpoint (``model.init_checkpoint``, no ``--set
     model.num_hidden_layers``): the config file's layout is for the model it describes
     (finetune_squad's BERT-Base), not the checkpoint's. The memory proportions follow the
     layout's IPU count."""
     ipu, m, given = config.ipu, config.model, config.cli_keys.get("ipu", set())
-    notes = list(getattr(ipu, "fitted_notes", ()))
+    notes: List[str] = []
     from_checkpoint = m.init_checkpoint and "num_hidden_layers" not in config.cli_keys.get("model", set())
     if "layers_per_ipu" not in given and from_checkpoint and sum(ipu.layers_per_ipu) != m.num_hidden_layers:
         before = list(ipu.layers_per_ipu)
@@ -201,8 +201,7 @@ def fit_to_model(config, world_size: int = 1) -> List[str]:
         ipu.available_memory_proportion = _proportions(ipu.available_memory_proportion, count)
         notes.append(f"ipu.available_memory_proportion={_flow(ipu.available_memory_proportion)}, one per IPU of "
                      f"ipu.layers_per_ipu={_flow(ipu.layers_per_ipu)}")
-    ipu.fitted_notes = notes
-    return list(notes)
+    return notes
 
 
 def _check_attention(name: str) -> None:

@@ -66,16 +66,14 @@ def train(config: Config, backend, *, output_dir: Optional[str] = None, resume: 
     ``CheckpointError`` / ``DataError`` (ValueErrors, one line) for user mistakes,
     ``DivergenceError`` on a non-finite step, ``Interrupted`` after SIGINT/SIGTERM.
 
-    ``resolved``: the caller's validation of ``config`` (``bert_packed.config.resolve_run``, as
+    ``resolved``: the caller's resolution of ``config`` (``bert_packed.config.resolve_run``, as
     ``run.py`` does before it builds the backend); without it, or made for another backend or
-    world size, the loop validates the config itself."""
+    world size, the loop resolves the config itself. Either way the run trains (a copy of) the
+    resolved run's config; ``config`` itself is never changed."""
     if isinstance(backend, str):
         raise TypeError(f"train() takes a backend object, not the name {backend!r}: "
                         f"resolve it with backends.get_backend({backend!r})")
     threads = torch.get_num_threads()
-    # Tasks may shape the run's own copy (e.g. one sequence per row for the padded baseline);
-    # the caller's config stays as given.
-    config = copy.deepcopy(config)
     run = None
     try:
         run = _Run(config, backend, output_dir=output_dir, resume=resume, resume_force=resume_force,
@@ -169,16 +167,19 @@ class _Run:
     directory, lock, checkpoint to resume) and ``_setup`` (task, plan, model, backend)."""
 
     def __init__(self, config: Config, backend, *, output_dir, resume, resume_force, show_progress, resolved=None):
-        self.config, self.backend, self.resume, self.show_progress = config, backend, resume, show_progress
-        self.resume_force = resume_force  # also lets a data source continue on changed data
-        t = config.train
-        self.given = config.to_dict()  # before any task shapes it: what a resume compares
-        # Validate (once: the caller's resolved run counts) before touching the process group, so
+        # Resolve (once: the caller's resolved run counts) before touching the process group, so
         # config mistakes are reported the same way in every process.
         world_size = planned_world_size(backend)
         if resolved is None or not resolved.matches(backend, world_size):
             resolved = resolve_run(config, backend, world_size)
         warnings = resolved.warnings
+        # The run's own copy of the resolved config: tasks may shape it (e.g. one sequence per row
+        # for the padded baseline); the caller's config and resolved run stay as given.
+        config = copy.deepcopy(resolved.config)
+        self.config, self.backend, self.resume, self.show_progress = config, backend, resume, show_progress
+        self.resume_force = resume_force  # also lets a data source continue on changed data
+        t = config.train
+        self.given = config.to_dict()  # before any task shapes it: what a resume compares
         self.rank, self.world_size = setup_distributed(backend, t.collective_timeout_minutes)
         self.is_main = self.rank == 0
         for line in warnings if self.is_main else ():

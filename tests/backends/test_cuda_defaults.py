@@ -6,7 +6,7 @@ import pytest
 import run
 from backends import cuda as cuda_backend
 from backends import cuda_config, get_backend_class
-from bert_packed.config import load_config, validate
+from bert_packed.config import load_config, resolve_run
 
 GIB = 2**30
 H200 = int(139.8 * GIB)
@@ -22,9 +22,9 @@ def gpu(monkeypatch):
 
 
 def _validated(name, overrides=(), backend="cuda", world_size=1):
-    config = load_config(name, list(overrides))
-    notes = validate(config, get_backend_class(backend), world_size)
-    return config, notes
+    """(the resolved config, the notes) of config ``name`` resolved for ``backend``."""
+    resolved = resolve_run(load_config(name, list(overrides)), get_backend_class(backend), world_size)
+    return resolved.config, list(resolved.warnings)
 
 
 def test_phase2_on_a_gpu_compiles_flex_at_the_micro_batch_that_fits(gpu):
@@ -53,10 +53,11 @@ def test_a_smaller_gpu_gets_a_smaller_micro_batch_with_the_same_packs_per_step(g
 
 
 def test_validating_twice_keeps_the_resolution_and_its_note(gpu):
-    config, first = _validated("phase2")
-    again = validate(config, get_backend_class("cuda"))
-    assert (config.train.micro_batch_size, config.train.gradient_accumulation) == (128, 16)
-    assert again == first
+    config = load_config("phase2")
+    first = resolve_run(config, get_backend_class("cuda"))
+    again = resolve_run(config, get_backend_class("cuda"))
+    assert (again.config.train.micro_batch_size, again.config.train.gradient_accumulation) == (128, 16)
+    assert again.warnings == first.warnings
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -128,15 +129,13 @@ def test_auto_resolved_for_the_cpu_is_resolved_afresh_for_a_gpu(gpu):
     """One config validated for the cpu (bucketed), then for a GPU: the GPU resolves the user's
     ``auto``, not the CPU's choice (which cannot compile and would have kept the step eager)."""
     config = load_config("phase2")
-    validate(config, get_backend_class("cpu"))
-    assert config.model.attention_implementation == "bucketed"
-    validate(config, get_backend_class("cuda"))
-    assert (config.model.attention_implementation, config.cuda.compile) == ("flex", True)
+    resolved = resolve_run(config, get_backend_class("cpu")).config
+    assert resolved.model.attention_implementation == "bucketed"
+    resolved = resolve_run(config, get_backend_class("cuda")).config
+    assert (resolved.model.attention_implementation, resolved.cuda.compile) == ("flex", True)
 
 
 def test_the_resolved_run_says_what_runs(gpu):
-    from bert_packed.config import resolve_run
-
     config = load_config("phase2")
     resolved = resolve_run(config, get_backend_class("cuda"), 1)
     assert (resolved.attention, resolved.micro_batch_size, resolved.gradient_accumulation) == ("flex", 128, 16)

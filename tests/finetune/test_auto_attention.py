@@ -4,7 +4,7 @@ import pytest
 
 from backends import get_backend_class
 from bert_packed.model.build import bert_config
-from bert_packed.config import load_config, validate
+from bert_packed.config import load_config, resolve_run
 
 AUTO_CONFIGS = ["finetune_classification", "finetune_token_classification", "finetune_glue_base"]
 
@@ -19,7 +19,7 @@ AUTO_CONFIGS = ["finetune_classification", "finetune_token_classification", "fin
 def test_each_backend_resolves_auto_once_at_validation(name, backend, overrides, expected):
     config = load_config(name, overrides)
     assert config.model.attention_implementation == "auto"
-    validate(config, get_backend_class(backend))
+    config = resolve_run(config, get_backend_class(backend)).config
     assert config.model.attention_implementation == expected
     assert config.to_dict()["model"]["attention_implementation"] == expected  # config.yaml names it
     assert bert_config(config).attention_implementation == expected
@@ -30,13 +30,13 @@ def test_one_config_validated_for_two_backends_resolves_for_each():
     carry the CPU's choice to the IPU's refusal."""
     config = load_config("finetune_classification")
     for backend, expected in (("cpu", "bucketed"), ("mock", "dense"), ("cpu", "bucketed")):
-        validate(config, get_backend_class(backend))
-        assert config.model.attention_implementation == expected, backend
+        resolved = resolve_run(config, get_backend_class(backend)).config
+        assert resolved.model.attention_implementation == expected, backend
 
 
 def test_a_named_implementation_is_kept_and_auto_without_a_backend_is_dense():
     config = load_config("finetune_classification", ["model.attention_implementation=sdpa"])
-    validate(config, get_backend_class("cpu"))
+    config = resolve_run(config, get_backend_class("cpu")).config
     assert config.model.attention_implementation == "sdpa"
     assert bert_config(load_config("finetune_classification")).attention_implementation == "dense"
 
@@ -44,7 +44,7 @@ def test_a_named_implementation_is_kept_and_auto_without_a_backend_is_dense():
 def test_the_pretraining_and_squad_configs_keep_dense():
     for name in ("phase1", "demo", "finetune_squad"):  # phase2 asks for auto: tests/backends/test_cuda_defaults.py
         config = load_config(name)
-        validate(config, get_backend_class("cpu"))
+        config = resolve_run(config, get_backend_class("cpu")).config
         assert config.model.attention_implementation == "dense", name
 
 

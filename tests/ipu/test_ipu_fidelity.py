@@ -26,7 +26,7 @@ from backends import get_backend_class
 from backends.mock import MockBackend
 from bert_packed.model.build import bert_config, build_optimizer
 from bert_packed.tasks.pretraining.model import build_model
-from bert_packed.config import ConfigError, load_config, validate
+from bert_packed.config import ConfigError, load_config, resolve_run
 from bert_packed.loop.plan import make_plan
 from bert_packed.optim import build_optimizer as build_host_optimizer
 from bert_packed.tasks.registry import get_task
@@ -383,12 +383,12 @@ def test_every_shipped_ipu_config_passes_poptorchs_pipeline_rule(name):
         layout = get_task(config).model_class()(bert_config(config)).pipeline_layout()
     heads = heads_ipu(config.ipu.layers_per_ipu, layout.head_tied_to_embeddings)
     for backend in ("ipu", "mock"):
-        validate(config, get_backend_class(backend))
+        resolved = resolve_run(config, get_backend_class(backend)).config
         # The accumulation the run uses; a packing adjustment divides it by p <= sequences per pack.
-        accumulation = make_plan(config, get_backend_class(backend),
-                                 packing_factor=config.data.max_sequences_per_pack).gradient_accumulation
-        check_pipeline_depth(config.ipu.layers_per_ipu, accumulation, config.ipu.device_iterations, heads)
-        stages = len(forward_stage_ipus(config.ipu.layers_per_ipu, heads))
+        accumulation = make_plan(resolved, get_backend_class(backend),
+                                 packing_factor=resolved.data.max_sequences_per_pack).gradient_accumulation
+        check_pipeline_depth(resolved.ipu.layers_per_ipu, accumulation, resolved.ipu.device_iterations, heads)
+        stages = len(forward_stage_ipus(resolved.ipu.layers_per_ipu, heads))
         assert stages == 1 or accumulation >= 2 * stages - 1
 
 

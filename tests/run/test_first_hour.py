@@ -454,12 +454,14 @@ def test_a_layout_with_room_for_its_pipeline_keeps_its_ipus(six_layer_job):
     """finetune_squad's BERT-Base layout [0,4,4,4] with a 6-layer checkpoint: four IPUs still fit
     its accumulation (32 rows / 4 replicas = 8 >= 2 x 4 - 1), so the layers are spread over them."""
     from backends import get_backend_class
-    from bert_packed.config import load_config, validate
+    from bert_packed.config import load_config, resolve_run, validate
 
     config = load_config("finetune_squad", [f"model.init_checkpoint={six_layer_job['checkpoint']}",
                                             "data.max_sequence_length=64", "finetune.max_query_length=16"])
-    notes = validate(config, get_backend_class("mock"))
-    assert config.ipu.layers_per_ipu == [0, 2, 2, 2] and config.ipu.available_memory_proportion == [0.25]
+    resolved = resolve_run(config, get_backend_class("mock"))
+    notes = list(resolved.warnings)
+    fitted = resolved.config.ipu
+    assert fitted.layers_per_ipu == [0, 2, 2, 2] and fitted.available_memory_proportion == [0.25]
     assert notes == ["ipu.layers_per_ipu=[0,2,2,2] for the checkpoint's 6 encoder layers (the config's [0,4,4,4] "
                      "has 12); --set ipu.layers_per_ipu to choose another"]
     assert validate(config, get_backend_class("mock")) == notes  # a second validation repeats the note
