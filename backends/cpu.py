@@ -299,16 +299,12 @@ class CPUBackend(Backend, Profiling):
     def state_dict(self) -> Dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict()}
 
-    def _normalise(self, micro_batches: List[Dict[str, np.ndarray]]) -> List[Dict[str, np.ndarray]]:
-        """Copy the batches and give every pack the step's global counts (all ranks)."""
-        return step_normalizers(self.model, micro_batches, all_reduce=self.all_reduce_)
-
     def _run(self, micro_batches: List[Dict[str, np.ndarray]], train: bool) -> torch.Tensor:
         """The step's summed metrics (``metric_keys`` order) over all processes, on the device."""
         keys = metric_keys(self.model)
         # Accumulated and reduced on the device: nothing is copied to the host here.
         sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
-        batches = self._normalise(micro_batches)
+        batches = step_normalizers(self.model, micro_batches, all_reduce=self.all_reduce_)  # the step's global counts
         module = self.train_module if train else self.forward_module
         for i, batch in enumerate(batches):
             with self.micro_batch_context(last=i == len(batches) - 1) if train else contextlib.nullcontext():

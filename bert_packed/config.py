@@ -617,7 +617,7 @@ def load_config(name: Optional[str] = None, overrides: Optional[List[str]] = Non
         section, key, value = _parse_override(text)
         _set_value(config, section, key, value, "--set")
         config.cli_keys[section].add(key)
-    for resolve in _RESOLVERS:  # e.g. the model's shape from model.init_checkpoint (bert_packed.tasks.base)
+    for resolve in _RESOLVERS:  # e.g. the model's shape from model.init_checkpoint (bert_packed.tasks.registry)
         resolve(config)
     return config
 
