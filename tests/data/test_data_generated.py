@@ -108,3 +108,31 @@ def test_packing_factor_depth_3_vs_padded_depth_1():
 def test_too_few_packs_is_a_one_line_error():
     with pytest.raises(DataError, match="fewer than one micro-batch"):
         build_data_source(_config("data.num_sequences=3"), micro_batch_size=64)
+
+
+def test_every_source_takes_the_same_options():
+    """Issue 48: the generated source took the whole config while the file sources took explicit
+    options. Now all three take ``source_options`` (micro-batch, S/K/M, seed, rank, world size,
+    vocabulary size) plus only what is their own, and none reads a config."""
+    import inspect
+
+    from bert_packed.data.generated import GeneratedSource
+    from bert_packed.data.hdf5 import HDF5Source
+    from bert_packed.data.sharded import ShardedSource
+    from bert_packed.tasks.pretraining.data import generated_source, source_options
+
+    config = load_config("tiny")
+    common = set(source_options(config, micro_batch_size=2))
+    assert {"micro_batch_size", "max_sequence_length", "max_sequences_per_pack", "max_masked_tokens_per_pack", "seed",
+            "rank", "world_size", "vocab_size"} == common
+    for source in (GeneratedSource, HDF5Source, ShardedSource):
+        parameters = inspect.signature(source).parameters
+        assert common <= set(parameters), (source.__name__, sorted(common - set(parameters)))
+        assert "config" not in parameters, source.__name__
+    # The explicit options make the same stream the config names.
+    built = build_data_source(config, micro_batch_size=2, seed=5)
+    direct = generated_source(config, micro_batch_size=2, seed=5)
+    import itertools
+
+    for a, b in itertools.islice(zip(iter(built), iter(direct)), 3):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
