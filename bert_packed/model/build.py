@@ -1,6 +1,6 @@
-"""Building what a run trains from its config: the model's ``BertConfig``, the pre-training
-model, the optimizer and learning-rate schedule. (Tasks build their own models with
-``bert_config``; the loop, the profiler and the IPU tools call these.)"""
+"""Building what a run trains from its config: the model's ``BertConfig`` (every task builds
+its model on it: ``Task.build_model``; pre-training's ``build_model`` for the profiler and the
+IPU tools) and the optimizer with its learning-rate schedule."""
 from __future__ import annotations
 
 import dataclasses
