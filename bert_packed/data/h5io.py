@@ -37,6 +37,21 @@ PACKED_FIELDS = {**dict.fromkeys(TOKEN_FIELDS, "S"), **dict.fromkeys(MLM_FIELDS,
 PACKED_FORMAT = "packed-bert/packed-v1"
 
 
+
+def pad_fields(raw, *, packed, max_sequence_length, max_sequences_per_pack, max_masked_tokens_per_pack):
+    """Rows as read (``{field: [n, width]}``) with every field zero-padded on its second
+    dimension to the configured width: S, K, M (packed), or S, P = M (unpacked). Files and
+    shards may be narrower than the run's layout (``pack`` gives each shard the M it needs);
+    padding with zeros adds unused slots, nothing else."""
+    widths = {"S": max_sequence_length, "K": max_sequences_per_pack, "M": max_masked_tokens_per_pack,
+              "P": max_masked_tokens_per_pack}
+    dims = PACKED_FIELDS if packed else {name: dim for name, (dim, _) in UNPACKED_LAYOUT.items()}
+    out = {}
+    for name, array in raw.items():
+        missing = widths[dims[name]] - array.shape[1] if array.ndim == 2 and dims.get(name) else 0
+        out[name] = np.pad(array, ((0, 0), (0, missing))) if missing > 0 else array
+    return out
+
 def open_h5(path, **options):
     """Open an HDF5 file for reading; a missing or unreadable file raises DataError. ``options``
     go to ``h5py.File`` (e.g. the chunk cache: ``rdcc_nbytes``, ``rdcc_nslots``)."""

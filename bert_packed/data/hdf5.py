@@ -301,14 +301,9 @@ def to_batch(raw, *, packed, max_sequence_length, max_sequences_per_pack, max_ma
                                 max_sequences_per_pack=max_sequences_per_pack,
                                 max_masked_tokens_per_pack=max_masked_tokens_per_pack)
         return _as_batch_dtypes(batch)
-    widths = {"S": max_sequence_length, "K": max_sequences_per_pack, "M": max_masked_tokens_per_pack}
-    batch = {}
-    for name, dim in h5io.PACKED_FIELDS.items():
-        array = raw[name]
-        missing = widths[dim] - array.shape[1]
-        if missing:
-            array = np.pad(array, ((0, 0), (0, missing)))
-        batch[name] = array
+    batch = h5io.pad_fields({name: raw[name] for name in h5io.PACKED_FIELDS}, packed=True,
+                            max_sequence_length=max_sequence_length, max_sequences_per_pack=max_sequences_per_pack,
+                            max_masked_tokens_per_pack=max_masked_tokens_per_pack)
     return _as_batch_dtypes(batch)
 
 

@@ -374,27 +374,15 @@ class ShardedSource(RankStream):
             check_rows(raw, np.arange(start, stop), shard.path, packed=self.packed, vocab_size=self.vocab_size,
                        type_vocab_size=self.type_vocab_size, max_sequence_length=self.dims[0],
                        max_sequences_per_pack=self.dims[1], max_masked_tokens_per_pack=self.dims[2])
-            parts.append(self._dataset_layout(raw))
+            # Shards may each have their own masked-slot width: every block gets the dataset's layout.
+            parts.append(h5io.pad_fields(raw, packed=self.packed, max_sequence_length=self.dims[0],
+                                         max_sequences_per_pack=self.dims[1], max_masked_tokens_per_pack=self.dims[2]))
         size = int(offsets[last] - offsets[first])
         arrays = {name: _concatenate([part[name] for part in parts]) for name in parts[0]}
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch, lane, k, 0x5A4E]).permutation(size)
             arrays = {name: array[order] for name, array in arrays.items()}
         return int(offsets[first]), int(offsets[last]), arrays
-
-    def _dataset_layout(self, raw):
-        """A block's fields zero-padded to the configured widths (S, K, M; P = M for unpacked
-        rows): shards of one dataset may each have their own masked-slot width (``pack`` gives
-        every shard the M it needs), and every block of a window, every window of a
-        micro-batch, has the one layout of the dataset."""
-        seq_len, depth, slots = self.dims
-        widths = {"S": seq_len, "K": depth, "M": slots, "P": slots}
-        dims = h5io.PACKED_FIELDS if self.packed else {name: dim for name, (dim, _) in h5io.UNPACKED_LAYOUT.items()}
-        out = {}
-        for name, array in raw.items():
-            missing = widths[dims[name]] - array.shape[1] if array.ndim == 2 and dims.get(name) else 0
-            out[name] = np.pad(array, ((0, 0), (0, missing))) if missing > 0 else array
-        return out
 
     def _next_key(self, epoch, lane, k):
         """The window that lane ``lane`` serves after window k of ``epoch``."""

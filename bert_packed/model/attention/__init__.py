@@ -43,7 +43,7 @@ from bert_packed.model.attention.registry import (  # noqa: F401  (the registry'
     ATTENTION_IMPLEMENTATIONS,
     AttentionError,
     AttentionImplementation,
-    _prepare_additive_mask,
+    prepare_additive_mask,
     attention_compute_dtype,
     available_attention_implementations,
     block_diagonal_additive_mask,

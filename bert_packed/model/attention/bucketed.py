@@ -223,17 +223,14 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared
     return context.view(batch_size, seq_len, num_heads, head_dim).transpose(1, 2)
 
 
-def _register() -> None:
-    register_attention(
-        NAME,
-        AttentionImplementation(
-            name=NAME,
-            prepare=prepare,
-            attend=attend,
-            description="sequences gathered into length buckets, one sdpa per bucket (eager: batch-dependent shapes)",
-            static_shapes=False,
-        ),
-    )
+register_attention(
+    NAME,
+    AttentionImplementation(
+        name=NAME,
+        prepare=prepare,
+        attend=attend,
+        description="sequences gathered into length buckets, one sdpa per bucket (eager: batch-dependent shapes)",
+        static_shapes=False,
+    ),
+)
 
-
-_register()

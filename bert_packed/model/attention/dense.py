@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from bert_packed.model.attention.registry import AttentionImplementation, _prepare_additive_mask, profiler_scope, register_attention
+from bert_packed.model.attention.registry import AttentionImplementation, prepare_additive_mask, profiler_scope, register_attention
 from bert_packed.model.dropout import dropout
 
 def dense_attend(
@@ -38,7 +38,7 @@ register_attention(
     "dense",
     AttentionImplementation(
         name="dense",
-        prepare=_prepare_additive_mask,
+        prepare=prepare_additive_mask,
         attend=dense_attend,
         description="explicit additive block-diagonal mask; runs everywhere, including the IPU",
         keeps_scores=True,

@@ -224,22 +224,17 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared
         return _compiled_flex_attention()(query, key, value, block_mask=prepared)
 
 
-def _register() -> None:
-    # attention.py (the registry) imports this module lazily when "flex" is looked up,
-    # so the dependency stays one-way and torch 2.0 never sees this file.
-    register_attention(
-        NAME,
-        AttentionImplementation(
-            name=NAME,
-            prepare=prepare,
-            attend=attend,
-            check=check,
-            description="FlexAttention document mask: skips the tiles between sequences (GPU; CPU forward only)",
-            trains_on=(torch.device("cuda").type,),  # a torch device type
-            training_needs="FlexAttention backward",
-            dropout=False,
-        ),
-    )
+register_attention(
+    NAME,
+    AttentionImplementation(
+        name=NAME,
+        prepare=prepare,
+        attend=attend,
+        check=check,
+        description="FlexAttention document mask: skips the tiles between sequences (GPU; CPU forward only)",
+        trains_on=(torch.device("cuda").type,),  # a torch device type
+        training_needs="FlexAttention backward",
+        dropout=False,
+    ),
+)
 
-
-_register()

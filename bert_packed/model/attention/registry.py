@@ -247,6 +247,7 @@ def block_diagonal_additive_mask(sequence_ids: torch.Tensor, *, dtype: torch.dty
         return mask[:, None]  # broadcast over heads
 
 
-def _prepare_additive_mask(sequence_ids: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
-    # Built once per forward in the dtype the scores will have (autocast's, if it is on).
+def prepare_additive_mask(sequence_ids: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+    """The ``prepare`` of ``dense`` and ``sdpa``: the additive block-diagonal mask, built once per
+    forward in the dtype the scores will have (autocast's, if it is on)."""
     return block_diagonal_additive_mask(sequence_ids, dtype=attention_compute_dtype(dtype, sequence_ids.device))

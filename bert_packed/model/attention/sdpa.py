@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bert_packed.model.attention.registry import AttentionImplementation, _prepare_additive_mask, register_attention
+from bert_packed.model.attention.registry import AttentionImplementation, prepare_additive_mask, register_attention
 
 def sdpa_attend(
     query: torch.Tensor,
@@ -39,7 +39,7 @@ register_attention(
     "sdpa",
     AttentionImplementation(
         name="sdpa",
-        prepare=_prepare_additive_mask,
+        prepare=prepare_additive_mask,
         attend=sdpa_attend,
         description="torch scaled_dot_product_attention with the additive block-diagonal mask",
         keeps_scores=True,  # no kernel without scores takes a mask (sdpa_attend)

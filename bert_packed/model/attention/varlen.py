@@ -151,21 +151,18 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prepared
     return out.view(batch_size, seq_len, num_heads, head_dim).transpose(1, 2)
 
 
-def _register() -> None:
-    register_attention(
-        NAME,
-        AttentionImplementation(
-            name=NAME,
-            prepare=prepare,
-            attend=attend,
-            check=check,
-            description="torch's variable-length (Flash) attention over the pack's sequences (CUDA, fp16/bf16)",
-            trains_on=(torch.device("cuda").type,),  # a torch device type
-            training_needs="varlen_attn (Flash) kernel",
-            dropout=False,
-            takes_max_sequences=True,
-        ),
-    )
+register_attention(
+    NAME,
+    AttentionImplementation(
+        name=NAME,
+        prepare=prepare,
+        attend=attend,
+        check=check,
+        description="torch's variable-length (Flash) attention over the pack's sequences (CUDA, fp16/bf16)",
+        trains_on=(torch.device("cuda").type,),  # a torch device type
+        training_needs="varlen_attn (Flash) kernel",
+        dropout=False,
+        takes_max_sequences=True,
+    ),
+)
 
-
-_register()
