@@ -112,12 +112,12 @@ def default_attention(config) -> str:
 
 
 def parameter_count(model) -> int:
-    """BERT pre-training's parameters (embeddings, encoder, pooler, MLM transform and bias, NSP)."""
-    h, i, layers, v = model.hidden_size, model.intermediate_size, model.num_hidden_layers, model.vocab_size
-    embeddings = (v + model.max_position_embeddings + model.type_vocab_size) * h + 2 * h
-    layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h
-    heads = (h * h + h) + (h * h + 3 * h + v) + (2 * h + 2)
-    return embeddings + layers * layer + heads
+    """BERT pre-training's parameters (embeddings, encoder, pooler, MLM transform and bias, NSP),
+    counted as the IPU memory model counts them (``ipu.memory.parameter_counts``)."""
+    from ipu.memory import parameter_counts
+
+    counts = parameter_counts(model)
+    return counts["embeddings"] + model.num_hidden_layers * counts["layer"] + counts["heads"]
 
 
 def pack_activation_bytes(config, attention: str) -> float:

@@ -264,7 +264,6 @@ def _lamb_update(steps, params, grads, exp_avgs, exp_avg_sqs, *, lr, betas, eps,
     fp32 = all(p.dtype == torch.float32 for p in params)
     weights = list(params) if fp32 else [p.float() for p in params]
     if found_inf is None:
-        keep_beta1, keep_beta2 = beta1, beta2
         torch._foreach_add_(steps, 1.0)
     else:
         # Skipped step (found_inf != 0): beta := 1 keeps the moments (1 * m + 0 * g), lr := 0

@@ -87,8 +87,10 @@ def _get(config, key):
     return int(value)
 
 
-def _parameter_counts(config) -> Dict[str, int]:
-    """Parameters of the embeddings, one encoder layer and the heads (decoder weight tied)."""
+def parameter_counts(config) -> Dict[str, int]:
+    """Parameters of the embeddings, one encoder layer and the pre-training heads (decoder weight
+    tied), from the model's shape (a model section, ``BertConfig`` or config.json dict); the cuda
+    backend's memory fit counts the same way."""
     h, i, v = _get(config, "hidden_size"), _get(config, "intermediate_size"), _get(config, "vocab_size")
     positions, types = _get(config, "max_position_embeddings"), _get(config, "type_vocab_size")
     layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
@@ -114,7 +116,7 @@ def estimate_memory(config, layout: Layout) -> Dict[str, object]:
     v = _get(config, "vocab_size")
     b, s, m = layout.micro_batch_size, layout.sequence_length, layout.max_masked_tokens_per_pack
     act = layout.weight_bytes  # activations in the model's precision
-    counts = _parameter_counts(config)
+    counts = parameter_counts(config)
     num_ipus = len(lpi)
     params = [lpi[k] * counts["layer"] for k in range(num_ipus)]
     params[0] += counts["embeddings"] + counts["heads"]

@@ -35,7 +35,6 @@ so a manifest can always be rebuilt from its shards.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Any, Dict, List, Optional, Sequence
@@ -44,7 +43,7 @@ import numpy as np
 
 from bert_packed.data import h5io
 from bert_packed.data.errors import DataError
-from bert_packed.io.files import atomic_path, write_text_atomic
+from bert_packed.io.files import atomic_path, file_sha256, write_text_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "packed-bert/shards-v1"
@@ -63,15 +62,6 @@ def is_dataset_dir(path) -> bool:
 
 CHECKSUM = "sha256"  # the manifest field of a shard's content checksum
 RECEIPT_SUFFIX = ".sha256"
-
-
-def file_sha256(path, block: int = 1 << 20) -> str:
-    """SHA-256 of a file's bytes (hex), read in blocks."""
-    digest = hashlib.sha256()
-    with open(os.fspath(path), "rb") as handle:
-        for chunk in iter(lambda: handle.read(block), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def receipt_path(shard_path, folder=None) -> str:

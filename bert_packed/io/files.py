@@ -19,6 +19,7 @@ longer exist, and never touches a live writer's file.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import socket
@@ -27,12 +28,22 @@ from typing import Iterable, Iterator, List, Optional, Tuple, Type
 
 from bert_packed.errors import ConfigError
 
-__all__ = ["read_utf8", "utf8_lines", "write_text_atomic", "atomic_path", "publish", "make_temp", "make_folder",
+__all__ = ["file_sha256", "read_utf8", "utf8_lines", "write_text_atomic", "atomic_path", "publish", "make_temp", "make_folder",
            "remove_orphans", "DirectoryLock", "OutputInUseError", "not_utf8_message", "check_output_dir",
            "read_vocab_tokens"]
 
 TEMP_PREFIX = ".tmp-"
 
+
+
+def file_sha256(path, block: int = 1 << 20) -> str:
+    """SHA-256 of a file's bytes (hex, what ``sha256sum`` prints), read in blocks: how every
+    rerun and resume recognises a file it reuses (shards, vocabularies, manifests, inputs)."""
+    digest = hashlib.sha256()
+    with open(os.fspath(path), "rb") as handle:
+        for chunk in iter(lambda: handle.read(block), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 def not_utf8_message(path, data: bytes, start: int, *, first_line: int = 1, base_offset: int = 0) -> str:
     """The one-line message for a byte that is not UTF-8: ``data[start]`` (``data`` begins at

@@ -11,7 +11,6 @@ forward and backward reach through ``Backend.layer_done`` (model hooks: :func:`w
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, List, Optional
 
@@ -37,13 +36,13 @@ LAYERS_FROM_SECONDS = 1.0
 
 
 def memory_text() -> str:
-    """This process's resident memory for a progress line ("RSS 5.2 GiB"); "" where the system
-    does not say (it is read from /proc: Linux)."""
+    """This process's resident memory for a progress line ("RSS 5.2 GiB", psutil's on every
+    system); "" where it cannot be read."""
     try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-        return f"RSS {pages * os.sysconf('SC_PAGE_SIZE') / 2 ** 30:.1f} GiB"
-    except (OSError, ValueError, IndexError, AttributeError):
+        import psutil
+
+        return f"RSS {psutil.Process().memory_info().rss / 2 ** 30:.1f} GiB"
+    except Exception:  # psutil missing, or the system refuses: the line goes without it
         return ""
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from bert_packed.data import DataError
 from bert_packed.errors import ConfigError
-from bert_packed.io.files import utf8_lines
+from bert_packed.io.files import file_sha256, utf8_lines
 
 __all__ = ["read_table", "encode_texts", "Encoded", "PackedDataset", "held_out", "TRUNCATION"]
 
@@ -513,8 +513,6 @@ class PackedDataset:
 def file_record(path: str) -> Dict[str, Any]:
     """What a resume compares of an input: a file's size and SHA-256; a directory's (a saved
     dataset) files with their sizes and modification times."""
-    import hashlib
-
     if os.path.isdir(path):
         files = []
         for folder, _, names in sorted(os.walk(path)):
@@ -522,11 +520,7 @@ def file_record(path: str) -> Dict[str, Any]:
                 stat = os.stat(os.path.join(folder, name))
                 files.append([os.path.relpath(os.path.join(folder, name), path), stat.st_size, stat.st_mtime_ns])
         return {"path": path, "files": files}
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return {"path": path, "size": os.path.getsize(path), "sha256": digest.hexdigest()}
+    return {"path": path, "size": os.path.getsize(path), "sha256": file_sha256(path)}
 
 
 def _record_change(saved: Dict[str, Any], now: Dict[str, Any]) -> str:

@@ -23,7 +23,8 @@ from bert_packed.data.prepare import engine
 from bert_packed.data.prepare import pack_shards as ps
 from bert_packed.data.__main__ import main as data_main
 from bert_packed.data.prepare.pack_shards import STATE, pack_dataset
-from bert_packed.data.shards import MANIFEST, file_sha256, load_manifest, shard_entry, shard_name, write_manifest
+from bert_packed.data.shards import MANIFEST, load_manifest, shard_entry, shard_name, write_manifest
+from bert_packed.io.files import file_sha256
 from bert_packed.data.sharded import ShardedSource, dataset_identity
 from bert_packed.data.prepare.vocab import train_vocab
 from hostile import assert_unchanged, main_error, snapshot

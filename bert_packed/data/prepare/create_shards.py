@@ -49,7 +49,8 @@ from bert_packed.data.prepare import engine, formats
 from bert_packed.data.prepare.create import Documents, check_options, create_instances
 from bert_packed.data.errors import DataError, refuse_output_over_input
 from bert_packed.data.prepare.vocab import SPECIAL_TOKENS, check_corpus_file, load_vocab
-from bert_packed.io.files import TEMP_PREFIX, DirectoryLock, OutputInUseError, atomic_path, write_text_atomic
+from bert_packed.io.files import (TEMP_PREFIX, DirectoryLock, OutputInUseError, atomic_path, file_sha256,
+                                  write_text_atomic)
 
 DEFAULT_BLOCK_BYTES = 8 << 20  # 20 GB: 2,500 tasks; small enough to balance 2 workers on 80 MB
 DEFAULT_SHARD_BYTES = 4 << 20
@@ -91,7 +92,7 @@ def create_shards(inputs, vocab_path, output_dir, *, max_seq_length=128, max_pre
     vocab_record = {"file": os.path.basename(os.fspath(vocab_path)), "bytes": os.path.getsize(vocab_path),
                     "num_tokens": max(vocab.values()) + 1}
     job = {"options": options, "inputs": [dict(x, mtime_ns=os.stat(x["path"]).st_mtime_ns) for x in inputs_record],
-           "vocab": dict(vocab_record, path=os.path.abspath(vocab_path), sha256=_sha256(vocab_path))}
+           "vocab": dict(vocab_record, path=os.path.abspath(vocab_path), sha256=file_sha256(vocab_path))}
     created = not os.path.lexists(output_dir)
     # One engine for both phases: a local cluster starts once. An existing cluster is reached before
     # anything is written, so a refused --scheduler leaves nothing behind.
@@ -212,14 +213,6 @@ def _refuse_output_over_inputs(output_dir, arguments, paths):
     if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
         raise DataError(f"--output {output_dir} is a file; give a directory for shards (or a .h5/.hdf5 file name "
                         f"for one file)")
-
-
-def _sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _start_job(output_dir, job):

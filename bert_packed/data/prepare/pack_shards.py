@@ -73,7 +73,7 @@ from bert_packed.data.prepare.pack import _check_depth, _record_dtype, _statisti
     packed_digests, write_packed
 from bert_packed.data.shards import CHECKSUM, MANIFEST, finished_shard, load_manifest, receipt_path, remove_receipts, shard_entry, \
     shard_name, shard_paths, verify_shard, write_manifest, write_receipt
-from bert_packed.io.files import TEMP_PREFIX, make_folder, write_text_atomic
+from bert_packed.io.files import TEMP_PREFIX, file_sha256, make_folder, write_text_atomic
 
 STATE = ".pack-state.json"
 # lp's MILP stops at a wall-clock limit by default, so its plan could depend on the machine's
@@ -106,7 +106,7 @@ def pack_dataset(input_dir, output_dir, *, algorithm="lpfhp", max_sequences_per_
     options = {"algorithm": algorithm, "max_sequences_per_pack": int(max_sequences_per_pack),
                "max_sequence_length": seq_len, "max_masked_tokens_per_pack": max_masked_tokens_per_pack,
                "seed": int(seed), "compression": compression, "chunk_packs": int(chunk_packs)}
-    digest = _file_digest(os.path.join(input_dir, MANIFEST))
+    digest = file_sha256(os.path.join(input_dir, MANIFEST))
     state = {"input_manifest_sha256": digest, "options": options}
     resuming = _check_output(output_dir, state)
     total = counts.sum(axis=0)
@@ -233,11 +233,6 @@ def _shard_histograms(input_dir, manifest, seq_len):
         raise DataError(f"{input_dir}/{MANIFEST}: the dataset's length histogram is not the sum of its shards'; "
                         "re-create the dataset")
     return counts
-
-
-def _file_digest(path):
-    with open(path, "rb") as handle:
-        return hashlib.sha256(handle.read()).hexdigest()
 
 
 def _shard_seed(seed, index):
