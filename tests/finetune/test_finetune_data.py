@@ -134,3 +134,39 @@ def test_fortune_file_format(tmp_path):
     assert fortunes.read_fortunes(str(tmp_path / "cat")) == ["one line", "two", "three"]
     with pytest.raises(DataError, match="no fortune file"):
         fortunes.fortunes_dataset(str(tmp_path), ["cat", "dog"])
+
+
+def test_a_saved_dataset_directory_is_recognised_by_its_content(tmp_path):
+    """A directory input (a dataset saved with ``save_to_disk``) is recorded by its files' sizes and
+    SHA-256: copied elsewhere with new modification times it resumes; the same bytes count with
+    other content is refused. A checkpoint that recorded modification times (before checksums)
+    still resumes on the same names and sizes."""
+    import os
+    import shutil
+
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "data.arrow").write_bytes(b"0123456789" * 10)
+    (folder / "state.json").write_text('{"split": "train"}')
+    dataset = _dataset()
+    saved = dataset.source(3, inputs=[str(folder)]).state_dict()
+    assert all(len(f[2]) == 64 for f in saved["inputs"][0]["files"])  # sha256, not a time
+
+    later = tmp_path / "later"
+    shutil.copytree(folder, later)  # new modification times
+    os.utime(later / "data.arrow", (1, 1))
+    shutil.rmtree(folder)
+    os.rename(later, folder)
+    dataset.source(3, inputs=[str(folder)]).load_state_dict(saved)  # the same content: no refusal
+
+    (folder / "data.arrow").write_bytes(b"9876543210" * 10)  # same size, other bytes
+    with pytest.raises(DataError, match=r"ds: its files differ \(names, sizes or content\)"):
+        dataset.source(3, inputs=[str(folder)]).load_state_dict(saved)
+
+    legacy = json.loads(json.dumps(saved))
+    old_time = 1_700_000_000_000_000_000  # st_mtime_ns, as recorded before checksums
+    legacy["inputs"][0]["files"] = [[name, size, old_time] for name, size, _ in saved["inputs"][0]["files"]]
+    dataset.source(3, inputs=[str(folder)]).load_state_dict(legacy)  # names and sizes as recorded
+    (folder / "state.json").write_text('{"split": "validation"}')
+    with pytest.raises(DataError, match="its files differ"):
+        dataset.source(3, inputs=[str(folder)]).load_state_dict(legacy)
